@@ -1,0 +1,223 @@
+"""Prefill and decode speed, time to first token and peak memory: Bubo beside llama.cpp and transformers.
+
+Every engine runs the same GGUF file, the same prompt token ids and the same thread count, greedy, each
+run in a fresh process (so peak RSS is that engine's alone), interleaved A, B, C, A, B, C so that drift
+on a shared machine hits every engine alike. Prints the median of each figure and its spread (min–max).
+
+    python benchmarks/bench_generate.py                      # default model, 2 threads, all engines
+    python benchmarks/bench_generate.py --model FILE --engines bubo,llama.cpp --repeats 5
+
+llama.cpp is measured through llama-cpp-python (a benchmark-only extra: see benchmarks/README.md);
+an engine whose package is missing is reported as skipped.
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ENGINES = ("bubo", "llama.cpp", "transformers")
+PROMPT_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden screw press into a system that could produce books at a "
+    "scale no scribe could match. Within fifty years, presses were running in more than two hundred cities. "
+)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: the default model)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--gen-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--dtype", default="float32", help="compute dtype for bubo and transformers")
+    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.model is None:
+        from bubo.default_model import default_model_path
+
+        args.model = default_model_path()
+    if args.worker:
+        print(json.dumps(_run_worker(args)))
+        return 0
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        parser.error(f"unknown engines {sorted(unknown)}; choose from {list(ENGINES)}")
+    results: dict[str, list[dict]] = {e: [] for e in engines}
+    skipped: dict[str, str] = {}
+    for _ in range(args.repeats):
+        for engine in engines:
+            if engine in skipped:
+                continue
+            outcome = _spawn(engine, args)
+            if "skipped" in outcome:
+                skipped[engine] = outcome["skipped"]
+            else:
+                results[engine].append(outcome)
+    _print_table(args, results, skipped)
+    return 0
+
+
+def _spawn(engine: str, args: argparse.Namespace) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        engine,
+        "--model",
+        str(args.model),
+        "--threads",
+        str(args.threads),
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--gen-tokens",
+        str(args.gen_tokens),
+        "--dtype",
+        args.dtype,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        return {
+            "skipped": f"worker failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+        }
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _print_table(args: argparse.Namespace, results: dict[str, list[dict]], skipped: dict[str, str]) -> None:
+    print(f"model: {args.model}")
+    print(
+        f"threads: {args.threads}  prompt: {args.prompt_tokens} tokens  generated: {args.gen_tokens} tokens  "
+        f"dtype: {args.dtype}  runs per engine: {args.repeats} (interleaved); median [min–max]\n"
+    )
+    cols = [
+        ("prefill tok/s", "prefill_tps", "{:.1f}"),
+        ("decode tok/s", "decode_tps", "{:.1f}"),
+        ("TTFT s", "ttft_s", "{:.3f}"),
+        ("peak RSS MB", "peak_rss_mb", "{:.0f}"),
+    ]
+    print(f"{'engine':<14}" + "".join(f"{name:>26}" for name, _, _ in cols))
+    for engine, runs in results.items():
+        if engine in skipped:
+            print(f"{engine:<14}  skipped: {skipped[engine]}")
+            continue
+        cells = []
+        for _, key, fmt in cols:
+            values = [r[key] for r in runs]
+            lo, mid, hi = min(values), statistics.median(values), max(values)
+            cells.append(f"{fmt.format(mid)} [{fmt.format(lo)}–{fmt.format(hi)}]")
+        print(f"{engine:<14}" + "".join(f"{c:>26}" for c in cells))
+
+
+def _prompt_ids(tokenize, n: int) -> list[int]:
+    text = PROMPT_TEXT
+    ids = tokenize(text)
+    while len(ids) < n:
+        text += PROMPT_TEXT
+        ids = tokenize(text)
+    return ids[:n]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _run_worker(args: argparse.Namespace) -> dict:
+    try:
+        run = {"bubo": _bubo, "llama.cpp": _llama_cpp, "transformers": _transformers}[args.worker]
+        prefill_s, decode_s = run(args)
+    except ImportError as error:
+        return {"skipped": f"{error.name or error} not installed"}
+    return {
+        "prefill_tps": args.prompt_tokens / prefill_s,
+        "decode_tps": (args.gen_tokens - 1) / decode_s,
+        "ttft_s": prefill_s,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+def _bubo(args: argparse.Namespace) -> tuple[float, float]:
+    import torch
+
+    from bubo.engine.generate import GenerationResult, generate
+    from bubo.engine.loaded_model import load_model
+    from bubo.engine.sampler import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype))
+    ids = _prompt_ids(lambda t: loaded.tokenizer.encode(t), args.prompt_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
+    result = None
+    for event in generate(loaded.model, loaded.tokenizer, ids, params):
+        if isinstance(event, GenerationResult):
+            result = event
+    assert result is not None and result.completion_tokens == args.gen_tokens
+    # The first token comes out of prefill; decode time covers the remaining gen_tokens - 1 steps.
+    return result.timings.prefill_seconds, result.timings.decode_seconds
+
+
+def _llama_cpp(args: argparse.Namespace) -> tuple[float, float]:
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(
+        str(args.model),
+        n_ctx=args.prompt_tokens + args.gen_tokens + 8,
+        n_batch=512,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        verbose=False,
+    )
+    ids = _prompt_ids(lambda t: llm.tokenize(t.encode(), add_bos=True), args.prompt_tokens)
+    start = time.perf_counter()
+    llm.eval(ids)
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(args.gen_tokens - 1):
+        llm.eval([token])
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    return prefill_s, time.perf_counter() - start
+
+
+def _transformers(args: argparse.Namespace) -> tuple[float, float]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    path = Path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=getattr(torch, args.dtype)
+    )
+    model.eval()
+    ids = _prompt_ids(lambda t: tokenizer(t)["input_ids"], args.prompt_tokens)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model(torch.tensor([ids]), use_cache=True)
+        token = out.logits[0, -1].argmax()
+        prefill_s = time.perf_counter() - start
+        past = out.past_key_values
+        start = time.perf_counter()
+        for _ in range(args.gen_tokens - 1):
+            out = model(token.view(1, 1), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            token = out.logits[0, -1].argmax()
+        decode_s = time.perf_counter() - start
+    return prefill_s, decode_s
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""The `bubo` command line: generate, inspect (`python -m bubo` is the same)."""
+
+import argparse
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bubo import __version__
+from bubo.default_model import DefaultModelMissingError, default_model_path
+from bubo.gguf.reader import GGUFError, GGUFFile
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (GGUFError, DefaultModelMissingError, FileNotFoundError, IsADirectoryError, ValueError) as error:
+        # A bad file or bad flag is the user's to fix: one line, no traceback.
+        print(f"bubo: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bubo", description="A pure-PyTorch runtime for GGUF language models."
+    )
+    parser.add_argument("--version", action="version", version=f"bubo {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = commands.add_parser("generate", help="continue a prompt and print the text")
+    _add_model_args(gen)
+    gen.add_argument(
+        "--prompt", "-p", required=True, help="prompt text; special tokens like <|im_start|> are parsed"
+    )
+    gen.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens to generate (default 128)")
+    gen.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    gen.add_argument("--top-k", type=int, default=40)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--min-p", type=float, default=0.05)
+    gen.add_argument("--repeat-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None, help="the same seed gives the same text")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
+    gen.set_defaults(run=_generate)
+
+    ins = commands.add_parser("inspect", help="print a GGUF file's architecture, metadata and tensors")
+    ins.add_argument("file", type=Path)
+    ins.add_argument("--all-metadata", action="store_true", help="print long strings and arrays whole")
+    ins.set_defaults(run=_inspect)
+    return parser
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", "-m", type=Path, default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)"
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)"
+    )
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    parser.add_argument(
+        "--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)"
+    )
+
+
+def _resolve_model(args: argparse.Namespace) -> Path:
+    path = args.model if args.model is not None else default_model_path()
+    if not path.exists():
+        raise FileNotFoundError(f"model file not found: {path}")
+    if path.is_dir():
+        raise IsADirectoryError(f"--model expects a GGUF file, got a directory: {path}")
+    return path
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from bubo.engine.generate import GenerationResult, TextDelta, generate
+    from bubo.engine.loaded_model import load_model
+    from bubo.engine.sampler import SamplingParams
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=list(args.stop),
+    )
+    params.validate()
+    path = _resolve_model(args)
+    started = time.perf_counter()
+    loaded = load_model(path, dtype=DTYPES[args.dtype], device=args.device, progress=sys.stderr.isatty())
+    load_seconds = time.perf_counter() - started
+    prompt_ids = loaded.tokenizer.encode(args.prompt)
+    for event in generate(loaded.model, loaded.tokenizer, prompt_ids, params):
+        if isinstance(event, TextDelta):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, GenerationResult):
+            sys.stdout.write("\n")
+            if args.stats:
+                _print_stats(event, load_seconds)
+    return 0
+
+
+def _print_stats(result: Any, load_seconds: float) -> None:
+    t = result.timings
+    print(
+        f"load {load_seconds:.2f} s | prompt {result.prompt_tokens} tokens in {t.prefill_seconds:.3f} s "
+        f"({t.prefill_tokens_per_second:.1f} tok/s) | generated {result.completion_tokens} tokens in "
+        f"{t.decode_seconds:.3f} s ({t.decode_tokens_per_second:.1f} tok/s) | finish: {result.finish_reason}",
+        file=sys.stderr,
+    )
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    with GGUFFile(args.file) as f:
+        print(f"file:         {args.file}")
+        print(f"gguf version: {f.version}")
+        print(f"architecture: {f.architecture}")
+        print(f"tensors:      {len(f.tensors)} ({_human_bytes(sum(t.nbytes for t in f.tensors.values()))})")
+        print("\nmetadata:")
+        width = max((len(k) for k in f.metadata), default=0)
+        for key, value in f.metadata.items():
+            print(f"  {key:<{width}}  {_summarize(value, args.all_metadata)}")
+        print("\ntensors:")
+        header = ("name", "type", "shape", "size")
+        rows = [
+            (t.name, t.ggml_type.name, "x".join(map(str, t.shape)), _human_bytes(t.nbytes))
+            for t in f.tensors.values()
+        ]
+        widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+        print("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+        for row in rows:
+            print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+        print("\ntensor types:")
+        counts: Counter[str] = Counter()
+        sizes: Counter[str] = Counter()
+        for t in f.tensors.values():
+            counts[t.ggml_type.name] += 1
+            sizes[t.ggml_type.name] += t.nbytes
+        for name, count in counts.most_common():
+            print(f"  {name:<8} {count:>5} tensors  {_human_bytes(sizes[name]):>10}")
+    return 0
+
+
+def _summarize(value: Any, whole: bool) -> str:
+    if isinstance(value, str):
+        return repr(value) if whole or len(value) <= 80 else f"{value[:77]!r}... ({len(value)} chars)"
+    if isinstance(value, list):
+        if whole or len(value) <= 8:
+            return repr(value)
+        head = ", ".join(repr(v) for v in value[:4])
+        return f"[{head}, ...] ({len(value)} items)"
+    return repr(value)
+
+
+def _human_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    exponent = min(3, (n.bit_length() - 1) // 10)
+    return f"{n / 1024**exponent:.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"
