@@ -1,0 +1,233 @@
+"""The generation loop: prefill, then sample and decode one token at a time, as a stream of neutral events.
+
+The events (`TextDelta` pieces, then one `GenerationResult`) carry no API dialect; the CLI and the
+server's OpenAI / Anthropic / llama-server adapters each format them their own way. Stopping early is
+closing the iterator.
+"""
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from bubo.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from bubo.engine.sampler import Sampler, SamplingParams
+
+FinishReason = Literal["stop", "length"]
+# Why generation ended, in more detail than finish_reason: "eos" (a stop token), "stop_string",
+# "max_tokens", or "context" (the KV cache is full).
+StopReason = Literal["eos", "stop_string", "max_tokens", "context"]
+
+
+class Cache(Protocol):
+    length: int
+    max_len: int
+
+    def truncate(self, n: int) -> None: ...
+
+
+class ModelConfig(Protocol):
+    vocab_size: int
+    context_length: int
+
+
+class Model(Protocol):
+    """What generate needs from bubo.model.decoder.Decoder."""
+
+    config: ModelConfig
+    device: torch.device
+
+    def __call__(self, tokens: torch.Tensor, cache: Cache, last_only: bool = False) -> torch.Tensor: ...
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None) -> Cache: ...
+
+
+class Tokenizer(Protocol):
+    """What generate needs from bubo.model.tokenizer.Tokenizer."""
+
+    stop_ids: frozenset[int]
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def is_special(self, token_id: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of generated text and the tokens sampled since the previous piece."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Wall-clock split of one generation.
+
+    Prefill runs from the prompt forward to the first sampled token (time to first token); decode covers
+    the remaining tokens, each of which needed one forward, so its rate is (completion - 1) / seconds.
+    """
+
+    prefill_tokens: int
+    prefill_seconds: float
+    decode_tokens: int
+    decode_seconds: float
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The last event: why generation ended, what it produced, and how long it took.
+
+    `token_ids` holds every sampled token, a final stop token included (it counts as a completion token,
+    as in llama-server) though its text is not emitted. `text` is everything the TextDeltas carried, so
+    it excludes a matched stop string. `seed` is the seed actually used, drawn or given.
+    """
+
+    finish_reason: FinishReason
+    stop_reason: StopReason
+    stop_token_id: int | None
+    stop_string: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    token_ids: list[int]
+    text: str
+    seed: int
+    timings: Timings
+
+
+GenerationEvent = TextDelta | GenerationResult
+
+
+@torch.inference_mode()
+def generate(
+    model: Model,
+    tokenizer: Tokenizer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    cache: Cache | None = None,
+    special: bool = False,
+) -> Iterator[GenerationEvent]:
+    """Continue `prompt_ids`, yielding TextDelta pieces and then one GenerationResult.
+
+    Without `cache`, a fresh one is sized for the prompt plus max_tokens (the model's context when
+    there is no limit). A given cache may already hold a prefix of `prompt_ids` (`cache.length` tokens,
+    the caller vouches they match): only the rest is computed. `special` keeps the text of special
+    tokens such as <|im_start|>; by default they generate no text, like llama-server.
+    """
+    params.validate()
+    prompt = list(prompt_ids)
+    if not prompt:
+        raise ValueError("the prompt is empty: generation needs at least one token to continue from")
+    limit = params.token_limit
+    if cache is None:
+        context = model.config.context_length
+        if len(prompt) > context:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens but the model's context is {context} tokens"
+            )
+        cache = model.new_cache(max_len=context if limit is None else min(context, len(prompt) + limit))
+    elif len(prompt) > cache.max_len:
+        raise ValueError(f"the prompt has {len(prompt)} tokens but the cache holds at most {cache.max_len}")
+    device = model.device
+
+    sampler = Sampler(
+        params,
+        vocab_size=model.config.vocab_size,
+        device=device,
+        history=prompt,
+        banned=tokenizer.stop_ids if params.ignore_eos else (),
+    )
+    stop_ids = frozenset() if params.ignore_eos else tokenizer.stop_ids
+    detokenizer = IncrementalDetokenizer(_text_bytes(tokenizer, special))
+    stops = StopMatcher(params.stop)
+
+    # A cached prefix is reused, but the last prompt token always goes through the model because its
+    # logits are what the first sampled token comes from.
+    cached = min(cache.length, len(prompt) - 1)
+    cache.truncate(cached)
+    started = time.perf_counter()
+    tokens = torch.tensor([prompt[cached:]], dtype=torch.long, device=device)
+    # Only the last position's logits are needed; a long prompt's [T, vocab] logits would be large.
+    logits = model(tokens, cache, last_only=True)[0, -1]
+    first_token_at = started
+
+    completion: list[int] = []
+    pending: list[int] = []
+    pieces: list[str] = []
+    stop_token: int | None = None
+    reason: StopReason = "max_tokens"
+    while limit is None or len(completion) < limit:
+        next_token = sampler.sample(logits)
+        token = int(next_token.item())  # the one host sync per token: stop checks need the id
+        if not completion:
+            first_token_at = time.perf_counter()
+        completion.append(token)
+        sampler.accept(token)
+        if token in stop_ids:
+            stop_token, reason = token, "eos"
+            break
+        pending.append(token)
+        text = stops.feed(detokenizer.feed(token))
+        if text:
+            pieces.append(text)
+            yield TextDelta(text, pending)
+            pending = []
+        if stops.matched is not None:
+            reason = "stop_string"
+            break
+        if limit is not None and len(completion) >= limit:
+            break
+        if cache.length >= cache.max_len:
+            reason = "context"
+            break
+        logits = model(next_token.view(1, 1), cache)[0, -1]
+    finished_at = time.perf_counter()
+
+    if reason != "stop_string":
+        # Bytes still waiting for the rest of a character, and text held back as a possible stop prefix,
+        # are final now.
+        text = stops.feed(detokenizer.flush())
+        if stops.matched is not None:
+            reason = "stop_string"
+        else:
+            text += stops.flush()
+        if text:
+            pieces.append(text)
+            yield TextDelta(text, pending)
+
+    yield GenerationResult(
+        finish_reason="stop" if reason in ("eos", "stop_string") else "length",
+        stop_reason=reason,
+        stop_token_id=stop_token,
+        stop_string=stops.matched,
+        prompt_tokens=len(prompt),
+        cached_tokens=cached,
+        completion_tokens=len(completion),
+        token_ids=completion,
+        text="".join(pieces),
+        seed=sampler.seed,
+        timings=Timings(
+            prefill_tokens=len(prompt) - cached,
+            prefill_seconds=(first_token_at if completion else finished_at) - started,
+            decode_tokens=max(len(completion) - 1, 0),
+            decode_seconds=finished_at - first_token_at if completion else 0.0,
+        ),
+    )
+
+
+def _text_bytes(tokenizer: Tokenizer, special: bool) -> Callable[[int], bytes]:
+    if special:
+        return tokenizer.token_bytes
+    return lambda token: b"" if tokenizer.is_special(token) else tokenizer.token_bytes(token)
