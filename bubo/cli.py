@@ -41,12 +41,19 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--prompt", "-p", required=True, help="prompt text; special tokens like <|im_start|> are parsed"
     )
-    gen.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens to generate (default 128)")
+    gen.add_argument(
+        "--max-tokens", "-n", type=int, default=128, help="tokens to generate; -1 = until the context ends"
+    )
     gen.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=40)
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--min-p", type=float, default=0.05)
     gen.add_argument("--repeat-penalty", type=float, default=1.0)
+    gen.add_argument("--repeat-last-n", type=int, default=64)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-generation tokens")
+    gen.add_argument("--special", action="store_true", help="print special tokens such as <|im_end|>")
     gen.add_argument("--seed", type=int, default=None, help="the same seed gives the same text")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
@@ -94,6 +101,10 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         min_p=args.min_p,
         repeat_penalty=args.repeat_penalty,
+        repeat_last_n=args.repeat_last_n,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        ignore_eos=args.ignore_eos,
         seed=args.seed,
         max_tokens=args.max_tokens,
         stop=list(args.stop),
@@ -104,12 +115,13 @@ def _generate(args: argparse.Namespace) -> int:
     loaded = load_model(path, dtype=DTYPES[args.dtype], device=args.device, progress=sys.stderr.isatty())
     load_seconds = time.perf_counter() - started
     prompt_ids = loaded.tokenizer.encode(args.prompt)
-    for event in generate(loaded.model, loaded.tokenizer, prompt_ids, params):
+    for event in generate(loaded.model, loaded.tokenizer, prompt_ids, params, special=args.special):
         if isinstance(event, TextDelta):
             sys.stdout.write(event.text)
             sys.stdout.flush()
         elif isinstance(event, GenerationResult):
             sys.stdout.write("\n")
+            sys.stdout.flush()
             if args.stats:
                 _print_stats(event, load_seconds)
     return 0
@@ -118,9 +130,10 @@ def _generate(args: argparse.Namespace) -> int:
 def _print_stats(result: Any, load_seconds: float) -> None:
     t = result.timings
     print(
-        f"load {load_seconds:.2f} s | prompt {result.prompt_tokens} tokens in {t.prefill_seconds:.3f} s "
-        f"({t.prefill_tokens_per_second:.1f} tok/s) | generated {result.completion_tokens} tokens in "
-        f"{t.decode_seconds:.3f} s ({t.decode_tokens_per_second:.1f} tok/s) | finish: {result.finish_reason}",
+        f"load {load_seconds:.2f} s | prefill {t.prefill_tokens} tokens + first token in {t.prefill_seconds:.3f} s "
+        f"({t.prefill_tokens_per_second:.1f} tok/s) | decode {t.decode_tokens} more tokens in "
+        f"{t.decode_seconds:.3f} s ({t.decode_tokens_per_second:.1f} tok/s) | "
+        f"finish: {result.finish_reason} ({result.stop_reason}) | seed {result.seed}",
         file=sys.stderr,
     )
 

@@ -1,0 +1,57 @@
+"""A preallocated key/value cache: per layer, keys and values for max_len positions."""
+
+import torch
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Keys and values of every layer, each [batch, num_kv_heads, max_len, head_dim].
+
+    `length` positions are filled. During a forward pass every layer writes its T new positions
+    at `length` (`update`); the model then calls `advance(T)` once, so all layers of one step see
+    the same offset.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [batch, kv_heads, T, head_dim] at positions length..length+T-1 of `layer`;
+        return that layer's keys and values for positions 0..length+T-1 (views, no copy)."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(
+                f"KV cache full: {self.length} + {k.shape[2]} positions exceed max_len {self.max_len}"
+            )
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, n: int) -> None:
+        """Mark n more positions filled (after every layer has written them)."""
+        if self.length + n > self.max_len:
+            raise ValueError(f"KV cache full: {self.length} + {n} positions exceed max_len {self.max_len}")
+        self.length += n
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions; later writes overwrite the rest."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a KV cache of length {self.length} to {n}")
+        self.length = n
+
+    def reset(self) -> None:
+        self.length = 0

@@ -1,0 +1,308 @@
+"""GGUF metadata -> `ModelConfig`: the one place that knows llama.cpp's key names per architecture.
+
+Keys are read as llama.cpp writes them (`{arch}.embedding_length`, `{arch}.attention.head_count`, …).
+Facts the metadata does not state are read from which tensors the file holds, as llama.cpp does:
+q/k/v biases, per-head q/k norms, a separate output matrix (else the embedding is reused) and
+llama3's `rope_freqs` frequency factors.
+"""
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+from bubo.gguf.reader import GGUFError, GGUFFile
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ModelConfig",
+    "RopeScaling",
+    "RopeScalingType",
+    "RopeStyle",
+    "UnsupportedArchitectureError",
+    "config_from_gguf",
+]
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+class UnsupportedArchitectureError(GGUFError):
+    """The file's `general.architecture` is not one Bubo can run."""
+
+
+class RopeStyle(StrEnum):
+    """Which pairs of head dimensions a rotary embedding rotates together.
+
+    INTERLEAVED rotates (0, 1), (2, 3), …: llama.cpp's "norm" rope. llama.cpp's converter permutes
+    llama's q/k rows into this layout, so the file's weights need it.
+    NEOX rotates (i, i + rope_dim/2): the layout Hugging Face checkpoints use, kept as-is by the
+    converter for qwen2/qwen3.
+
+    Bubo rotates the way the file's layout asks instead of un-permuting llama's q/k rows on load:
+    the weights stay byte-for-byte the file's (quantized ones zero-copy from the memory map, which
+    a row shuffle would have to copy), every tensor matches what llama.cpp computes with, and
+    later architectures bring their own llama.cpp rope modes (e.g. qwen4exp's interleaved mRoPE)
+    as further styles. Attention scores are unchanged either way: q and k get the same permutation
+    within each head, and a dot product doesn't depend on the order of its terms.
+    """
+
+    INTERLEAVED = "interleaved"
+    NEOX = "neox"
+
+
+class RopeScalingType(StrEnum):
+    LINEAR = "linear"
+    YARN = "yarn"
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Context-extension scaling of the rotary frequencies (`{arch}.rope.scaling.*`)."""
+
+    type: RopeScalingType
+    factor: float
+    # YaRN only: the context the model was pretrained with, and the ramp between extrapolated
+    # (fast-rotating) and interpolated (slow) dimensions, in rotations over that context.
+    original_context_length: int | None = None
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of one model, as llama.cpp reads them from a GGUF file."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    context_length: int
+    rope_theta: float
+    rope_dim: int  # leading dimensions of each head that are rotated; the rest pass through
+    rope_style: RopeStyle
+    rope_scaling: RopeScaling | None = None
+    # llama3: per-frequency divisors from the `rope_freqs.weight` tensor (rope_dim / 2 of them).
+    rope_freq_factors: tuple[float, ...] | None = None
+    attention_bias: bool = False  # q/k/v projections carry biases (qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rope (qwen3)
+    tie_word_embeddings: bool = False  # no output.weight: logits use the token embedding matrix
+
+
+# Per architecture, what the metadata can't say. Adding an architecture starts here.
+_ROPE_STYLE = {
+    "llama": RopeStyle.INTERLEAVED,
+    "qwen2": RopeStyle.NEOX,
+    "qwen3": RopeStyle.NEOX,
+}
+
+# YaRN knobs whose llama.cpp semantics (attention-factor overrides and corrections) Bubo doesn't
+# reproduce yet; a file that sets one is refused rather than run with a silently different rope.
+_UNSUPPORTED_YARN_KEYS = (
+    "rope.scaling.attn_factor",
+    "rope.scaling.yarn_attn_factor",
+    "rope.scaling.yarn_ext_factor",
+    "rope.scaling.yarn_log_multiplier",
+)
+
+
+class _Metadata:
+    """Typed access to one architecture's `{arch}.*` keys, with errors that name the key."""
+
+    def __init__(self, f: GGUFFile, arch: str) -> None:
+        self._f = f
+        self._arch = arch
+
+    def key(self, suffix: str) -> str:
+        return f"{self._arch}.{suffix}"
+
+    def error(self, problem: str) -> GGUFError:
+        return GGUFError(f"{self._f.path}: {problem}")
+
+    def has(self, suffix: str) -> bool:
+        return self._f.get(self.key(suffix)) is not None
+
+    def get_int(self, suffix: str, default: int | None = None) -> int:
+        value = self._value(suffix, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(f"metadata key '{self.key(suffix)}' should be an integer, got {value!r}")
+        return value
+
+    def get_float(self, suffix: str, default: float | None = None) -> float:
+        value = self._value(suffix, default)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.error(f"metadata key '{self.key(suffix)}' should be a number, got {value!r}")
+        return float(value)
+
+    def get_str(self, suffix: str, default: str | None = None) -> str:
+        value = self._value(suffix, default)
+        if not isinstance(value, str):
+            raise self.error(f"metadata key '{self.key(suffix)}' should be a string, got {value!r}")
+        return value
+
+    def _value(self, suffix: str, default: Any) -> Any:
+        value = self._f.get(self.key(suffix))
+        if value is not None:
+            return value
+        if default is None:
+            raise self.error(f"missing required metadata key '{self.key(suffix)}'")
+        return default
+
+
+def config_from_gguf(f: GGUFFile) -> ModelConfig:
+    """Read the model hyper-parameters of `f`; raise GGUFError naming any missing or invalid key."""
+    arch = f.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{f.path}: architecture '{arch}' is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    meta = _Metadata(f, arch)
+
+    hidden_size = meta.get_int("embedding_length")
+    num_heads = meta.get_int("attention.head_count")
+    _require_positive(meta, hidden_size=hidden_size, num_heads=num_heads)
+    if meta.has("attention.key_length"):
+        head_dim = meta.get_int("attention.key_length")
+    elif hidden_size % num_heads == 0:
+        head_dim = hidden_size // num_heads
+    else:
+        raise meta.error(
+            f"'{meta.key('attention.key_length')}' is absent and "
+            f"{meta.key('embedding_length')} = {hidden_size} is not a multiple of "
+            f"{meta.key('attention.head_count')} = {num_heads}"
+        )
+    num_kv_heads = meta.get_int("attention.head_count_kv", default=num_heads)
+    rope_dim = meta.get_int("rope.dimension_count", default=head_dim)
+
+    config = ModelConfig(
+        architecture=arch,
+        vocab_size=_vocab_size(f, meta),
+        hidden_size=hidden_size,
+        num_layers=meta.get_int("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=meta.get_int("feed_forward_length"),
+        rms_norm_eps=meta.get_float("attention.layer_norm_rms_epsilon"),
+        context_length=meta.get_int("context_length"),
+        rope_theta=meta.get_float("rope.freq_base", default=10000.0),
+        rope_dim=rope_dim,
+        rope_style=_ROPE_STYLE[arch],
+        rope_scaling=_rope_scaling(meta),
+        rope_freq_factors=_rope_freq_factors(f, meta, rope_dim),
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+        tie_word_embeddings="output.weight" not in f.tensors,
+    )
+    _validate(meta, config)
+    return config
+
+
+def _vocab_size(f: GGUFFile, meta: _Metadata) -> int:
+    # llama's converter writes {arch}.vocab_size; qwen's doesn't, and the token list is the vocabulary.
+    if meta.has("vocab_size"):
+        return meta.get_int("vocab_size")
+    tokens = f.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        raise meta.error(
+            f"missing required metadata key '{meta.key('vocab_size')}' (or 'tokenizer.ggml.tokens')"
+        )
+    return len(tokens)
+
+
+def _rope_scaling(meta: _Metadata) -> RopeScaling | None:
+    for suffix in _UNSUPPORTED_YARN_KEYS:
+        if meta.has(suffix):
+            raise meta.error(f"metadata key '{meta.key(suffix)}' is not supported")
+    # llama.cpp's default scaling type is linear: a factor without a type still scales.
+    kind = meta.get_str("rope.scaling.type", default="linear" if meta.has("rope.scaling.factor") else "none")
+    if kind == "none":
+        return None
+    if kind not in set(RopeScalingType):
+        raise meta.error(
+            f"rope scaling type '{kind}' ({meta.key('rope.scaling.type')}) is not supported "
+            f"(supported: none, {', '.join(RopeScalingType)})"
+        )
+    factor = meta.get_float("rope.scaling.factor")
+    if factor == 1.0 and kind == RopeScalingType.LINEAR:
+        return None
+    if kind == RopeScalingType.LINEAR:
+        return RopeScaling(type=RopeScalingType.LINEAR, factor=factor)
+    return RopeScaling(
+        type=RopeScalingType.YARN,
+        factor=factor,
+        original_context_length=meta.get_int("rope.scaling.original_context_length"),
+        yarn_beta_fast=meta.get_float("rope.scaling.yarn_beta_fast", default=32.0),
+        yarn_beta_slow=meta.get_float("rope.scaling.yarn_beta_slow", default=1.0),
+    )
+
+
+def _rope_freq_factors(f: GGUFFile, meta: _Metadata, rope_dim: int) -> tuple[float, ...] | None:
+    tensor = f.tensors.get("rope_freqs.weight")
+    if tensor is None:
+        return None
+    if tensor.shape != (rope_dim // 2,):
+        raise meta.error(
+            f"tensor 'rope_freqs.weight' has shape {tensor.shape}, expected ({rope_dim // 2},) "
+            f"(half of {meta.key('rope.dimension_count')} = {rope_dim})"
+        )
+    return tuple(tensor.dequantize(torch.float32).tolist())
+
+
+# ModelConfig field -> the metadata key (after "{arch}.") it comes from, for error messages.
+_KEY_OF_FIELD = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "embedding_length",
+    "num_layers": "block_count",
+    "num_heads": "attention.head_count",
+    "num_kv_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "intermediate_size": "feed_forward_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "context_length": "context_length",
+    "rope_theta": "rope.freq_base",
+    "rope_dim": "rope.dimension_count",
+}
+
+
+def _require_positive(meta: _Metadata, **values: int | float) -> None:
+    for name, value in values.items():
+        if not (math.isfinite(value) and value > 0):
+            raise meta.error(f"'{meta.key(_KEY_OF_FIELD[name])}' must be positive, got {value}")
+
+
+def _validate(meta: _Metadata, c: ModelConfig) -> None:
+    _require_positive(meta, **{name: getattr(c, name) for name in _KEY_OF_FIELD})
+    if c.num_heads % c.num_kv_heads:
+        raise meta.error(
+            f"'{meta.key('attention.head_count')}' = {c.num_heads} is not a multiple of "
+            f"'{meta.key('attention.head_count_kv')}' = {c.num_kv_heads}"
+        )
+    value_length = meta.get_int("attention.value_length", default=c.head_dim)
+    if value_length != c.head_dim:
+        raise meta.error(
+            f"'{meta.key('attention.value_length')}' = {value_length} differs from the key length {c.head_dim}; "
+            "separate value head sizes are not supported"
+        )
+    if c.rope_dim % 2 or c.rope_dim > c.head_dim:
+        raise meta.error(
+            f"'{meta.key('rope.dimension_count')}' = {c.rope_dim} must be even and at most the head size {c.head_dim}"
+        )
+    scaling = c.rope_scaling
+    if scaling is not None:
+        if not (math.isfinite(scaling.factor) and scaling.factor > 0):
+            raise meta.error(f"'{meta.key('rope.scaling.factor')}' must be positive, got {scaling.factor}")
+        if scaling.original_context_length is not None and scaling.original_context_length <= 0:
+            raise meta.error(
+                f"'{meta.key('rope.scaling.original_context_length')}' must be positive, "
+                f"got {scaling.original_context_length}"
+            )
+    if c.rope_freq_factors is not None and not all(x > 0 for x in c.rope_freq_factors):
+        raise meta.error("tensor 'rope_freqs.weight' holds non-positive frequency factors")

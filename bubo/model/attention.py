@@ -1,0 +1,67 @@
+"""Causal self-attention with grouped KV heads, rotary positions and a KV cache."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bubo.engine.kv_cache import KVCache
+from bubo.gguf.config import ModelConfig
+from bubo.model.layers import RMSNorm, apply_rotary
+
+__all__ = ["Attention", "causal_mask"]
+
+
+def causal_mask(start: int, length: int, device: torch.device) -> torch.Tensor:
+    """Boolean [length, start + length]: query i (at position start + i) may see keys 0..start + i."""
+    query_pos = torch.arange(start, start + length, device=device)
+    key_pos = torch.arange(start + length, device=device)
+    return key_pos[None, :] <= query_pos[:, None]
+
+
+class Attention(nn.Module):
+    """q/k/v projections (optionally biased), optional per-head q/k RMSNorm, rope, SDPA, output projection."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        q_proj: nn.Module,
+        k_proj: nn.Module,
+        v_proj: nn.Module,
+        o_proj: nn.Module,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer_index = layer_index  # which slot of the KV cache is ours
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.rope_style = config.rope_style
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """x [B, T, hidden] at positions cache.length .. cache.length + T - 1 -> [B, T, hidden]."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+
+        # [B, heads, T, head_dim] from here on: the layout SDPA and the cache use.
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = apply_rotary(q, cos, sin, self.rope_style)
+        k = apply_rotary(k, cos, sin, self.rope_style)
+
+        start = cache.length
+        k, v = cache.update(self.layer_index, k, v)
+        if start == 0:
+            mask, is_causal = None, length > 1  # plain prefill: SDPA's own (top-left aligned) causal mask
+        elif length == 1:
+            mask, is_causal = None, False  # one new token sees the whole cache
+        else:
+            mask, is_causal = causal_mask(start, length, x.device), False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))

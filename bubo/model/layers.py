@@ -1,0 +1,105 @@
+"""Building blocks shared by every architecture: RMSNorm, rotary position embedding, SwiGLU MLP."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bubo.gguf.config import ModelConfig, RopeScalingType, RopeStyle
+
+__all__ = ["MLP", "RMSNorm", "RotaryEmbedding", "apply_rotary", "rope_frequencies"]
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dimension, normalised in float32 whatever the compute dtype."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, gate: nn.Module, up: nn.Module, down: nn.Module) -> None:
+        super().__init__()
+        self.gate = gate
+        self.up = up
+        self.down = down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Per rotated pair i, its angular speed (radians per position), and the cos/sin magnitude.
+
+    Base speeds are theta^(-2i/d). llama3 divides them by the file's per-pair factors; linear
+    scaling divides them all by the factor; YaRN divides only the slow pairs (those making
+    fewer than beta_slow rotations over the original context), keeps the fast ones (more than
+    beta_fast rotations), ramps linearly in between, and scales cos/sin by 1 + 0.1 ln(factor).
+    """
+    d = config.rope_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    if scaling.type == RopeScalingType.LINEAR:
+        return inv_freq / scaling.factor, 1.0
+
+    assert scaling.original_context_length is not None
+
+    def pair_index(rotations: float) -> float:
+        # The (fractional) pair index whose frequency makes `rotations` turns over the original context.
+        return (
+            d
+            * math.log(scaling.original_context_length / (rotations * 2 * math.pi))
+            / (2 * math.log(config.rope_theta))
+        )
+
+    low = max(math.floor(pair_index(scaling.yarn_beta_fast)), 0)
+    high = min(math.ceil(pair_index(scaling.yarn_beta_slow)), d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the speed), 0: interpolate (divide by the factor)
+    inv_freq = inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
+    magnitude = 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
+    return inv_freq, magnitude
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of position x frequency for every rotated pair, from the config's rope settings."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        inv_freq, self.magnitude = rope_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, rope_dim / 2] in `dtype` (angles computed in float32)."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        return (angles.cos() * self.magnitude).to(dtype), (angles.sin() * self.magnitude).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle) -> torch.Tensor:
+    """Rotate the first rope_dim dimensions of x [B, H, T, head_dim] pairwise; cos/sin are [T, rope_dim / 2]."""
+    rope_dim = 2 * cos.shape[-1]
+    rotated, passed = x[..., :rope_dim], x[..., rope_dim:]
+    if style == RopeStyle.NEOX:
+        x1, x2 = rotated[..., : rope_dim // 2], rotated[..., rope_dim // 2 :]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = rotated[..., 0::2], rotated[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((out, passed), dim=-1) if passed.shape[-1] else out

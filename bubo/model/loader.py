@@ -1,0 +1,114 @@
+"""Build a `Decoder` from a GGUF file's tensors.
+
+Float tensors (F32/F16/BF16) become parameters in the compute dtype. Quantized tensors stay
+quantized: their raw blocks (on the CPU, a view of the memory map) go into `QuantizedLinear` /
+`QuantizedEmbedding`, which dequantize where the weight is used.
+"""
+
+from collections.abc import Callable
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+from tqdm import tqdm
+
+from bubo.gguf.config import ModelConfig
+from bubo.gguf.quants import SUPPORTED_TYPES
+from bubo.gguf.reader import GGUFError, GGUFFile, GGUFTensor
+from bubo.model.decoder import Decoder
+from bubo.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
+
+__all__ = ["GGUFWeights", "load_decoder"]
+
+FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+
+# Tensors a file may hold that the decoder doesn't ask for: rope_freqs is read into the config,
+# attn_rot_embd is an unused leftover of old llama conversions.
+_NOT_LOADED = ("rope_freqs.weight", ".attn_rot_embd.weight")
+
+
+class GGUFWeights:
+    """The `WeightSource` for a GGUF file: checks names and shapes, holds quantized weights as blocks.
+
+    Each tensor is materialised once, so a tied output matrix shares the embedding's storage.
+    """
+
+    def __init__(self, f: GGUFFile, dtype: torch.dtype, device: torch.device, progress: tqdm) -> None:
+        self.file = f
+        self.dtype = dtype
+        self.device = device
+        self._progress = progress
+        self._loaded: dict[str, torch.Tensor] = {}
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self._get(name, shape)
+        return self._materialise(name, lambda: t.dequantize(self.dtype, self.device))
+
+    def linear(self, name: str, shape: tuple[int, int], bias: str | None = None) -> nn.Module:
+        t = self._get(name, shape)
+        b = None if bias is None else self.tensor(bias, shape[:1])
+        if t.ggml_type in FLOAT_TYPES:
+            layer = nn.Linear(shape[1], shape[0], bias=b is not None, device="meta")
+            layer.weight = nn.Parameter(self.tensor(name, shape), requires_grad=False)
+            if b is not None:
+                layer.bias = nn.Parameter(b, requires_grad=False)
+            return layer
+        return QuantizedLinear(self._raw(t), t.ggml_type, in_features=shape[1], bias=b)
+
+    def embedding(self, name: str, shape: tuple[int, int]) -> nn.Module:
+        t = self._get(name, shape)
+        if t.ggml_type in FLOAT_TYPES:
+            return nn.Embedding.from_pretrained(self.tensor(name, shape), freeze=True)
+        return QuantizedEmbedding(self._raw(t), t.ggml_type, embedding_dim=shape[1], dtype=self.dtype)
+
+    def unused(self) -> list[str]:
+        """Tensors of the file the model did not take (and that aren't known to be unneeded)."""
+        return [n for n in self.file.tensors if n not in self._loaded and not n.endswith(_NOT_LOADED)]
+
+    def _get(self, name: str, shape: tuple[int, ...]) -> GGUFTensor:
+        t = self.file.tensors.get(name)
+        if t is None:
+            raise GGUFError(f"{self.file.path}: missing tensor '{name}'")
+        if tuple(t.shape) != tuple(shape):
+            raise GGUFError(
+                f"{self.file.path}: tensor '{name}' has shape {tuple(t.shape)}, expected {tuple(shape)}"
+            )
+        if t.ggml_type not in FLOAT_TYPES and t.ggml_type not in SUPPORTED_TYPES:
+            raise GGUFError(
+                f"{self.file.path}: tensor '{name}' has type {t.ggml_type.name}, which Bubo can't dequantize"
+            )
+        return t
+
+    def _raw(self, t: GGUFTensor) -> torch.Tensor:
+        return self._materialise(t.name, lambda: t.raw.to(self.device))
+
+    def _materialise(self, name: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if name not in self._loaded:
+            self._loaded[name] = make()
+            self._progress.update(1)
+        return self._loaded[name]
+
+
+def load_decoder(
+    f: GGUFFile,
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+) -> Decoder:
+    """The model `config` describes, with its weights from `f`, computing in `dtype` on `device`.
+
+    Raises GGUFError naming the tensor when one is missing, has an unexpected shape or type, or
+    when the file holds tensors the model would ignore (a sign the config misreads the file).
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported compute dtype {dtype}; use float32, bfloat16 or float16")
+    wanted = [n for n in f.tensors if not n.endswith(_NOT_LOADED)]
+    with tqdm(total=len(wanted), desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        weights = GGUFWeights(f, dtype, torch.device(device), bar)
+        model = Decoder(config, weights)
+    unused = weights.unused()
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise GGUFError(f"{f.path}: tensors not used by the {config.architecture} model: {shown}")
+    return model.eval()

