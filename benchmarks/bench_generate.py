@@ -181,14 +181,20 @@ def _llama_cpp(args: argparse.Namespace) -> tuple[float, float]:
         verbose=False,
     )
     ids = _prompt_ids(lambda t: llm.tokenize(t.encode(), add_bos=True), args.prompt_tokens)
+    n_vocab = llm.n_vocab()
+
+    def greedy() -> int:
+        # Without logits_all, llama-cpp-python keeps no logits of its own: read the last row from the context.
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(n_vocab,))))
+
     start = time.perf_counter()
     llm.eval(ids)
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    token = greedy()
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(args.gen_tokens - 1):
         llm.eval([token])
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = greedy()
     return prefill_s, time.perf_counter() - start
 
 

@@ -5,6 +5,8 @@ map, so loading copies nothing. Every row holds whole blocks, so rows can be ind
 dequantizing: the embedding lookup dequantizes only the looked-up rows.
 """
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
@@ -13,6 +15,22 @@ from torch import nn
 from bubo.gguf.quants import dequantize
 
 __all__ = ["QuantizedEmbedding", "QuantizedLinear"]
+
+# Dequantizing a whole weight per call allocates a fresh float matrix every time, and on the CPU
+# faulting those pages in costs more than the arithmetic. So forward works through row chunks of
+# at most this many values, dequantized into one reused per-thread buffer that stays cache-warm.
+CHUNK_VALUES = 1 << 20
+_scratch = threading.local()
+
+
+def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Keyed by inference mode too: a buffer made under torch.inference_mode() can't be written outside it.
+    key = (dtype, device, torch.is_inference_mode_enabled())
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[key] = torch.empty(max(numel, CHUNK_VALUES), dtype=dtype, device=device)
+    return buffer[:numel]
 
 
 class QuantizedLinear(nn.Module):
@@ -32,12 +50,23 @@ class QuantizedLinear(nn.Module):
         self.out_features = raw.shape[0]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
-    def weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantized weight [out_features, in_features]."""
-        return dequantize(self.raw, self.ggml_type, dtype=dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight(x.dtype), self.bias)
+        rows = max(1, CHUNK_VALUES // self.in_features)
+        if rows >= self.out_features:
+            return F.linear(x, self._dequantize_rows(0, self.out_features, x.dtype), self.bias)
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        for start in range(0, self.out_features, rows):
+            stop = min(start + rows, self.out_features)
+            bias = None if self.bias is None else self.bias[start:stop]
+            out[..., start:stop] = F.linear(x, self._dequantize_rows(start, stop, x.dtype), bias)
+        return out
+
+    def _dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows start:stop of the weight, in the thread's scratch buffer (valid until the next call)."""
+        buffer = _scratch_buffer((stop - start) * self.in_features, dtype, self.raw.device)
+        return dequantize(
+            self.raw[start:stop], self.ggml_type, dtype, out=buffer.view(stop - start, self.in_features)
+        )
 
     def extra_repr(self) -> str:
         return (
