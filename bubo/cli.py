@@ -1,6 +1,7 @@
 """The `bubo` command line: generate, inspect (`python -m bubo` is the same)."""
 
 import argparse
+import os
 import sys
 import time
 from collections import Counter
@@ -27,6 +28,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`bubo inspect FILE | head`): not an error. Point stdout at devnull so
+        # the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -105,3 +105,19 @@ def test_default_model_answers_a_chat_prompt_in_english(smollm2_path: Path, caps
     assert "<|im_start|>" not in answer
     words = re.findall(r"[A-Za-z]+", answer)
     assert len(words) >= 4 and {"the", "of", "is"} & {w.lower() for w in words}
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
+    # Enough metadata that the listing overflows the pipe's buffer after `head` has gone.
+    path = tmp_path / "wide.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for i in range(4000):
+        writer.add_string(f"test.key_{i:05d}", "x" * 60)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cmd = f"{sys.executable} -m bubo inspect {path} | head -1"
+    out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and out.stderr == ""
+    assert out.stdout.startswith("file:")
