@@ -4,6 +4,10 @@ Keys are read as llama.cpp writes them (`{arch}.embedding_length`, `{arch}.atten
 Facts the metadata does not state are read from which tensors the file holds, as llama.cpp does:
 q/k/v biases, per-head q/k norms, a separate output matrix (else the embedding is reused) and
 llama3's `rope_freqs` frequency factors.
+
+Mixture-of-experts files (qwen3moe) add `{arch}.expert_count`, `{arch}.expert_used_count` and
+`{arch}.expert_feed_forward_length`, as llama.cpp's converter (Qwen2MoeModel, which Qwen3MoeModel
+inherits) writes them.
 """
 
 import math
@@ -17,6 +21,7 @@ from bubo.gguf.reader import GGUFError, GGUFFile
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "MlpKind",
     "ModelConfig",
     "RopeScaling",
     "RopeScalingType",
@@ -25,7 +30,7 @@ __all__ = [
     "config_from_gguf",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 
 
 class UnsupportedArchitectureError(GGUFError):
@@ -50,6 +55,14 @@ class RopeStyle(StrEnum):
 
     INTERLEAVED = "interleaved"
     NEOX = "neox"
+
+
+class MlpKind(StrEnum):
+    """The feed-forward block of every layer: DENSE is one SwiGLU MLP, SPARSE_MOE routes each token
+    to `num_experts_per_tok` of `num_experts` SwiGLU experts (Qwen3-MoE)."""
+
+    DENSE = "dense"
+    SPARSE_MOE = "sparse_moe"
 
 
 class RopeScalingType(StrEnum):
@@ -93,6 +106,12 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry biases (qwen2)
     qk_norm: bool = False  # RMSNorm over each q and k head before rope (qwen3)
     tie_word_embeddings: bool = False  # no output.weight: logits use the token embedding matrix
+    mlp_kind: MlpKind = MlpKind.DENSE
+    # SPARSE_MOE only (0 / False otherwise):
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k: experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width
+    norm_topk_prob: bool = False  # rescale the top-k router probabilities to sum to 1
 
 
 # Per architecture, what the metadata can't say. Adding an architecture starts here.
@@ -100,7 +119,12 @@ _ROPE_STYLE = {
     "llama": RopeStyle.INTERLEAVED,
     "qwen2": RopeStyle.NEOX,
     "qwen3": RopeStyle.NEOX,
+    "qwen3moe": RopeStyle.NEOX,
 }
+# Every layer of a qwen3moe file is sparse, as llama.cpp builds it. Hugging Face's
+# `decoder_sparse_step` / `mlp_only_layers` (dense layers among the sparse ones) have no GGUF key;
+# a file with such layers would lack their expert tensors, and loading names the missing one.
+_MLP_KIND = {"qwen3moe": MlpKind.SPARSE_MOE}
 
 # YaRN knobs whose llama.cpp semantics (attention-factor overrides and corrections) Bubo doesn't
 # reproduce yet; a file that sets one is refused rather than run with a silently different rope.
@@ -139,6 +163,12 @@ class _Metadata:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self.error(f"metadata key '{self.key(suffix)}' should be a number, got {value!r}")
         return float(value)
+
+    def get_bool(self, suffix: str, default: bool | None = None) -> bool:
+        value = self._value(suffix, default)
+        if not isinstance(value, bool):
+            raise self.error(f"metadata key '{self.key(suffix)}' should be a boolean, got {value!r}")
+        return value
 
     def get_str(self, suffix: str, default: str | None = None) -> str:
         value = self._value(suffix, default)
@@ -200,9 +230,32 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in f.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
         tie_word_embeddings="output.weight" not in f.tensors,
+        **_moe_fields(meta, _MLP_KIND.get(arch, MlpKind.DENSE)),
     )
     _validate(meta, config)
     return config
+
+
+def _moe_fields(meta: _Metadata, kind: MlpKind) -> dict[str, Any]:
+    if kind == MlpKind.DENSE:
+        return {}
+    # llama.cpp's qwen3moe graph always renormalises the top-k weights (the `true` after
+    # LLM_FFN_SILU in src/models/qwen3moe.cpp) and its converter writes no
+    # `expert_weights_norm`, though Hugging Face's Qwen3MoeConfig defaults norm_topk_prob to
+    # False; transformers' GGUF loader sets it to True for the same reason. A file that says
+    # otherwise would run differently here than in llama.cpp, so it is refused, not obeyed.
+    if not meta.get_bool("expert_weights_norm", default=True):
+        raise meta.error(
+            f"'{meta.key('expert_weights_norm')}' = false is not supported: "
+            "llama.cpp always renormalises this architecture's top-k expert weights"
+        )
+    return {
+        "mlp_kind": kind,
+        "num_experts": meta.get_int("expert_count"),
+        "num_experts_per_tok": meta.get_int("expert_used_count"),
+        "moe_intermediate_size": meta.get_int("expert_feed_forward_length"),
+        "norm_topk_prob": True,
+    }
 
 
 def _vocab_size(f: GGUFFile, meta: _Metadata) -> int:
@@ -270,16 +323,29 @@ _KEY_OF_FIELD = {
     "rope_theta": "rope.freq_base",
     "rope_dim": "rope.dimension_count",
 }
+_KEY_OF_MOE_FIELD = {
+    "num_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length",
+}
 
 
 def _require_positive(meta: _Metadata, **values: int | float) -> None:
     for name, value in values.items():
         if not (math.isfinite(value) and value > 0):
-            raise meta.error(f"'{meta.key(_KEY_OF_FIELD[name])}' must be positive, got {value}")
+            key = _KEY_OF_FIELD.get(name) or _KEY_OF_MOE_FIELD[name]
+            raise meta.error(f"'{meta.key(key)}' must be positive, got {value}")
 
 
 def _validate(meta: _Metadata, c: ModelConfig) -> None:
     _require_positive(meta, **{name: getattr(c, name) for name in _KEY_OF_FIELD})
+    if c.mlp_kind == MlpKind.SPARSE_MOE:
+        _require_positive(meta, **{name: getattr(c, name) for name in _KEY_OF_MOE_FIELD})
+        if c.num_experts_per_tok > c.num_experts:
+            raise meta.error(
+                f"'{meta.key('expert_used_count')}' = {c.num_experts_per_tok} exceeds "
+                f"'{meta.key('expert_count')}' = {c.num_experts}"
+            )
     if c.num_heads % c.num_kv_heads:
         raise meta.error(
             f"'{meta.key('attention.head_count')}' = {c.num_heads} is not a multiple of "

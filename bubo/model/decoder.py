@@ -1,9 +1,10 @@
-"""The decoder-only transformer shared by llama, qwen2 and qwen3.
+"""The decoder-only transformer shared by llama, qwen2, qwen3 and qwen3moe.
 
 The model is assembled from the config: `build_layer` picks each layer's parts (attention with
-or without biases and q/k norms; the MLP) and asks a `WeightSource` for their weights by GGUF
-tensor name. The source decides how a weight is held (plain parameter or quantized blocks), so
-the modules here are the same for every file. A new architecture adds a config mapping and, where
+or without biases and q/k norms; by `config.mlp_kind`, a dense MLP or a sparse mixture of
+experts) and asks a `WeightSource` for their weights by GGUF tensor name. The source decides how a
+weight is held (plain parameter or quantized blocks), so the modules here are the same for every
+file. A new architecture adds a config mapping and, where
 its layers really differ, a new part chosen in `build_layer` — not a new model class.
 """
 
@@ -13,9 +14,10 @@ import torch
 from torch import nn
 
 from bubo.engine.kv_cache import KVCache
-from bubo.gguf.config import ModelConfig
+from bubo.gguf.config import MlpKind, ModelConfig
 from bubo.model.attention import Attention
 from bubo.model.layers import MLP, RMSNorm, RotaryEmbedding
+from bubo.model.moe import Experts, SparseMoE
 
 __all__ = ["Decoder", "DecoderLayer", "WeightSource", "build_layer"]
 
@@ -36,6 +38,10 @@ class WeightSource(Protocol):
 
     def embedding(self, name: str, shape: tuple[int, int]) -> nn.Module:
         """A module mapping token ids [...] to rows [..., dim] of the [vocab, dim] matrix `name`."""
+        ...
+
+    def experts(self, name: str, shape: tuple[int, int, int]) -> Experts:
+        """The [num_experts, out, in] stack of expert matrices `name`, applied one expert at a time."""
         ...
 
 
@@ -88,6 +94,22 @@ def _mlp(config: ModelConfig, i: int, weights: WeightSource) -> MLP:
     )
 
 
+def _sparse_moe(config: ModelConfig, i: int, weights: WeightSource) -> SparseMoE:
+    p = f"blk.{i}."
+    hidden, ffn, n = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    return SparseMoE(
+        router=weights.linear(p + "ffn_gate_inp.weight", (n, hidden)),
+        gate=weights.experts(p + "ffn_gate_exps.weight", (n, ffn, hidden)),
+        up=weights.experts(p + "ffn_up_exps.weight", (n, ffn, hidden)),
+        down=weights.experts(p + "ffn_down_exps.weight", (n, hidden, ffn)),
+        top_k=config.num_experts_per_tok,
+        norm_topk_prob=config.norm_topk_prob,
+    )
+
+
+_FEED_FORWARD = {MlpKind.DENSE: _mlp, MlpKind.SPARSE_MOE: _sparse_moe}
+
+
 def build_layer(config: ModelConfig, i: int, weights: WeightSource) -> DecoderLayer:
     """Layer i of the model `config` describes, weights from `weights`."""
     p, hidden, eps = f"blk.{i}.", config.hidden_size, config.rms_norm_eps
@@ -95,7 +117,7 @@ def build_layer(config: ModelConfig, i: int, weights: WeightSource) -> DecoderLa
         attn_norm=RMSNorm(weights.tensor(p + "attn_norm.weight", (hidden,)), eps),
         attention=_attention(config, i, weights),
         ffn_norm=RMSNorm(weights.tensor(p + "ffn_norm.weight", (hidden,)), eps),
-        mlp=_mlp(config, i, weights),
+        mlp=_FEED_FORWARD[config.mlp_kind](config, i, weights),
     )
 
 

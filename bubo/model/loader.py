@@ -2,7 +2,7 @@
 
 Float tensors (F32/F16/BF16) become parameters in the compute dtype. Quantized tensors stay
 quantized: their raw blocks (on the CPU, a view of the memory map) go into `QuantizedLinear` /
-`QuantizedEmbedding`, which dequantize where the weight is used.
+`QuantizedEmbedding` / `QuantizedExpertMatrices`, which dequantize where the weight is used.
 """
 
 from collections.abc import Callable
@@ -16,6 +16,7 @@ from bubo.gguf.config import ModelConfig
 from bubo.gguf.quants import SUPPORTED_TYPES
 from bubo.gguf.reader import GGUFError, GGUFFile, GGUFTensor
 from bubo.model.decoder import Decoder
+from bubo.model.moe import ExpertMatrices, Experts, QuantizedExpertMatrices
 from bubo.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 __all__ = ["GGUFWeights", "load_decoder"]
@@ -60,6 +61,12 @@ class GGUFWeights:
         if t.ggml_type in FLOAT_TYPES:
             return nn.Embedding.from_pretrained(self.tensor(name, shape), freeze=True)
         return QuantizedEmbedding(self._raw(t), t.ggml_type, embedding_dim=shape[1], dtype=self.dtype)
+
+    def experts(self, name: str, shape: tuple[int, int, int]) -> Experts:
+        t = self._get(name, shape)
+        if t.ggml_type in FLOAT_TYPES:
+            return ExpertMatrices(self.tensor(name, shape))
+        return QuantizedExpertMatrices(self._raw(t), t.ggml_type, in_features=shape[2])
 
     def unused(self) -> list[str]:
         """Tensors of the file the model did not take (and that aren't known to be unneeded)."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from bubo.gguf.quants import dequantize
 
-__all__ = ["QuantizedEmbedding", "QuantizedLinear"]
+__all__ = ["QuantizedEmbedding", "QuantizedLinear", "scratch_buffer"]
 
 # Dequantizing a whole weight per call allocates a fresh float matrix every time, and on the CPU
 # faulting those pages in costs more than the arithmetic. So forward works through row chunks of
@@ -23,7 +23,8 @@ CHUNK_VALUES = 1 << 20
 _scratch = threading.local()
 
 
-def _scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The calling thread's reusable buffer of at least `numel` values (valid until its next use)."""
     # Keyed by inference mode too: a buffer made under torch.inference_mode() can't be written outside it.
     key = (dtype, device, torch.is_inference_mode_enabled())
     buffers = _scratch.__dict__.setdefault("buffers", {})
@@ -63,7 +64,7 @@ class QuantizedLinear(nn.Module):
 
     def _dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows start:stop of the weight, in the thread's scratch buffer (valid until the next call)."""
-        buffer = _scratch_buffer((stop - start) * self.in_features, dtype, self.raw.device)
+        buffer = scratch_buffer((stop - start) * self.in_features, dtype, self.raw.device)
         return dequantize(
             self.raw[start:stop], self.ggml_type, dtype, out=buffer.view(stop - start, self.in_features)
         )

@@ -15,10 +15,13 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from bubo.gguf.config import (
     SUPPORTED_ARCHITECTURES,
+    MlpKind,
     ModelConfig,
     RopeScaling,
     RopeScalingType,
@@ -107,6 +110,69 @@ def test_qwen3_qk_norm_and_key_length(tmp_path: Path) -> None:
     assert config.qk_norm and not config.attention_bias
     assert (config.head_dim, config.rope_dim) == (32, 32)
     assert config.rope_style == RopeStyle.NEOX
+
+
+def _qwen3moe() -> PreTrainedModel:
+    config = Qwen3MoeConfig(
+        **_SIZES, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+def test_qwen3moe_experts(tmp_path: Path) -> None:
+    config = _config(tmp_path, _qwen3moe())
+    assert config.architecture == "qwen3moe"
+    assert config.mlp_kind == MlpKind.SPARSE_MOE
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 24)
+    # The file has no expert_weights_norm (the HF config's default is False): llama.cpp renormalises.
+    assert config.norm_topk_prob
+    assert config.qk_norm and config.rope_style == RopeStyle.NEOX and config.head_dim == 32
+
+
+def test_qwen3moe_explicit_expert_weights_norm_is_accepted(tmp_path: Path) -> None:
+    assert _config(tmp_path, _qwen3moe(), **{"qwen3moe.expert_weights_norm": True}).norm_topk_prob
+
+
+def test_dense_architectures_have_no_experts(tmp_path: Path) -> None:
+    config = _config(tmp_path, Qwen3ForCausalLM(Qwen3Config(**_SIZES)))
+    assert config.mlp_kind == MlpKind.DENSE
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (0, 0, 0)
+    assert not config.norm_topk_prob
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"qwen3moe.expert_count": None}, r"missing required metadata key 'qwen3moe\.expert_count'"),
+        (
+            {"qwen3moe.expert_used_count": None},
+            r"missing required metadata key 'qwen3moe\.expert_used_count'",
+        ),
+        (
+            {"qwen3moe.expert_feed_forward_length": None},
+            r"missing required metadata key 'qwen3moe\.expert_feed_forward_length'",
+        ),
+        ({"qwen3moe.expert_count": 0}, r"'qwen3moe\.expert_count' must be positive, got 0"),
+        ({"qwen3moe.expert_used_count": 0}, r"'qwen3moe\.expert_used_count' must be positive, got 0"),
+        (
+            {"qwen3moe.expert_feed_forward_length": 0},
+            r"'qwen3moe\.expert_feed_forward_length' must be positive, got 0",
+        ),
+        (
+            {"qwen3moe.expert_used_count": 9},
+            r"'qwen3moe\.expert_used_count' = 9 exceeds 'qwen3moe\.expert_count' = 8",
+        ),
+        ({"qwen3moe.expert_count": "many"}, r"'qwen3moe\.expert_count' should be an integer"),
+        (
+            {"qwen3moe.expert_weights_norm": False},
+            r"'qwen3moe\.expert_weights_norm' = false is not supported",
+        ),
+        ({"qwen3moe.expert_weights_norm": 1}, r"'qwen3moe\.expert_weights_norm' should be a boolean"),
+    ],
+)
+def test_invalid_expert_values_are_named(overrides: dict[str, Any], message: str, tmp_path: Path) -> None:
+    with pytest.raises(GGUFError, match=message):
+        _config(tmp_path, _qwen3moe(), **overrides)
 
 
 def test_llama3_rope_freqs(tmp_path: Path) -> None:

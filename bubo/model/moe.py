@@ -1,0 +1,111 @@
+"""Sparse mixture-of-experts feed-forward (Qwen3-MoE), its experts held as the GGUF file holds them.
+
+The formula is transformers' Qwen3MoeSparseMoeBlock (Qwen3MoeTopKRouter, then Qwen3MoeExperts),
+which llama.cpp's qwen3moe graph (build_moe_ffn: softmax gating, SiLU, normalised weights) matches:
+
+    p      = softmax(x R^T)                      router R [num_experts, hidden], in float32
+    (w, e) = the top-k of p;  w = w / sum(w)     the latter when norm_topk_prob
+    y      = sum_j w_j * down_ej(silu(gate_ej(x)) * up_ej(x))
+
+Each of gate/up/down is one 3-D tensor [num_experts, out, in] (llama.cpp's ffn_gate_exps,
+ffn_up_exps, ffn_down_exps). A quantized one stays raw blocks [num_experts, out, row_bytes], and
+each forward dequantizes only the experts some token was routed to: per decoded token that is
+top-k of them (8 of 128 in Qwen3-30B-A3B), which is the point of a sparse model.
+"""
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from bubo.gguf.quants import dequantize
+from bubo.model.quantized_linear import scratch_buffer
+
+__all__ = ["ExpertMatrices", "Experts", "QuantizedExpertMatrices", "SparseMoE"]
+
+
+class ExpertMatrices(nn.Module):
+    """Float expert weights [num_experts, out_features, in_features]; `linear(x, e)` is x W_e^T."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return F.linear(x, self.weight[expert])
+
+    def extra_repr(self) -> str:
+        return "experts={}, out_features={}, in_features={}".format(*self.weight.shape)
+
+
+class QuantizedExpertMatrices(nn.Module):
+    """Expert weights kept as ggml blocks (uint8 [num_experts, out_features, row_bytes]); `linear(x, e)`
+    dequantizes expert e alone into the thread's scratch buffer (see quantized_linear) and applies it."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType, in_features: int) -> None:
+        super().__init__()
+        self.register_buffer("raw", raw)
+        self.ggml_type = ggml_type
+        self.in_features = in_features
+
+    def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        rows = self.raw.shape[1]
+        buffer = scratch_buffer(rows * self.in_features, x.dtype, self.raw.device)
+        weight = dequantize(
+            self.raw[expert], self.ggml_type, x.dtype, out=buffer.view(rows, self.in_features)
+        )
+        return F.linear(x, weight)
+
+    def extra_repr(self) -> str:
+        experts, rows, _ = self.raw.shape
+        return f"experts={experts}, out_features={rows}, in_features={self.in_features}, type={self.ggml_type.name}"
+
+
+# What a `WeightSource` hands out for one expert stack: float or quantized, the same `linear`.
+Experts = ExpertMatrices | QuantizedExpertMatrices
+
+
+class SparseMoE(nn.Module):
+    """x [..., hidden] -> the routed experts' SwiGLU outputs, weighted by the router (formula above)."""
+
+    def __init__(
+        self,
+        router: nn.Module,
+        gate: Experts,
+        up: Experts,
+        down: Experts,
+        top_k: int,
+        norm_topk_prob: bool,
+    ) -> None:
+        super().__init__()
+        self.router = router
+        self.gate = gate
+        self.up = up
+        self.down = down
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        # float32 softmax whatever the compute dtype, as Qwen3MoeTopKRouter: in half precision
+        # close router scores would round together and change which experts are picked.
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [tokens, top_k] each
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+
+        out = torch.zeros_like(x)
+        # Tokens grouped by expert, so each active expert's weights are used (and, quantized,
+        # dequantized) once for all its tokens. unique() is sorted: experts are summed in the
+        # order transformers sums them.
+        for expert in chosen.unique().tolist():
+            tokens, slot = torch.where(chosen == expert)
+            h = x[tokens]
+            y = self.down.linear(F.silu(self.gate.linear(h, expert)) * self.up.linear(h, expert), expert)
+            out.index_add_(0, tokens, y * weights[tokens, slot, None])
+        return out.reshape(shape)
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
