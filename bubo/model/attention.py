@@ -19,7 +19,13 @@ def causal_mask(start: int, length: int, device: torch.device) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """q/k/v projections (optionally biased), optional per-head q/k RMSNorm, rope, SDPA, output projection."""
+    """q/k/v projections (optionally biased), optional per-head q/k RMSNorm, rope, SDPA, output projection.
+
+    With `output_gate` (the full-attention layers of Qwen3-Next and Qwen3.5), q_proj yields per head
+    [query | gate] (2 * head_dim rows per head) and the attention output is multiplied by
+    sigmoid(gate) before o_proj, which lets a head switch its output off rather than park its
+    softmax on a sink token.
+    """
 
     def __init__(
         self,
@@ -31,6 +37,7 @@ class Attention(nn.Module):
         o_proj: nn.Module,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
+        output_gate: bool = False,
     ) -> None:
         super().__init__()
         self.layer_index = layer_index  # which slot of the KV cache is ours
@@ -40,11 +47,19 @@ class Attention(nn.Module):
         self.rope_style = config.rope_style
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.output_gate = output_gate
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """x [B, T, hidden] at positions cache.length .. cache.length + T - 1 -> [B, T, hidden]."""
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
+        q = self.q_proj(x)
+        gate = None
+        if self.output_gate:
+            # Hugging Face interleaves query and gate rows per head, and llama.cpp's converter keeps
+            # that layout (it splits per-head views of one matmul), so the split is within each head.
+            q, gate = q.view(batch, length, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        else:
+            q = q.view(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -64,4 +79,7 @@ class Attention(nn.Module):
         else:
             mask, is_causal = causal_mask(start, length, x.device), False
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+        out = out.transpose(1, 2)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))

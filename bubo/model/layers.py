@@ -1,6 +1,8 @@
-"""Building blocks shared by every architecture: RMSNorm, rotary position embedding, SwiGLU MLP."""
+"""Building blocks shared by every architecture: RMSNorm, rotary position embedding (plain or
+multimodal), SwiGLU MLP."""
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -8,7 +10,7 @@ from torch import nn
 
 from bubo.gguf.config import ModelConfig, RopeScalingType, RopeStyle
 
-__all__ = ["MLP", "RMSNorm", "RotaryEmbedding", "apply_rotary", "rope_frequencies"]
+__all__ = ["MLP", "RMSNorm", "RotaryEmbedding", "apply_rotary", "mrope_axes", "rope_frequencies"]
 
 
 class RMSNorm(nn.Module):
@@ -78,17 +80,57 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, magnitude
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin of position x frequency for every rotated pair, from the config's rope settings."""
+def mrope_axes(num_pairs: int, sections: Sequence[int]) -> torch.Tensor:
+    """For each rotated pair, which position row drives it in interleaved mRoPE: 0 (t), 1 (h) or 2 (w).
 
-    def __init__(self, config: ModelConfig, device: torch.device | str | None = None) -> None:
+    `sections` = [t, h, w] pair counts (Qwen3.5's `mrope_section`, the first three of llama.cpp's
+    `rope.dimension_sections`). Interleaved means the rows take turns pair by pair, t h w t h w …,
+    each row dropping out once its count is used up, so every row spans slow and fast frequencies
+    alike (the blockwise mRoPE of Qwen2-VL gave h and w only the slow ones). A pair left over by h
+    or w goes to t, as transformers does.
+    """
+    if len(sections) != 3 or sum(sections) != num_pairs or min(sections) < 0:
+        raise ValueError(
+            f"mRoPE sections {list(sections)} must be 3 counts summing to the {num_pairs} rotated pairs"
+        )
+    pair = torch.arange(num_pairs)
+    axes = torch.zeros(num_pairs, dtype=torch.int64)
+    for axis in (1, 2):
+        axes[(pair % 3 == axis) & (pair < 3 * sections[axis])] = axis
+    return axes
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of position x frequency for every rotated pair, from the config's rope settings.
+
+    With `mrope_sections` it also takes the three position rows (t, h, w) of multimodal rope; text
+    has equal rows, where that reduces to plain rope, so text may keep passing one row.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device | str | None = None,
+        mrope_sections: Sequence[int] | None = None,
+    ) -> None:
         super().__init__()
         inv_freq, self.magnitude = rope_frequencies(config)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        axes = None if mrope_sections is None else mrope_axes(inv_freq.shape[0], mrope_sections).to(device)
+        self.register_buffer("mrope_axes", axes, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin), each [T, rope_dim / 2] in `dtype` (angles computed in float32)."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        """positions [T], or [3, T] rows (t, h, w) with mRoPE -> (cos, sin), each [T, rope_dim / 2]
+        in `dtype` (angles computed in float32)."""
+        if positions.dim() == 1:
+            angles = positions.float()[:, None] * self.inv_freq[None, :]
+        elif self.mrope_axes is not None and positions.shape[0] == 3:
+            # pair i turns with the position of row mrope_axes[i]
+            angles = positions.float()[self.mrope_axes].T * self.inv_freq[None, :]
+        else:
+            raise ValueError(
+                f"positions of shape {tuple(positions.shape)}: expected [T], or [3, T] with mRoPE"
+            )
         return (angles.cos() * self.magnitude).to(dtype), (angles.sin() * self.magnitude).to(dtype)
 
 
