@@ -25,6 +25,11 @@ class Cache(Protocol):
     length: int
     max_len: int
 
+    @property
+    def can_rewind(self) -> bool:
+        """False when only truncate(0) and truncate(length) are possible (a recurrent state)."""
+        ...
+
     def truncate(self, n: int) -> None: ...
 
 
@@ -156,6 +161,9 @@ def generate(
     # A cached prefix is reused, but the last prompt token always goes through the model because its
     # logits are what the first sampled token comes from.
     cached = min(cache.length, len(prompt) - 1)
+    if cached != cache.length and not cache.can_rewind:
+        # A recurrent state holds all of its positions or none: recompute the prompt from the start.
+        cached = 0
     cache.truncate(cached)
     started = time.perf_counter()
     tokens = torch.tensor([prompt[cached:]], dtype=torch.long, device=device)

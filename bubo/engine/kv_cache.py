@@ -1,16 +1,25 @@
-"""A preallocated key/value cache: per layer, keys and values for max_len positions."""
+"""A preallocated decode state: keys and values for max_len positions per attention layer, and the
+fixed-size recurrent state of each Gated DeltaNet layer of a hybrid model."""
+
+from collections.abc import Sequence
 
 import torch
+
+from bubo.model.deltanet import DeltaNetState
 
 __all__ = ["KVCache"]
 
 
 class KVCache:
-    """Keys and values of every layer, each [batch, num_kv_heads, max_len, head_dim].
+    """Keys and values of `num_layers` attention layers, each [batch, num_kv_heads, max_len, head_dim],
+    and `recurrent` DeltaNet states (one per recurrent layer, empty for a plain transformer).
 
     `length` positions are filled. During a forward pass every layer writes its T new positions
-    at `length` (`update`); the model then calls `advance(T)` once, so all layers of one step see
-    the same offset.
+    at `length` (`update`) or advances its recurrent state; the model then calls `advance(T)` once,
+    so all layers of one step see the same offset.
+
+    A recurrent state folds every position into a fixed-size memory, so it cannot forget the last
+    few: a cache holding one can only be truncated to 0 or kept whole (`can_rewind` is False).
     """
 
     def __init__(
@@ -22,12 +31,19 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        recurrent: Sequence[DeltaNetState] = (),
     ) -> None:
         shape = (batch, num_kv_heads, max_len, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.recurrent = list(recurrent)
         self.max_len = max_len
         self.length = 0
+
+    @property
+    def can_rewind(self) -> bool:
+        """Whether `truncate` accepts any length up to `length`, not only 0 and `length`."""
+        return not self.recurrent
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [batch, kv_heads, T, head_dim] at positions length..length+T-1 of `layer`;
@@ -51,7 +67,17 @@ class KVCache:
         """Keep the first n positions; later writes overwrite the rest."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate a KV cache of length {self.length} to {n}")
+        if n == 0:
+            self.reset()
+        elif n != self.length and not self.can_rewind:
+            raise ValueError(
+                f"cannot truncate a cache with recurrent state from {self.length} to {n} positions: "
+                "the state can't be rewound, only reset (truncate to 0) or kept whole"
+            )
         self.length = n
 
     def reset(self) -> None:
+        """Back to an empty sequence."""
         self.length = 0
+        for state in self.recurrent:
+            state.reset()

@@ -8,6 +8,12 @@ llama3's `rope_freqs` frequency factors.
 Mixture-of-experts files (qwen3moe) add `{arch}.expert_count`, `{arch}.expert_used_count` and
 `{arch}.expert_feed_forward_length`, as llama.cpp's converter (Qwen2MoeModel, which Qwen3MoeModel
 inherits) writes them.
+
+The hybrid Qwen models (qwen3next, qwen35, qwen35moe) mix Gated DeltaNet layers with gated full
+attention. Their files add the `{arch}.ssm.*` sizes of the DeltaNet, say which layers are recurrent
+(`{arch}.attention.recurrent_layers`, else every `{arch}.full_attention_interval`-th layer is
+attention, as llama.cpp reads them), qwen35's `{arch}.rope.dimension_sections` (interleaved mRoPE),
+and for the MoE ones `{arch}.expert_shared_feed_forward_length` (the sigmoid-gated shared expert).
 """
 
 import math
@@ -21,16 +27,18 @@ from bubo.gguf.reader import GGUFError, GGUFFile
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "DeltaNetSizes",
     "MlpKind",
     "ModelConfig",
     "RopeScaling",
     "RopeScalingType",
     "RopeStyle",
     "UnsupportedArchitectureError",
+    "ValueHeadOrder",
     "config_from_gguf",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
 
 
 class UnsupportedArchitectureError(GGUFError):
@@ -63,6 +71,27 @@ class MlpKind(StrEnum):
 
     DENSE = "dense"
     SPARSE_MOE = "sparse_moe"
+    # SPARSE_MOE plus one always-on shared expert scaled by sigmoid(w·x) (Qwen3-Next, Qwen3.5-MoE).
+    SPARSE_MOE_SHARED = "sparse_moe_shared"
+
+
+class ValueHeadOrder(StrEnum):
+    """How a hybrid file orders the Gated DeltaNet's value heads (bubo.model.deltanet explains)."""
+
+    GROUPED = "grouped"
+    TILED = "tiled"
+
+
+@dataclass(frozen=True)
+class DeltaNetSizes:
+    """The Gated DeltaNet layers' sizes (`{arch}.ssm.*`)."""
+
+    conv_kernel: int  # ssm.conv_kernel
+    num_k_heads: int  # ssm.group_count
+    num_v_heads: int  # ssm.time_step_rank
+    head_k_dim: int  # ssm.state_size
+    head_v_dim: int  # ssm.inner_size / ssm.time_step_rank
+    value_head_order: ValueHeadOrder
 
 
 class RopeScalingType(StrEnum):
@@ -112,6 +141,17 @@ class ModelConfig:
     num_experts_per_tok: int = 0  # top-k: experts each token is routed to
     moe_intermediate_size: int = 0  # each expert's SwiGLU width
     norm_topk_prob: bool = False  # rescale the top-k router probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # SPARSE_MOE_SHARED only
+    # Hybrid models only: per layer, True where it is a Gated DeltaNet layer (the others are gated
+    # full attention: q_proj also yields a sigmoid output gate); empty for plain transformers.
+    recurrent_layers: tuple[bool, ...] = ()
+    deltanet: DeltaNetSizes | None = None
+    # Interleaved mRoPE [t, h, w] pair counts (qwen35); text positions reduce it to plain rope.
+    mrope_sections: tuple[int, int, int] | None = None
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.recurrent_layers)
 
 
 # Per architecture, what the metadata can't say. Adding an architecture starts here.
@@ -120,11 +160,29 @@ _ROPE_STYLE = {
     "qwen2": RopeStyle.NEOX,
     "qwen3": RopeStyle.NEOX,
     "qwen3moe": RopeStyle.NEOX,
+    "qwen3next": RopeStyle.NEOX,
+    "qwen35": RopeStyle.NEOX,
+    "qwen35moe": RopeStyle.NEOX,
 }
 # Every layer of a qwen3moe file is sparse, as llama.cpp builds it. Hugging Face's
 # `decoder_sparse_step` / `mlp_only_layers` (dense layers among the sparse ones) have no GGUF key;
 # a file with such layers would lack their expert tensors, and loading names the missing one.
-_MLP_KIND = {"qwen3moe": MlpKind.SPARSE_MOE}
+# qwen3next's Hugging Face `decoder_sparse_step` / `mlp_only_layers` likewise have no key: llama.cpp
+# builds every qwen3next layer as MoE with the shared expert.
+_MLP_KIND = {
+    "qwen3moe": MlpKind.SPARSE_MOE,
+    "qwen3next": MlpKind.SPARSE_MOE_SHARED,
+    "qwen35moe": MlpKind.SPARSE_MOE_SHARED,
+}
+# The converter keeps Hugging Face's grouped value heads for qwen3next and tiles them for the
+# qwen35 family (_LinearAttentionVReorderBase).
+_HYBRID_VALUE_HEAD_ORDER = {
+    "qwen3next": ValueHeadOrder.GROUPED,
+    "qwen35": ValueHeadOrder.TILED,
+    "qwen35moe": ValueHeadOrder.TILED,
+}
+# llama.cpp's default when a hybrid file has neither recurrent_layers nor full_attention_interval.
+_DEFAULT_FULL_ATTENTION_INTERVAL = 4
 
 # YaRN knobs whose llama.cpp semantics (attention-factor overrides and corrections) Bubo doesn't
 # reproduce yet; a file that sets one is refused rather than run with a silently different rope.
@@ -210,16 +268,27 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         )
     num_kv_heads = meta.get_int("attention.head_count_kv", default=num_heads)
     rope_dim = meta.get_int("rope.dimension_count", default=head_dim)
+    num_layers = meta.get_int("block_count")
+    mlp_kind = _MLP_KIND.get(arch, MlpKind.DENSE)
+    hybrid = _hybrid_fields(f, meta, num_layers)
+    # Which tensors a layer has says whether attention has biases and q/k norms; in a hybrid file
+    # layer 0 is usually a DeltaNet layer, so ask the first attention layer.
+    recurrent = hybrid.get("recurrent_layers", ())
+    attention_layer = next((i for i in range(num_layers) if not (recurrent and recurrent[i])), 0)
+    p = f"blk.{attention_layer}."
 
     config = ModelConfig(
         architecture=arch,
         vocab_size=_vocab_size(f, meta),
         hidden_size=hidden_size,
-        num_layers=meta.get_int("block_count"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        intermediate_size=meta.get_int("feed_forward_length"),
+        # The MoE-only hybrids (qwen35moe) have no dense width and their converter writes none.
+        intermediate_size=meta.get_int(
+            "feed_forward_length", default=0 if mlp_kind == MlpKind.SPARSE_MOE_SHARED else None
+        ),
         rms_norm_eps=meta.get_float("attention.layer_norm_rms_epsilon"),
         context_length=meta.get_int("context_length"),
         rope_theta=meta.get_float("rope.freq_base", default=10000.0),
@@ -227,13 +296,90 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         rope_style=_ROPE_STYLE[arch],
         rope_scaling=_rope_scaling(meta),
         rope_freq_factors=_rope_freq_factors(f, meta, rope_dim),
-        attention_bias="blk.0.attn_q.bias" in f.tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+        attention_bias=p + "attn_q.bias" in f.tensors,
+        qk_norm=p + "attn_q_norm.weight" in f.tensors,
         tie_word_embeddings="output.weight" not in f.tensors,
-        **_moe_fields(meta, _MLP_KIND.get(arch, MlpKind.DENSE)),
+        **_moe_fields(meta, mlp_kind),
+        **hybrid,
     )
     _validate(meta, config)
     return config
+
+
+def _hybrid_fields(f: GGUFFile, meta: _Metadata, num_layers: int) -> dict[str, Any]:
+    order = _HYBRID_VALUE_HEAD_ORDER.get(f.architecture)
+    if order is None:
+        return {}
+    if meta.has("attention.recurrent_layers"):
+        recurrent = f.get(meta.key("attention.recurrent_layers"))
+        if not (
+            isinstance(recurrent, list)
+            and len(recurrent) == num_layers
+            and all(isinstance(x, bool) for x in recurrent)
+        ):
+            raise meta.error(
+                f"'{meta.key('attention.recurrent_layers')}' should be {num_layers} booleans "
+                f"(one per layer), got {recurrent!r}"
+            )
+    else:
+        interval = meta.get_int("full_attention_interval", default=_DEFAULT_FULL_ATTENTION_INTERVAL)
+        if interval <= 0:
+            raise meta.error(f"'{meta.key('full_attention_interval')}' must be positive, got {interval}")
+        recurrent = [(i + 1) % interval != 0 for i in range(num_layers)]
+
+    num_v_heads = meta.get_int("ssm.time_step_rank")
+    inner_size = meta.get_int("ssm.inner_size")
+    sizes = {
+        "ssm.conv_kernel": meta.get_int("ssm.conv_kernel"),
+        "ssm.group_count": meta.get_int("ssm.group_count"),
+        "ssm.time_step_rank": num_v_heads,
+        "ssm.state_size": meta.get_int("ssm.state_size"),
+        "ssm.inner_size": inner_size,
+    }
+    for suffix, value in sizes.items():
+        if value <= 0:
+            raise meta.error(f"'{meta.key(suffix)}' must be positive, got {value}")
+    if inner_size % num_v_heads:
+        raise meta.error(
+            f"'{meta.key('ssm.inner_size')}' = {inner_size} is not a multiple of "
+            f"'{meta.key('ssm.time_step_rank')}' = {num_v_heads}"
+        )
+    if num_v_heads % sizes["ssm.group_count"]:
+        raise meta.error(
+            f"'{meta.key('ssm.time_step_rank')}' = {num_v_heads} is not a multiple of "
+            f"'{meta.key('ssm.group_count')}' = {sizes['ssm.group_count']}"
+        )
+    fields: dict[str, Any] = {
+        "recurrent_layers": tuple(recurrent),
+        "deltanet": DeltaNetSizes(
+            conv_kernel=sizes["ssm.conv_kernel"],
+            num_k_heads=sizes["ssm.group_count"],
+            num_v_heads=num_v_heads,
+            head_k_dim=sizes["ssm.state_size"],
+            head_v_dim=inner_size // num_v_heads,
+            value_head_order=order,
+        ),
+    }
+    if f.architecture in ("qwen35", "qwen35moe"):
+        fields["mrope_sections"] = _mrope_sections(f, meta)
+    if _MLP_KIND.get(f.architecture) == MlpKind.SPARSE_MOE_SHARED:
+        fields["shared_expert_intermediate_size"] = meta.get_int("expert_shared_feed_forward_length")
+    return fields
+
+
+def _mrope_sections(f: GGUFFile, meta: _Metadata) -> tuple[int, int, int]:
+    key = meta.key("rope.dimension_sections")
+    sections = f.get(key)
+    if sections is None:
+        raise meta.error(f"missing required metadata key '{key}'")
+    # llama.cpp's four slots: t, h, w and a fourth the text rope never uses (0 as converted).
+    if not (
+        isinstance(sections, list)
+        and len(sections) == 4
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in sections)
+    ):
+        raise meta.error(f"'{key}' should be 4 non-negative integers, got {sections!r}")
+    return sections[0], sections[1], sections[2]
 
 
 def _moe_fields(meta: _Metadata, kind: MlpKind) -> dict[str, Any]:
@@ -328,24 +474,39 @@ _KEY_OF_MOE_FIELD = {
     "num_experts_per_tok": "expert_used_count",
     "moe_intermediate_size": "expert_feed_forward_length",
 }
+_KEY_OF_ANY_FIELD = {
+    **_KEY_OF_FIELD,
+    **_KEY_OF_MOE_FIELD,
+    "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
+}
 
 
 def _require_positive(meta: _Metadata, **values: int | float) -> None:
     for name, value in values.items():
         if not (math.isfinite(value) and value > 0):
-            key = _KEY_OF_FIELD.get(name) or _KEY_OF_MOE_FIELD[name]
+            key = _KEY_OF_ANY_FIELD[name]
             raise meta.error(f"'{meta.key(key)}' must be positive, got {value}")
 
 
 def _validate(meta: _Metadata, c: ModelConfig) -> None:
-    _require_positive(meta, **{name: getattr(c, name) for name in _KEY_OF_FIELD})
-    if c.mlp_kind == MlpKind.SPARSE_MOE:
+    # A shared-expert MoE file may lack the dense width (intermediate_size 0): nothing uses it.
+    dense_width_optional = c.mlp_kind == MlpKind.SPARSE_MOE_SHARED and c.intermediate_size == 0
+    required = [name for name in _KEY_OF_FIELD if not (name == "intermediate_size" and dense_width_optional)]
+    _require_positive(meta, **{name: getattr(c, name) for name in required})
+    if c.mlp_kind != MlpKind.DENSE:
         _require_positive(meta, **{name: getattr(c, name) for name in _KEY_OF_MOE_FIELD})
         if c.num_experts_per_tok > c.num_experts:
             raise meta.error(
                 f"'{meta.key('expert_used_count')}' = {c.num_experts_per_tok} exceeds "
                 f"'{meta.key('expert_count')}' = {c.num_experts}"
             )
+    if c.mlp_kind == MlpKind.SPARSE_MOE_SHARED:
+        _require_positive(meta, shared_expert_intermediate_size=c.shared_expert_intermediate_size)
+    if c.mrope_sections is not None and sum(c.mrope_sections) != c.rope_dim // 2:
+        raise meta.error(
+            f"'{meta.key('rope.dimension_sections')}' = {list(c.mrope_sections)} must sum to the "
+            f"{c.rope_dim // 2} rotated pairs ('{meta.key('rope.dimension_count')}' = {c.rope_dim} / 2)"
+        )
     if c.num_heads % c.num_kv_heads:
         raise meta.error(
             f"'{meta.key('attention.head_count')}' = {c.num_heads} is not a multiple of "

@@ -11,6 +11,11 @@ Each of gate/up/down is one 3-D tensor [num_experts, out, in] (llama.cpp's ffn_g
 ffn_up_exps, ffn_down_exps). A quantized one stays raw blocks [num_experts, out, row_bytes], and
 each forward dequantizes only the experts some token was routed to: per decoded token that is
 top-k of them (8 of 128 in Qwen3-30B-A3B), which is the point of a sparse model.
+
+Qwen3-Next and Qwen3.5-MoE add a shared expert every token goes through, scaled by a learned scalar
+gate (Qwen3_5MoeSparseMoeBlock / Qwen3NextSparseMoeBlock; llama.cpp's ffn_*_shexp tensors):
+
+    y += sigmoid(g · x) * down_s(silu(gate_s(x)) * up_s(x))      g: ffn_gate_inp_shexp [1, hidden]
 """
 
 import torch
@@ -76,8 +81,14 @@ class SparseMoE(nn.Module):
         down: Experts,
         top_k: int,
         norm_topk_prob: bool,
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: nn.Module | None = None,
     ) -> None:
         super().__init__()
+        if (shared_expert is None) != (shared_expert_gate is None):
+            raise ValueError("a shared expert needs its gate, and a gate its expert")
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
         self.router = router
         self.gate = gate
         self.up = up
@@ -105,6 +116,8 @@ class SparseMoE(nn.Module):
             h = x[tokens]
             y = self.down.linear(F.silu(self.gate.linear(h, expert)) * self.up.linear(h, expert), expert)
             out.index_add_(0, tokens, y * weights[tokens, slot, None])
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)
 
     def extra_repr(self) -> str:

@@ -38,12 +38,14 @@ def text_ids(text: str) -> list[int]:
 class FakeCache:
     max_len: int
     tokens: list[int] = field(default_factory=list)
+    can_rewind: bool = True  # False acts like a hybrid model's recurrent state
 
     @property
     def length(self) -> int:
         return len(self.tokens)
 
     def truncate(self, n: int) -> None:
+        assert self.can_rewind or n in (0, self.length), "a recurrent state can't be rewound"
         del self.tokens[n:]
 
 
@@ -246,6 +248,22 @@ def test_a_cache_holding_the_prompt_prefix_is_reused() -> None:
     assert model.calls == [[4], [ord("a")]] and result.cached_tokens == 3
     with pytest.raises(ValueError, match="cache holds at most 2"):
         run(ScriptedModel([]), [1, 2, 3], GREEDY, cache=FakeCache(max_len=2))
+
+
+def test_a_cache_that_cannot_rewind_is_reused_whole_or_recomputed() -> None:
+    # a strict prefix of the prompt: kept whole, only the rest is fed
+    model = ScriptedModel([ord("a"), EOS])
+    model.prompt_len = 4
+    cache = FakeCache(max_len=16, tokens=[1, 2, 3], can_rewind=False)
+    _, result = run(model, [1, 2, 3, 4], GREEDY, cache=cache)
+    assert model.calls == [[4], [ord("a")]] and result.cached_tokens == 3
+
+    # the whole prompt cached: the last token's logits would need a rewind, so it starts over
+    model = ScriptedModel([ord("a"), EOS])
+    cache = FakeCache(max_len=16, tokens=[1, 2, 3, 4], can_rewind=False)
+    _, result = run(model, [1, 2, 3, 4], GREEDY, cache=cache)
+    assert model.calls == [[1, 2, 3, 4], [ord("a")]] and result.cached_tokens == 0
+    assert result.timings.prefill_tokens == 4
 
 
 def test_timings_and_inference_mode_stay_inside_the_generator() -> None:

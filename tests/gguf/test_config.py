@@ -13,10 +13,16 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 from bubo.gguf.config import (
@@ -27,6 +33,7 @@ from bubo.gguf.config import (
     RopeScalingType,
     RopeStyle,
     UnsupportedArchitectureError,
+    ValueHeadOrder,
     config_from_gguf,
 )
 from bubo.gguf.reader import GGUFError, GGUFFile
@@ -173,6 +180,121 @@ def test_dense_architectures_have_no_experts(tmp_path: Path) -> None:
 def test_invalid_expert_values_are_named(overrides: dict[str, Any], message: str, tmp_path: Path) -> None:
     with pytest.raises(GGUFError, match=message):
         _config(tmp_path, _qwen3moe(), **overrides)
+
+
+_HYBRID_SIZES = {
+    **_SIZES,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 24,
+    "linear_conv_kernel_dim": 4,
+}
+# Qwen3.5-MoE has no dense MLP width: without it the converter writes no feed_forward_length.
+_QWEN35MOE_SIZES = {k: v for k, v in _HYBRID_SIZES.items() if k != "intermediate_size"}
+_HYBRID_MOE = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 24,
+    "shared_expert_intermediate_size": 40,
+}
+# rope_dim = 32 * 0.25 = 8: 4 rotated pairs
+_MROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [2, 1, 1],
+}
+
+
+def _qwen35() -> PreTrainedModel:
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_HYBRID_SIZES, rope_parameters=_MROPE))
+
+
+def test_qwen35_hybrid_layers(tmp_path: Path) -> None:
+    config = _config(tmp_path, _qwen35())
+    assert config.architecture == "qwen35" and config.is_hybrid
+    # the converter writes full_attention_interval = 4: every 4th layer is attention
+    assert config.recurrent_layers == (True, True, True, False)
+    assert config.deltanet is not None
+    d = config.deltanet
+    assert (d.conv_kernel, d.num_k_heads, d.num_v_heads, d.head_k_dim, d.head_v_dim) == (4, 2, 4, 16, 24)
+    assert d.value_head_order == ValueHeadOrder.TILED
+    assert config.mrope_sections == (2, 1, 1) and config.rope_dim == 8
+    assert config.mlp_kind == MlpKind.DENSE and config.intermediate_size == 96
+    # q/k norms are read from the first attention layer (layer 3), not layer 0
+    assert config.qk_norm and not config.attention_bias
+
+
+def test_explicit_recurrent_layers_win_over_the_interval(tmp_path: Path) -> None:
+    config = _config(tmp_path, _qwen35(), **{"qwen35.attention.recurrent_layers": [True, False, True, False]})
+    assert config.recurrent_layers == (True, False, True, False)
+
+
+def test_full_attention_interval_defaults_to_4(tmp_path: Path) -> None:
+    config = _config(tmp_path, _qwen35(), **{"qwen35.full_attention_interval": None})
+    assert config.recurrent_layers == (True, True, True, False)
+
+
+def test_qwen35moe_and_qwen3next_shared_expert(tmp_path: Path) -> None:
+    moe = _config(
+        tmp_path,
+        Qwen3_5MoeForCausalLM(
+            Qwen3_5MoeTextConfig(**_QWEN35MOE_SIZES, **_HYBRID_MOE, rope_parameters=_MROPE)
+        ),
+    )
+    assert moe.architecture == "qwen35moe" and moe.mlp_kind == MlpKind.SPARSE_MOE_SHARED
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (8, 2, 24)
+    assert moe.shared_expert_intermediate_size == 40 and moe.norm_topk_prob
+    assert moe.intermediate_size == 0  # optional for this architecture
+    next_rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    nxt = _config(
+        tmp_path,
+        Qwen3NextForCausalLM(Qwen3NextConfig(**_HYBRID_SIZES, **_HYBRID_MOE, rope_parameters=next_rope)),
+    )
+    assert nxt.architecture == "qwen3next" and nxt.mlp_kind == MlpKind.SPARSE_MOE_SHARED
+    assert nxt.deltanet is not None and nxt.deltanet.value_head_order == ValueHeadOrder.GROUPED
+    assert nxt.mrope_sections is None and nxt.shared_expert_intermediate_size == 40
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"qwen35.ssm.conv_kernel": None}, r"missing required metadata key 'qwen35\.ssm\.conv_kernel'"),
+        ({"qwen35.ssm.group_count": None}, r"missing required metadata key 'qwen35\.ssm\.group_count'"),
+        ({"qwen35.ssm.inner_size": None}, r"missing required metadata key 'qwen35\.ssm\.inner_size'"),
+        ({"qwen35.ssm.state_size": 0}, r"'qwen35\.ssm\.state_size' must be positive, got 0"),
+        ({"qwen35.ssm.inner_size": 90}, r"'qwen35\.ssm\.inner_size' = 90 is not a multiple of"),
+        ({"qwen35.ssm.group_count": 3}, r"'qwen35\.ssm\.time_step_rank' = 4 is not a multiple of"),
+        ({"qwen35.full_attention_interval": 0}, r"'qwen35\.full_attention_interval' must be positive"),
+        (
+            {"qwen35.attention.recurrent_layers": [True, False]},
+            r"'qwen35\.attention\.recurrent_layers' should be 4 booleans",
+        ),
+        (
+            {"qwen35.rope.dimension_sections": None},
+            r"missing required metadata key 'qwen35\.rope\.dimension_sections'",
+        ),
+        ({"qwen35.rope.dimension_sections": [2, 1, 1]}, r"'qwen35\.rope\.dimension_sections' should be 4"),
+        ({"qwen35.rope.dimension_sections": [2, 2, 1, 0]}, r"must sum to the 4 rotated pairs"),
+    ],
+)
+def test_invalid_hybrid_values_are_named(overrides: dict[str, Any], message: str, tmp_path: Path) -> None:
+    with pytest.raises(GGUFError, match=message):
+        _config(tmp_path, _qwen35(), **overrides)
+
+
+def test_qwen35moe_needs_the_shared_expert_width(tmp_path: Path) -> None:
+    model = Qwen3_5MoeForCausalLM(
+        Qwen3_5MoeTextConfig(**_QWEN35MOE_SIZES, **_HYBRID_MOE, rope_parameters=_MROPE)
+    )
+    with pytest.raises(
+        GGUFError, match=r"missing required metadata key 'qwen35moe\.expert_shared_feed_forward_length'"
+    ):
+        _config(tmp_path, model, **{"qwen35moe.expert_shared_feed_forward_length": None})
 
 
 def test_llama3_rope_freqs(tmp_path: Path) -> None:

@@ -1,0 +1,242 @@
+"""The hybrid Qwen models end to end: qwen35, qwen35moe and qwen3next against transformers.
+
+Tiny random models (float32, eager attention, 4 layers alternating Gated DeltaNet and gated full
+attention, every parameter random: A_log, dt_bias, conv, every norm, router and shared-expert gate
+included) are written to GGUF by the fixture writer, the converter's transforms applied (tiled value
+heads for the qwen35 family, grouped and a fused ssm_ba for qwen3next, +1 on the zero-centred norms),
+and loaded by Bubo: a 64-token prefill, then 32 single-token decode steps through the hybrid cache,
+each compared with transformers' full-sequence logits at the same positions. Then the same with
+Q8_0 projections (the reference holds their dequantized values), and greedy generation through
+`generate()` (also reusing its cache for a longer prompt). Measured max |Δlogit|: prefill 3e-5 to
+6e-5, cached decode 3e-5 to 1.1e-4 (qwen3next the largest), Q8_0 alike; tolerance 1e-3.
+"""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from transformers import (
+    PreTrainedModel,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
+
+from bubo.engine.generate import GenerationResult, generate
+from bubo.engine.loaded_model import load_model
+from bubo.engine.sampler import SamplingParams
+from bubo.gguf.config import MlpKind, ValueHeadOrder, config_from_gguf
+from bubo.gguf.reader import GGUFFile
+from bubo.model.attention import Attention
+from bubo.model.decoder import Decoder, DeltaNetMixer
+from bubo.model.loader import load_decoder
+from bubo.model.moe import SparseMoE
+from bubo.model.quantized_linear import QuantizedLinear
+from tests.fixtures.gguf_writer import randomize_, write_gguf
+
+TOLERANCE = 1e-3  # fp32 Bubo vs fp32 transformers (TESTING.md)
+PREFILL, DECODE, BATCH = 64, 32, 2
+ARCHS = ["qwen35", "qwen35moe", "qwen3next"]
+LAYER_TYPES = ["linear_attention", "full_attention"] * 2
+
+_COMMON = {
+    "hidden_size": 64,
+    "num_hidden_layers": len(LAYER_TYPES),
+    "layer_types": LAYER_TYPES,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,  # 2 value heads per key head: the head orders differ
+    "linear_key_head_dim": 16,
+    # 32 = one Q8_0 block, so the qwen35 value-head reorder of ssm_out's columns moves whole blocks
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "vocab_size": 300,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": PREFILL + DECODE,
+    "tie_word_embeddings": False,
+}
+_MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+}
+# rope_dim = 16 * 0.5 = 8: 4 rotated pairs, split t/h/w by the mRoPE sections (Qwen3.5 only)
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+_MROPE = {**_ROPE, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+
+_PROJECTIONS_Q8 = {
+    pattern: Q.Q8_0
+    for pattern in (
+        "blk.*.attn_q.weight",
+        "blk.*.attn_k.weight",
+        "blk.*.attn_v.weight",
+        "blk.*.attn_output.weight",
+        "blk.*.attn_qkv.weight",
+        "blk.*.attn_gate.weight",
+        "blk.*.ssm_beta.weight",
+        "blk.*.ssm_alpha.weight",
+        "blk.*.ssm_ba.weight",
+        "blk.*.ssm_out.weight",
+        "blk.*.ffn_*.weight",
+        "output.weight",
+    )
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Tiny tensors: several threads on a busy machine mostly wait on each other (see test_deltanet)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _reference(arch: str) -> PreTrainedModel:
+    model: PreTrainedModel
+    if arch == "qwen35":
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_COMMON, intermediate_size=96, rope_parameters=_MROPE))
+    elif arch == "qwen35moe":
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**_COMMON, **_MOE, rope_parameters=_MROPE))
+    else:
+        config = Qwen3NextConfig(
+            **_COMMON,
+            **_MOE,
+            intermediate_size=96,
+            norm_topk_prob=True,  # what llama.cpp's qwen3next always does
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            rope_parameters=_ROPE,
+        )
+        model = Qwen3NextForCausalLM(config)
+    model.config._attn_implementation = "eager"
+    randomize_(model)
+    return model.eval()
+
+
+def _tokens(length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(
+        0, _COMMON["vocab_size"], (BATCH, length), generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def _load(path: Path) -> Decoder:
+    f = GGUFFile(path)
+    return load_decoder(f, config_from_gguf(f))
+
+
+def _max_deltas(reference: PreTrainedModel, model: Decoder) -> tuple[float, float]:
+    tokens = _tokens(PREFILL + DECODE)
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        cache = model.new_cache(batch=BATCH, max_len=PREFILL + DECODE)
+        prefill = model(tokens[:, :PREFILL], cache)
+        decode = torch.cat([model(tokens[:, i : i + 1], cache) for i in range(PREFILL, PREFILL + DECODE)], 1)
+    return (
+        (prefill - expected[:, :PREFILL]).abs().max().item(),
+        (decode - expected[:, PREFILL:]).abs().max().item(),
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer_plan_and_parts(arch: str, tmp_path: Path) -> None:
+    model = _load(write_gguf(_reference(arch), tmp_path / "model.gguf"))
+    c = model.config
+    assert c.architecture == arch and c.recurrent_layers == (True, False, True, False)
+    assert c.deltanet is not None
+    assert c.deltanet.value_head_order == (
+        ValueHeadOrder.GROUPED if arch == "qwen3next" else ValueHeadOrder.TILED
+    )
+    assert c.mrope_sections == (None if arch == "qwen3next" else (2, 1, 1))
+    assert c.mlp_kind == (MlpKind.DENSE if arch == "qwen35" else MlpKind.SPARSE_MOE_SHARED)
+    mixers = [layer.attention for layer in model.layers]
+    assert [type(m) for m in mixers] == [DeltaNetMixer, Attention] * 2
+    # each kind of layer counts its own cache slots
+    assert [m.state_index for m in mixers[0::2]] == [0, 1]
+    assert [m.layer_index for m in mixers[1::2]] == [0, 1]
+    assert all(m.output_gate for m in mixers[1::2])
+    if arch != "qwen35":
+        assert all(
+            isinstance(layer.mlp, SparseMoE) and layer.mlp.shared_expert is not None for layer in model.layers
+        )
+    cache = model.new_cache(max_len=8)
+    assert len(cache.keys) == 2 and len(cache.recurrent) == 2 and not cache.can_rewind
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_matches_transformers(arch: str, tmp_path: Path) -> None:
+    reference = _reference(arch)
+    model = _load(write_gguf(reference, tmp_path / "model.gguf"))
+    d_prefill, d_decode = _max_deltas(reference, model)
+    print(f"{arch}: max|Δlogit| prefill {d_prefill:.2e}, cached decode {d_decode:.2e}")
+    assert d_prefill <= TOLERANCE and d_decode <= TOLERANCE
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_projections_match_transformers(arch: str, tmp_path: Path) -> None:
+    reference = _reference(arch)
+    model = _load(write_gguf(reference, tmp_path / "q8.gguf", quantize=_PROJECTIONS_Q8))
+    deltanet = model.layers[0].attention.deltanet
+    assert isinstance(deltanet.attn_qkv, QuantizedLinear) and isinstance(deltanet.ssm_out, QuantizedLinear)
+    assert isinstance(model.layers[1].attention.q_proj, QuantizedLinear)
+    d_prefill, d_decode = _max_deltas(reference, model)
+    print(f"{arch} Q8_0: max|Δlogit| prefill {d_prefill:.2e}, cached decode {d_decode:.2e}")
+    assert d_prefill <= TOLERANCE and d_decode <= TOLERANCE
+
+
+def test_recurrent_cache_resets_but_does_not_rewind(tmp_path: Path) -> None:
+    model = _load(write_gguf(_reference("qwen35"), tmp_path / "model.gguf"))
+    tokens = _tokens(8)[:1]
+    cache = model.new_cache(max_len=16)
+    with torch.no_grad():
+        first = model(tokens, cache)
+        with pytest.raises(ValueError, match="can't be rewound"):
+            cache.truncate(4)
+        cache.truncate(8)  # keeping everything is fine
+        assert cache.length == 8
+        cache.truncate(0)
+        assert all(not s.recurrent_state.any() and not s.conv_state.any() for s in cache.recurrent)
+        again = model(tokens, cache)
+    assert torch.equal(first, again)
+
+
+def _greedy_reference(reference: PreTrainedModel, prompt: list[int], steps: int) -> list[int]:
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens.append(int(reference(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_generate_is_greedy_transformers(arch: str, tmp_path: Path) -> None:
+    reference = _reference(arch)
+    loaded = load_model(write_gguf(reference, tmp_path / "model.gguf"))
+    try:
+        prompt = _tokens(20)[0].tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=12)
+        result = list(generate(loaded.model, loaded.tokenizer, prompt, params))[-1]
+        assert isinstance(result, GenerationResult)
+        expected = _greedy_reference(reference, prompt, 12)
+        stop = next((i for i, t in enumerate(expected) if t in loaded.tokenizer.stop_ids), len(expected) - 1)
+        assert result.token_ids == expected[: stop + 1]
+
+        # A cache reused for a longer prompt continues its recurrent state instead of recomputing it.
+        cache = loaded.model.new_cache(max_len=64)
+        list(generate(loaded.model, loaded.tokenizer, prompt, params, cache=cache))
+        longer = prompt + result.token_ids[:-1] + [5, 6]
+        reused = list(generate(loaded.model, loaded.tokenizer, longer, params, cache=cache))[-1]
+        fresh = list(generate(loaded.model, loaded.tokenizer, longer, params))[-1]
+        assert isinstance(reused, GenerationResult) and isinstance(fresh, GenerationResult)
+        assert reused.cached_tokens == len(prompt) + len(result.token_ids) - 1
+        assert reused.token_ids == fresh.token_ids
+    finally:
+        loaded.file.close()
