@@ -51,6 +51,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """x [B, T, hidden] at positions cache.length .. cache.length + T - 1 -> [B, T, hidden]."""
+        start, length = cache.length, x.shape[1]
+        if start == 0:
+            mask, is_causal = None, length > 1  # plain prefill: SDPA's own (top-left aligned) causal mask
+        elif length == 1:
+            mask, is_causal = None, False  # one new token sees the whole cache
+        else:
+            mask, is_causal = causal_mask(start, length, x.device), False
+        q, k, v, gate = self.project(x, cos, sin)
+        return self.attend(q, k, v, gate, cache, mask, is_causal)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rotated q, k and v [B, heads, T, head_dim], and the output gate [B, T, heads, head_dim] if any."""
         batch, length, _ = x.shape
         q = self.q_proj(x)
         gate = None
@@ -67,17 +81,21 @@ class Attention(nn.Module):
 
         # [B, heads, T, head_dim] from here on: the layout SDPA and the cache use.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q = apply_rotary(q, cos, sin, self.rope_style)
-        k = apply_rotary(k, cos, sin, self.rope_style)
+        return apply_rotary(q, cos, sin, self.rope_style), apply_rotary(k, cos, sin, self.rope_style), v, gate
 
-        start = cache.length
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        gate: torch.Tensor | None,
+        cache: KVCache,
+        mask: torch.Tensor | None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """Store k, v in the cache, attend over everything cached (under `mask`), gate, project out."""
+        batch, _, length, _ = q.shape
         k, v = cache.update(self.layer_index, k, v)
-        if start == 0:
-            mask, is_causal = None, length > 1  # plain prefill: SDPA's own (top-left aligned) causal mask
-        elif length == 1:
-            mask, is_causal = None, False  # one new token sees the whole cache
-        else:
-            mask, is_causal = causal_mask(start, length, x.device), False
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
         out = out.transpose(1, 2)
         if gate is not None:
