@@ -13,6 +13,7 @@ import torch
 
 from bubo import __version__
 from bubo.default_model import DefaultModelMissingError, default_model_path
+from bubo.gguf.config import MlpKind, ModelConfig, UnsupportedArchitectureError, config_from_gguf
 from bubo.gguf.reader import GGUFError, GGUFFile
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,7 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
     gen.set_defaults(run=_generate)
 
-    ins = commands.add_parser("inspect", help="print a GGUF file's architecture, metadata and tensors")
+    ins = commands.add_parser(
+        "inspect", help="print a GGUF file's architecture, layer plan, metadata and tensors"
+    )
     ins.add_argument("file", type=Path)
     ins.add_argument("--all-metadata", action="store_true", help="print long strings and arrays whole")
     ins.set_defaults(run=_inspect)
@@ -150,6 +153,7 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"gguf version: {f.version}")
         print(f"architecture: {f.architecture}")
         print(f"tensors:      {len(f.tensors)} ({_human_bytes(sum(t.nbytes for t in f.tensors.values()))})")
+        _print_layer_plan(f)
         print("\nmetadata:")
         width = max((len(k) for k in f.metadata), default=0)
         for key, value in f.metadata.items():
@@ -173,6 +177,58 @@ def _inspect(args: argparse.Namespace) -> int:
         for name, count in counts.most_common():
             print(f"  {name:<8} {count:>5} tensors  {_human_bytes(sizes[name]):>10}")
     return 0
+
+
+def _print_layer_plan(f: GGUFFile) -> None:
+    # Inspecting is how one finds out why a file won't run, so a file the runtime can't build still
+    # gets the rest of the listing: the reason takes the plan's place instead of ending the command.
+    try:
+        config = config_from_gguf(f)
+    except UnsupportedArchitectureError:
+        print(f"layer plan:   none: architecture '{f.architecture}' is not supported by the Bubo runtime")
+        return
+    except GGUFError as error:
+        print(f"layer plan:   none: Bubo can't build this model: {error}")
+        return
+    mlp = _mlp_description(config)
+    print(f"layer plan:   {config.num_layers} layers, mlp: {mlp}")
+    rows = [("layers", "mixer", "mlp")]
+    rows += [(span, mixer, config.mlp_kind.value) for span, mixer in _mixer_runs(config)]
+    width = max(len(r[0]) for r in rows)
+    mixer_width = max(len(r[1]) for r in rows)
+    for span, mixer, mlp_kind in rows:
+        print(f"  {span:<{width}}  {mixer:<{mixer_width}}  {mlp_kind}")
+
+
+def _mixer_runs(config: ModelConfig) -> list[tuple[str, str]]:
+    """(layer span such as "0-2", mixer kind) for each run of consecutive layers of one kind."""
+    if config.is_hybrid:
+        # Every attention layer of a hybrid Qwen model gates its output with sigmoid(q_gate).
+        kinds = [
+            "linear attention (Gated DeltaNet)" if recurrent else "gated full attention"
+            for recurrent in config.recurrent_layers
+        ]
+    else:
+        kinds = ["full attention"] * config.num_layers
+    runs: list[tuple[str, str]] = []
+    start = 0
+    for i in range(1, len(kinds) + 1):
+        if i == len(kinds) or kinds[i] != kinds[start]:
+            runs.append((str(start) if i - 1 == start else f"{start}-{i - 1}", kinds[start]))
+            start = i
+    return runs
+
+
+def _mlp_description(config: ModelConfig) -> str:
+    if config.mlp_kind == MlpKind.DENSE:
+        return f"dense SwiGLU, FFN {config.intermediate_size}"
+    text = (
+        f"sparse MoE, {config.num_experts} experts, top-{config.num_experts_per_tok}, "
+        f"expert FFN {config.moe_intermediate_size}"
+    )
+    if config.mlp_kind == MlpKind.SPARSE_MOE_SHARED:
+        text += f", + sigmoid-gated shared expert FFN {config.shared_expert_intermediate_size}"
+    return text
 
 
 def _summarize(value: Any, whole: bool) -> str:

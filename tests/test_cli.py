@@ -8,8 +8,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 from bubo import cli, default_model
+from tests.fixtures.gguf_writer import write_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,3 +123,120 @@ def test_inspect_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
     out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, check=False)
     assert out.returncode == 0 and out.stderr == ""
     assert out.stdout.startswith("file:")
+
+
+_TINY_HYBRID = {
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "linear_num_key_heads": 1,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "vocab_size": 300,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 24,
+    # rope_dim 8: 4 rotated pairs, split t/h/w by the mRoPE sections
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 1e4,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+}
+
+
+def _layer_plan(out: str) -> list[str]:
+    """The lines of the layer-plan section: its header and the table rows under it."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("layer plan:"))
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith("  "))
+    return lines[start:end]
+
+
+@pytest.mark.parametrize(
+    ("layer_types", "expected_rows"),
+    [
+        # every 4th layer attention: the file stores full_attention_interval
+        (
+            ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+            [
+                ("0-2", "linear attention (Gated DeltaNet)"),
+                ("3", "gated full attention"),
+                ("4-6", "linear attention (Gated DeltaNet)"),
+                ("7", "gated full attention"),
+            ],
+        ),
+        # no interval fits: the file stores attention.recurrent_layers
+        (
+            ["full_attention", "linear_attention", "linear_attention", "full_attention", "full_attention"],
+            [
+                ("0", "gated full attention"),
+                ("1-2", "linear attention (Gated DeltaNet)"),
+                ("3-4", "gated full attention"),
+            ],
+        ),
+    ],
+)
+def test_inspect_shows_the_hybrid_layer_plan(
+    layer_types: list[str], expected_rows: list[tuple[str, str]], tmp_path: Path, capsys
+) -> None:
+    config = Qwen3_5MoeTextConfig(**_TINY_HYBRID, num_hidden_layers=len(layer_types), layer_types=layer_types)
+    path = write_gguf(Qwen3_5MoeForCausalLM(config), tmp_path / "hybrid.gguf")
+    assert cli.main(["inspect", str(path)]) == 0
+    header, columns, *rows = _layer_plan(capsys.readouterr().out)
+    assert header == (
+        f"layer plan:   {len(layer_types)} layers, mlp: sparse MoE, 4 experts, top-2, expert FFN 16, "
+        "+ sigmoid-gated shared expert FFN 24"
+    )
+    assert columns.split() == ["layers", "mixer", "mlp"]
+    assert [re.split(r"\s{2,}", row.strip()) for row in rows] == [
+        [span, mixer, "sparse_moe_shared"] for span, mixer in expected_rows
+    ]
+
+
+def test_inspect_shows_a_dense_transformer_as_one_run(tmp_path: Path, capsys) -> None:
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=300,
+    )
+    path = write_gguf(LlamaForCausalLM(config), tmp_path / "llama.gguf")
+    assert cli.main(["inspect", str(path)]) == 0
+    assert _layer_plan(capsys.readouterr().out) == [
+        "layer plan:   3 layers, mlp: dense SwiGLU, FFN 48",
+        "  layers  mixer           mlp",
+        "  0-2     full attention  dense",
+    ]
+
+
+def test_inspect_names_an_unsupported_architecture_and_lists_the_rest(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "gemma.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma2")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((20, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "layer plan:   none: architecture 'gemma2' is not supported by the Bubo runtime" in out
+    assert re.search(r"token_embd\.weight\s+F32\s+20x32", out)
+
+
+def test_inspect_says_why_a_supported_architecture_can_not_be_built(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path)  # a llama file without the hyper-parameters
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "layer plan:   none: Bubo can't build this model:" in out
+    assert "missing required metadata key 'llama.embedding_length'" in out
