@@ -1,25 +1,34 @@
-"""A preallocated decode state: keys and values for max_len positions per attention layer, and the
-fixed-size recurrent state of each Gated DeltaNet layer of a hybrid model."""
+"""A preallocated decode state: keys and values for max_len positions per attention layer, the
+fixed-size recurrent state of each Gated DeltaNet layer of a hybrid model, and qwen4exp's QSA
+indexer states and PLE state."""
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from bubo.model.deltanet import DeltaNetState
+
+if TYPE_CHECKING:  # these modules import KVCache themselves
+    from bubo.model.indexed_attention import IndexerState
+    from bubo.model.ngram_embedding import PLEState
 
 __all__ = ["KVCache"]
 
 
 class KVCache:
     """Keys and values of `num_layers` attention layers, each [batch, num_kv_heads, max_len, head_dim],
-    and `recurrent` DeltaNet states (one per recurrent layer, empty for a plain transformer).
+    and `recurrent` DeltaNet states (one per recurrent layer, empty for a plain transformer); for
+    qwen4exp also `indexers` (one per QSA layer, the compressed block keys) and `ple` (the PLE layer's
+    token and conv history). Everything is sized up front and reset together.
 
     `length` positions are filled. During a forward pass every layer writes its T new positions
     at `length` (`update`) or advances its recurrent state; the model then calls `advance(T)` once,
     so all layers of one step see the same offset.
 
     A recurrent state folds every position into a fixed-size memory, so it cannot forget the last
-    few: a cache holding one can only be truncated to 0 or kept whole (`can_rewind` is False).
+    few: a cache holding one can only be truncated to 0 or kept whole (`can_rewind` is False). The
+    indexer and PLE states keep no per-position history to cut back to either.
     """
 
     def __init__(
@@ -32,18 +41,22 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         recurrent: Sequence[DeltaNetState] = (),
+        indexers: Sequence["IndexerState"] = (),
+        ple: "PLEState | None" = None,
     ) -> None:
         shape = (batch, num_kv_heads, max_len, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.recurrent = list(recurrent)
+        self.indexers = list(indexers)
+        self.ple = ple
         self.max_len = max_len
         self.length = 0
 
     @property
     def can_rewind(self) -> bool:
         """Whether `truncate` accepts any length up to `length`, not only 0 and `length`."""
-        return not self.recurrent
+        return not (self.recurrent or self.indexers or self.ple)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [batch, kv_heads, T, head_dim] at positions length..length+T-1 of `layer`;
@@ -81,3 +94,7 @@ class KVCache:
         self.length = 0
         for state in self.recurrent:
             state.reset()
+        for indexer in self.indexers:
+            indexer.reset()
+        if self.ple is not None:
+            self.ple.reset()

@@ -14,12 +14,18 @@ attention. Their files add the `{arch}.ssm.*` sizes of the DeltaNet, say which l
 (`{arch}.attention.recurrent_layers`, else every `{arch}.full_attention_interval`-th layer is
 attention, as llama.cpp reads them), qwen35's `{arch}.rope.dimension_sections` (interleaved mRoPE),
 and for the MoE ones `{arch}.expert_shared_feed_forward_length` (the sigmoid-gated shared expert).
+
+qwen4exp (Qwen3.8-Flash-Next) is a qwen35moe-shaped hybrid whose attention layers are QSA indexed
+attention (`{arch}.attention.indexer.*`, `{arch}.attention.compress_ratios`), whose residual is
+several hyper-connected streams (`{arch}.hyper_connection.*`) and which adds a hashed n-gram
+embedding on one layer (`{arch}.ple.*`). Its Gated DeltaNet gates with a sigmoid, not silu.
 """
 
 import math
+import warnings
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -28,8 +34,10 @@ from bubo.gguf.reader import GGUFError, GGUFFile
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "DeltaNetSizes",
+    "IndexerSizes",
     "MlpKind",
     "ModelConfig",
+    "PLESizes",
     "RopeScaling",
     "RopeScalingType",
     "RopeStyle",
@@ -38,7 +46,16 @@ __all__ = [
     "config_from_gguf",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3moe",
+    "qwen3next",
+    "qwen35",
+    "qwen35moe",
+    "qwen4exp",
+)
 
 
 class UnsupportedArchitectureError(GGUFError):
@@ -92,6 +109,34 @@ class DeltaNetSizes:
     head_k_dim: int  # ssm.state_size
     head_v_dim: int  # ssm.inner_size / ssm.time_step_rank
     value_head_order: ValueHeadOrder
+    # Activation of the gated output norm: no key says it; llama.cpp hard-codes sigmoid for qwen4exp.
+    gate_activation: Literal["silu", "sigmoid"] = "silu"
+
+
+@dataclass(frozen=True)
+class IndexerSizes:
+    """qwen4exp's QSA indexer (`{arch}.attention.indexer.*`, `{arch}.attention.compress_ratios`)."""
+
+    num_heads: int  # attention.indexer.head_count
+    head_dim: int  # attention.indexer.key_length
+    budget: int  # attention.indexer.top_k: tokens (not blocks) of complete blocks each query keeps
+    # Per layer: tokens per block; 0 on recurrent layers, and on attention layers that run dense.
+    compress_ratios: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PLESizes:
+    """qwen4exp's per-layer n-gram embedding (`{arch}.ple.*`), on one layer."""
+
+    layer: int  # ple.layers[0], 0-based
+    table_dim: int  # embedding_length_per_layer_input: row width of per_layer_token_embd
+    conv_kernel: int  # ple.conv_kernel
+    ngram_size: int  # ple.ngram_size
+    heads_per_ngram: int  # ple.heads_per_ngram
+    eos_token_id: int  # ple.eos_token_id: the token that cuts n-gram contexts
+    layer_multipliers: tuple[int, ...]  # ple.layer_multipliers (uint64 in the file, all below 2⁶³)
+    head_offsets: tuple[int, ...]  # ple.head_offsets
+    head_vocab_sizes: tuple[int, ...]  # ple.head_vocab_sizes
 
 
 class RopeScalingType(StrEnum):
@@ -148,6 +193,11 @@ class ModelConfig:
     deltanet: DeltaNetSizes | None = None
     # Interleaved mRoPE [t, h, w] pair counts (qwen35); text positions reduce it to plain rope.
     mrope_sections: tuple[int, int, int] | None = None
+    # qwen4exp only: residual streams (0 = a plain single residual) and their mixers' rank.
+    hc_count: int = 0
+    hc_low_rank: int = 0
+    indexer: IndexerSizes | None = None
+    ple: PLESizes | None = None
 
     @property
     def is_hybrid(self) -> bool:
@@ -163,6 +213,7 @@ _ROPE_STYLE = {
     "qwen3next": RopeStyle.NEOX,
     "qwen35": RopeStyle.NEOX,
     "qwen35moe": RopeStyle.NEOX,
+    "qwen4exp": RopeStyle.NEOX,
 }
 # Every layer of a qwen3moe file is sparse, as llama.cpp builds it. Hugging Face's
 # `decoder_sparse_step` / `mlp_only_layers` (dense layers among the sparse ones) have no GGUF key;
@@ -173,6 +224,7 @@ _MLP_KIND = {
     "qwen3moe": MlpKind.SPARSE_MOE,
     "qwen3next": MlpKind.SPARSE_MOE_SHARED,
     "qwen35moe": MlpKind.SPARSE_MOE_SHARED,
+    "qwen4exp": MlpKind.SPARSE_MOE_SHARED,
 }
 # The converter keeps Hugging Face's grouped value heads for qwen3next and tiles them for the
 # qwen35 family (_LinearAttentionVReorderBase).
@@ -180,6 +232,7 @@ _HYBRID_VALUE_HEAD_ORDER = {
     "qwen3next": ValueHeadOrder.GROUPED,
     "qwen35": ValueHeadOrder.TILED,
     "qwen35moe": ValueHeadOrder.TILED,
+    "qwen4exp": ValueHeadOrder.TILED,
 }
 # llama.cpp's default when a hybrid file has neither recurrent_layers nor full_attention_interval.
 _DEFAULT_FULL_ATTENTION_INTERVAL = 4
@@ -301,6 +354,7 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in f.tensors,
         **_moe_fields(meta, mlp_kind),
         **hybrid,
+        **(_qwen4exp_fields(f, meta, recurrent) if arch == "qwen4exp" else {}),
     )
     _validate(meta, config)
     return config
@@ -358,13 +412,85 @@ def _hybrid_fields(f: GGUFFile, meta: _Metadata, num_layers: int) -> dict[str, A
             head_k_dim=sizes["ssm.state_size"],
             head_v_dim=inner_size // num_v_heads,
             value_head_order=order,
+            gate_activation="sigmoid" if f.architecture == "qwen4exp" else "silu",
         ),
     }
-    if f.architecture in ("qwen35", "qwen35moe"):
+    if f.architecture in ("qwen35", "qwen35moe", "qwen4exp"):
         fields["mrope_sections"] = _mrope_sections(f, meta)
     if _MLP_KIND.get(f.architecture) == MlpKind.SPARSE_MOE_SHARED:
         fields["shared_expert_intermediate_size"] = meta.get_int("expert_shared_feed_forward_length")
     return fields
+
+
+def _int_array(f: GGUFFile, meta: _Metadata, suffix: str, length: int | None = None) -> tuple[int, ...]:
+    key = meta.key(suffix)
+    value = f.get(key)
+    if value is None:
+        raise meta.error(f"missing required metadata key '{key}'")
+    if not (
+        isinstance(value, list)
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
+        and (length is None or len(value) == length)
+    ):
+        count = "" if length is None else f"{length} "
+        raise meta.error(f"'{key}' should be {count}non-negative integers, got {value!r}")
+    return tuple(value)
+
+
+def _qwen4exp_fields(f: GGUFFile, meta: _Metadata, recurrent: tuple[bool, ...]) -> dict[str, Any]:
+    num_layers = len(recurrent)
+    hc_count = meta.get_int("hyper_connection.count")
+    if hc_count < 2:
+        raise meta.error(f"'{meta.key('hyper_connection.count')}' must be at least 2, got {hc_count}")
+    ratios = _int_array(f, meta, "attention.compress_ratios", num_layers)
+    indexer = IndexerSizes(
+        num_heads=meta.get_int("attention.indexer.head_count"),
+        head_dim=meta.get_int("attention.indexer.key_length"),
+        budget=meta.get_int("attention.indexer.top_k"),
+        compress_ratios=tuple(0 if rec else r for rec, r in zip(recurrent, ratios, strict=True)),
+    )
+    dense = [i for i, r in enumerate(indexer.compress_ratios) if not recurrent[i] and r == 0]
+    if dense:
+        # Spec 2.3: a converter run under transformers >= 5.23 sees the QSA layers spelled
+        # `indexed_attention` and writes ratio 0 for all of them. llama.cpp then runs those layers
+        # as plain causal gated attention, and so does Bubo (the indexer tensors stay unused): that
+        # matches llama.cpp, but not the original model once a query sees more than the budget.
+        warnings.warn(
+            f"{f.path}: '{meta.key('attention.compress_ratios')}' is 0 on attention layers {dense}, "
+            "which turns their QSA sparse attention dense (a known converter slip, usually every ratio 0); "
+            "running them as plain gated attention as llama.cpp does, so logits beyond the indexer budget "
+            "differ from the original model",
+            stacklevel=3,
+        )
+    return {
+        "hc_count": hc_count,
+        "hc_low_rank": meta.get_int("hyper_connection.low_rank"),
+        "indexer": indexer,
+        "ple": _ple_sizes(f, meta, recurrent) if meta.has("ple.layers") else None,
+    }
+
+
+def _ple_sizes(f: GGUFFile, meta: _Metadata, recurrent: tuple[bool, ...]) -> PLESizes:
+    layers = _int_array(f, meta, "ple.layers")
+    # llama.cpp accepts exactly one PLE layer; the real model has one.
+    if len(layers) != 1 or layers[0] >= len(recurrent) or not recurrent[layers[0]]:
+        raise meta.error(
+            f"'{meta.key('ple.layers')}' = {list(layers)} should name exactly one linear-attention layer"
+        )
+    ngram_size = meta.get_int("ple.ngram_size")
+    heads_per_ngram = meta.get_int("ple.heads_per_ngram")
+    num_heads = (ngram_size - 1) * heads_per_ngram
+    return PLESizes(
+        layer=layers[0],
+        table_dim=meta.get_int("embedding_length_per_layer_input"),
+        conv_kernel=meta.get_int("ple.conv_kernel"),
+        ngram_size=ngram_size,
+        heads_per_ngram=heads_per_ngram,
+        eos_token_id=meta.get_int("ple.eos_token_id"),
+        layer_multipliers=_int_array(f, meta, "ple.layer_multipliers", ngram_size),
+        head_offsets=_int_array(f, meta, "ple.head_offsets", num_heads),
+        head_vocab_sizes=_int_array(f, meta, "ple.head_vocab_sizes", num_heads),
+    )
 
 
 def _mrope_sections(f: GGUFFile, meta: _Metadata) -> tuple[int, int, int]:

@@ -1,5 +1,5 @@
 """The decoder-only model shared by llama, qwen2, qwen3, qwen3moe and the hybrid Qwen models
-(qwen3next, qwen35, qwen35moe).
+(qwen3next, qwen35, qwen35moe, qwen4exp).
 
 The model is assembled from the config: `build_layer` picks each layer's parts (the token mixer:
 attention with or without biases and q/k norms, or in a hybrid model per layer either a Gated
@@ -8,21 +8,38 @@ with or without a shared expert) and asks a `WeightSource` for their weights by 
 The source decides how a weight is held (plain parameter or quantized blocks), so the modules here
 are the same for every file. A new architecture adds a config mapping and, where its layers really
 differ, a new part chosen in `build_layer` — not a new model class.
+
+qwen4exp is such a part: its residual is several streams (bubo.model.hyper_connections), so its
+layers are `HyperConnectedLayer`s, the embedding is copied into the streams and a StreamMixer
+takes the place of the final norm; its attention layers are QSA indexed attention and one layer
+adds the PLE n-gram embedding, which reads the token ids every layer is handed.
 """
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from bubo.engine.kv_cache import KVCache
 from bubo.gguf.config import MlpKind, ModelConfig
 from bubo.model.attention import Attention
 from bubo.model.deltanet import GatedDeltaNet
+from bubo.model.hyper_connections import HyperConnection, StreamMixer, expand_streams
+from bubo.model.indexed_attention import IndexedAttention, QSAIndexer
 from bubo.model.layers import MLP, RMSNorm, RotaryEmbedding
 from bubo.model.moe import Experts, SparseMoE
+from bubo.model.ngram_embedding import NGramEmbedding, NGramHash, PLELayer
 
-__all__ = ["Decoder", "DecoderLayer", "DeltaNetMixer", "WeightSource", "build_layer"]
+__all__ = [
+    "Decoder",
+    "DecoderLayer",
+    "DeltaNetMixer",
+    "HyperConnectedLayer",
+    "IndexedAttentionMixer",
+    "WeightSource",
+    "build_layer",
+]
 
 # qwen3next keeps Hugging Face's fused beta/alpha projection (ssm_ba); the qwen35 family has two.
 _FUSED_BETA_ALPHA = frozenset({"qwen3next"})
@@ -50,6 +67,11 @@ class WeightSource(Protocol):
         """The [num_experts, out, in] stack of expert matrices `name`, applied one expert at a time."""
         ...
 
+    def table(self, name: str, dim: int) -> tuple[torch.Tensor, GGMLQuantizationType | None]:
+        """The lookup table `name` (any number of rows of `dim` values) as stored, never converted whole
+        (qwen4exp's PLE table is 51.2 B entries): a float tensor, or its raw uint8 blocks and their type."""
+        ...
+
 
 class DeltaNetMixer(nn.Module):
     """A Gated DeltaNet in a layer's attention slot: same call as Attention, continuing from (and
@@ -64,31 +86,81 @@ class DeltaNetMixer(nn.Module):
         return self.deltanet(x, cache.recurrent[self.state_index])
 
 
+class IndexedAttentionMixer(nn.Module):
+    """QSA indexed attention in a layer's attention slot: same call as Attention, with the indexer
+    state `state_index` of the cache."""
+
+    def __init__(self, attention: IndexedAttention, state_index: int) -> None:
+        super().__init__()
+        self.attention = attention
+        self.state_index = state_index
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        return self.attention(x, cos, sin, cache, cache.indexers[self.state_index])
+
+
+TokenMixer = Attention | DeltaNetMixer | IndexedAttentionMixer
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x)).
 
     `attention` is the token mixer: an Attention, or a DeltaNetMixer in a hybrid model's recurrent layers.
+    Every layer kind takes the token ids; this one has no use for them.
     """
 
-    def __init__(
-        self, attn_norm: RMSNorm, attention: Attention | DeltaNetMixer, ffn_norm: RMSNorm, mlp: nn.Module
-    ) -> None:
+    def __init__(self, attn_norm: RMSNorm, attention: TokenMixer, ffn_norm: RMSNorm, mlp: nn.Module) -> None:
         super().__init__()
         self.attn_norm = attn_norm
         self.attention = attention
         self.ffn_norm = ffn_norm
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, tokens: torch.Tensor
+    ) -> torch.Tensor:
         x = x + self.attention(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.ffn_norm(x))
 
 
-def _attention(config: ModelConfig, i: int, weights: WeightSource) -> Attention:
+class HyperConnectedLayer(nn.Module):
+    """qwen4exp's layer over the residual streams x [B, T, hc·hidden] (spec 4.2): on the PLE layer
+    first x + PLE(x, tokens); then the token mixer and the MoE, each reading the streams through its
+    HyperConnection and writing its output back into every stream. No other norm: the
+    hyper-connections carry them."""
+
+    def __init__(
+        self,
+        attn_hc: HyperConnection,
+        attention: TokenMixer,
+        ffn_hc: HyperConnection,
+        mlp: nn.Module,
+        ple: PLELayer | None = None,
+    ) -> None:
+        super().__init__()
+        self.attn_hc = attn_hc
+        self.attention = attention
+        self.ffn_hc = ffn_hc
+        self.mlp = mlp
+        self.ple = ple
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, tokens: torch.Tensor
+    ) -> torch.Tensor:
+        if self.ple is not None:
+            assert cache.ple is not None  # Decoder.new_cache makes one when a layer has PLE
+            x = x + self.ple(x, tokens, cache.ple)
+        block_input, inject = self.attn_hc(x)
+        x = self.attn_hc.combine(x, inject, self.attention(block_input, cos, sin, cache))
+        block_input, inject = self.ffn_hc(x)
+        return self.ffn_hc.combine(x, inject, self.mlp(block_input))
+
+
+def _attention_parts(config: ModelConfig, i: int, weights: WeightSource) -> dict[str, Any]:
+    """The projections and norms of attention layer i, as Attention's keyword arguments."""
     p = f"blk.{i}."
     hidden, head_dim = config.hidden_size, config.head_dim
     q_out, kv_out = config.num_heads * head_dim, config.num_kv_heads * head_dim
-    # A hybrid model's attention is gated: attn_q holds per head the query and its output gate.
     gated = config.is_hybrid
 
     def bias(name: str) -> str | None:
@@ -98,17 +170,40 @@ def _attention(config: ModelConfig, i: int, weights: WeightSource) -> Attention:
     if config.qk_norm:
         q_norm = RMSNorm(weights.tensor(p + "attn_q_norm.weight", (head_dim,)), config.rms_norm_eps)
         k_norm = RMSNorm(weights.tensor(p + "attn_k_norm.weight", (head_dim,)), config.rms_norm_eps)
-    return Attention(
-        config,
+    return {
         # its KV slot: hybrid caches hold keys and values for the attention layers only
-        layer_index=i - sum(config.recurrent_layers[:i]),
-        q_proj=weights.linear(p + "attn_q.weight", ((1 + gated) * q_out, hidden), bias=bias("attn_q")),
-        k_proj=weights.linear(p + "attn_k.weight", (kv_out, hidden), bias=bias("attn_k")),
-        v_proj=weights.linear(p + "attn_v.weight", (kv_out, hidden), bias=bias("attn_v")),
-        o_proj=weights.linear(p + "attn_output.weight", (hidden, q_out)),
-        q_norm=q_norm,
-        k_norm=k_norm,
-        output_gate=gated,
+        "layer_index": i - sum(config.recurrent_layers[:i]),
+        "q_proj": weights.linear(p + "attn_q.weight", ((1 + gated) * q_out, hidden), bias=bias("attn_q")),
+        "k_proj": weights.linear(p + "attn_k.weight", (kv_out, hidden), bias=bias("attn_k")),
+        "v_proj": weights.linear(p + "attn_v.weight", (kv_out, hidden), bias=bias("attn_v")),
+        "o_proj": weights.linear(p + "attn_output.weight", (hidden, q_out)),
+        "q_norm": q_norm,
+        "k_norm": k_norm,
+    }
+
+
+def _attention(config: ModelConfig, i: int, weights: WeightSource) -> Attention:
+    # A hybrid model's attention is gated: attn_q holds per head the query and its output gate.
+    return Attention(config, **_attention_parts(config, i, weights), output_gate=config.is_hybrid)
+
+
+def _indexed_attention(config: ModelConfig, i: int, weights: WeightSource) -> IndexedAttentionMixer:
+    p, hidden, idx = f"blk.{i}.", config.hidden_size, config.indexer
+    assert idx is not None  # config_from_gguf sets it for qwen4exp
+    indexer = QSAIndexer(
+        q_proj=weights.linear(p + "indexer.q_proj.weight", (idx.num_heads * idx.head_dim, hidden)),
+        k_proj=weights.linear(p + "indexer.k_proj.weight", (idx.head_dim, hidden)),
+        q_norm=RMSNorm(weights.tensor(p + "indexer.q_norm.weight", (idx.head_dim,)), config.rms_norm_eps),
+        k_norm=RMSNorm(weights.tensor(p + "indexer.k_norm.weight", (idx.head_dim,)), config.rms_norm_eps),
+        num_heads=idx.num_heads,
+        compress_ratio=idx.compress_ratios[i],
+        budget=idx.budget,
+        rope_style=config.rope_style,
+    )
+    # its indexer slot: one per QSA layer
+    state_index = sum(1 for j in range(i) if idx.compress_ratios[j])
+    return IndexedAttentionMixer(
+        IndexedAttention(config, **_attention_parts(config, i, weights), indexer=indexer), state_index
     )
 
 
@@ -138,6 +233,7 @@ def _deltanet(config: ModelConfig, i: int, weights: WeightSource) -> DeltaNetMix
         head_v_dim=d.head_v_dim,
         value_head_order=d.value_head_order.value,
         norm_eps=config.rms_norm_eps,
+        gate_activation=d.gate_activation,
         **beta_alpha,
     )
     return DeltaNetMixer(deltanet, state_index=sum(config.recurrent_layers[:i]))
@@ -179,15 +275,65 @@ def _sparse_moe(config: ModelConfig, i: int, weights: WeightSource) -> SparseMoE
 _FEED_FORWARD = {MlpKind.DENSE: _mlp, MlpKind.SPARSE_MOE: _sparse_moe, MlpKind.SPARSE_MOE_SHARED: _sparse_moe}
 
 
-def build_layer(config: ModelConfig, i: int, weights: WeightSource) -> DecoderLayer:
+def _hyper_connection(config: ModelConfig, name: str, weights: WeightSource) -> HyperConnection:
+    """The mixer `name` (e.g. `blk.3.hc_attn`) around one block."""
+    streams, rank = config.hc_count * config.hidden_size, config.hc_low_rank
+    return HyperConnection(
+        weights.tensor(name + "_norm.weight", (streams,)),
+        weights.linear(name + "_down.weight", (rank, streams)),
+        weights.linear(name + "_up.weight", (streams, rank)),
+        weights.linear(name + "_inject.weight", (config.hc_count, streams)),
+        hc_count=config.hc_count,
+        norm_eps=config.rms_norm_eps,
+    )
+
+
+def _ple(config: ModelConfig, i: int, weights: WeightSource) -> PLELayer:
+    p, hidden, ple = f"blk.{i}.", config.hidden_size, config.ple
+    assert ple is not None  # only the PLE layer asks
+    streams, num_heads = config.hc_count * hidden, len(ple.head_offsets)
+    # transformers' ple_embed_dim is not in the file; llama.cpp requires it to equal hidden.
+    width = num_heads * ple.table_dim
+    ngram_hash = NGramHash.from_values(ple.layer_multipliers, ple.head_offsets, ple.head_vocab_sizes)
+    table, table_type = weights.table("per_layer_token_embd.weight", ple.table_dim)
+    return PLELayer(
+        NGramEmbedding(table, ngram_hash, ple.eos_token_id, table_type=table_type, dtype=weights.dtype),
+        weights.linear(p + "ple_key.weight", (streams, width)),
+        weights.linear(p + "ple_value.weight", (hidden, width)),
+        weights.tensor(p + "ple_norm_key.weight", (streams,)),
+        weights.tensor(p + "ple_norm_query.weight", (streams,)),
+        weights.tensor(p + "ple_norm_conv.weight", (streams,)),
+        weights.tensor(p + "ple_conv1d.weight", (streams, ple.conv_kernel)),
+        hc_count=config.hc_count,
+        norm_eps=config.rms_norm_eps,
+    )
+
+
+def _token_mixer(config: ModelConfig, i: int, weights: WeightSource) -> TokenMixer:
+    if config.is_hybrid and config.recurrent_layers[i]:
+        return _deltanet(config, i, weights)
+    # A qwen4exp attention layer with compress ratio 0 runs dense, as llama.cpp does (config.py warns).
+    if config.indexer is not None and config.indexer.compress_ratios[i]:
+        return _indexed_attention(config, i, weights)
+    return _attention(config, i, weights)
+
+
+def build_layer(config: ModelConfig, i: int, weights: WeightSource) -> DecoderLayer | HyperConnectedLayer:
     """Layer i of the model `config` describes, weights from `weights`."""
     p, hidden, eps = f"blk.{i}.", config.hidden_size, config.rms_norm_eps
-    recurrent = config.is_hybrid and config.recurrent_layers[i]
+    if config.hc_count:
+        return HyperConnectedLayer(
+            attn_hc=_hyper_connection(config, p + "hc_attn", weights),
+            attention=_token_mixer(config, i, weights),
+            ffn_hc=_hyper_connection(config, p + "hc_ffn", weights),
+            mlp=_FEED_FORWARD[config.mlp_kind](config, i, weights),
+            ple=_ple(config, i, weights) if config.ple is not None and config.ple.layer == i else None,
+        )
     # llama.cpp names the hybrids' pre-MLP norm after Hugging Face's post_attention_layernorm.
     ffn_norm = "post_attention_norm.weight" if config.is_hybrid else "ffn_norm.weight"
     return DecoderLayer(
         attn_norm=RMSNorm(weights.tensor(p + "attn_norm.weight", (hidden,)), eps),
-        attention=_deltanet(config, i, weights) if recurrent else _attention(config, i, weights),
+        attention=_token_mixer(config, i, weights),
         ffn_norm=RMSNorm(weights.tensor(p + ffn_norm, (hidden,)), eps),
         mlp=_FEED_FORWARD[config.mlp_kind](config, i, weights),
     )
@@ -206,10 +352,24 @@ class Decoder(nn.Module):
         vocab_shape = (config.vocab_size, config.hidden_size)
         self.embedding = weights.embedding("token_embd.weight", vocab_shape)
         self.layers = nn.ModuleList(build_layer(config, i, weights) for i in range(config.num_layers))
-        self.norm = RMSNorm(weights.tensor("output_norm.weight", (config.hidden_size,)), config.rms_norm_eps)
+        self.norm = self._final_norm(config, weights)
         output_name = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
         self.output = weights.linear(output_name, vocab_shape)
         self.rotary = RotaryEmbedding(config, device=weights.device, mrope_sections=config.mrope_sections)
+
+    @staticmethod
+    def _final_norm(config: ModelConfig, weights: WeightSource) -> nn.Module:
+        if not config.hc_count:
+            return RMSNorm(weights.tensor("output_norm.weight", (config.hidden_size,)), config.rms_norm_eps)
+        # With several residual streams the output head reads the streams' gated mix (spec 4.3).
+        streams, rank = config.hc_count * config.hidden_size, config.hc_low_rank
+        return StreamMixer(
+            weights.tensor("output_hc_norm.weight", (streams,)),
+            weights.linear("output_hc_down.weight", (rank, streams)),
+            weights.linear("output_hc_up.weight", (streams, rank)),
+            hc_count=config.hc_count,
+            norm_eps=config.rms_norm_eps,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -223,8 +383,10 @@ class Decoder(nn.Module):
         positions = torch.arange(cache.length, cache.length + length, device=self.device)
         cos, sin = self.rotary(positions, self.dtype)
         x = self.embedding(tokens)
+        if self.config.hc_count:
+            x = expand_streams(x, self.config.hc_count)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache)
+            x = layer(x, cos, sin, cache, tokens)
         cache.advance(length)
         if last_only:
             x = x[:, -1:]
@@ -233,18 +395,30 @@ class Decoder(nn.Module):
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         """An empty cache for `batch` sequences of up to `max_len` positions (default: the model's context)."""
         c = self.config
+        max_len = c.context_length if max_len is None else max_len
+        mixers = [layer.attention for layer in self.layers]
         recurrent = [
-            layer.attention.deltanet.new_state(batch, self.dtype, self.device)
-            for layer in self.layers
-            if isinstance(layer.attention, DeltaNetMixer)
+            m.deltanet.new_state(batch, self.dtype, self.device)
+            for m in mixers
+            if isinstance(m, DeltaNetMixer)
         ]
+        indexers = [
+            m.attention.indexer.new_state(batch, max_len, c.rope_dim // 2, self.dtype, self.device)
+            for m in mixers
+            if isinstance(m, IndexedAttentionMixer)
+        ]
+        ple = next(
+            (layer.ple for layer in self.layers if isinstance(layer, HyperConnectedLayer) and layer.ple), None
+        )
         return KVCache(
             num_layers=c.num_layers - len(recurrent),
             batch=batch,
             num_kv_heads=c.num_kv_heads,
-            max_len=c.context_length if max_len is None else max_len,
+            max_len=max_len,
             head_dim=c.head_dim,
             dtype=self.dtype,
             device=self.device,
             recurrent=recurrent,
+            indexers=indexers,
+            ple=None if ple is None else ple.new_state(batch, self.dtype, self.device),
         )

@@ -3,6 +3,7 @@
 Float tensors (F32/F16/BF16) become parameters in the compute dtype. Quantized tensors stay
 quantized: their raw blocks (on the CPU, a view of the memory map) go into `QuantizedLinear` /
 `QuantizedEmbedding` / `QuantizedExpertMatrices`, which dequantize where the weight is used.
+A lookup table (qwen4exp's PLE table) stays as stored, float or blocks, in the memory map.
 """
 
 from collections.abc import Callable
@@ -22,6 +23,11 @@ from bubo.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
 __all__ = ["GGUFWeights", "load_decoder"]
 
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+_TORCH_FLOAT = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
 
 # Tensors a file may hold that the decoder doesn't ask for: rope_freqs is read into the config,
 # attn_rot_embd is an unused leftover of old llama conversions.
@@ -68,9 +74,24 @@ class GGUFWeights:
             return ExpertMatrices(self.tensor(name, shape))
         return QuantizedExpertMatrices(self._raw(t), t.ggml_type, in_features=shape[2])
 
-    def unused(self) -> list[str]:
-        """Tensors of the file the model did not take (and that aren't known to be unneeded)."""
-        return [n for n in self.file.tensors if n not in self._loaded and not n.endswith(_NOT_LOADED)]
+    def table(self, name: str, dim: int) -> tuple[torch.Tensor, GGMLQuantizationType | None]:
+        t = self.file.tensors.get(name)
+        if t is None:
+            raise GGUFError(f"{self.file.path}: missing tensor '{name}'")
+        self._get(name, (t.shape[0], dim))  # checks the row width and the type
+        if t.ggml_type in FLOAT_TYPES:
+            # A zero-copy view of the bytes as floats; lookups convert only the rows they pick.
+            return self._materialise(name, lambda: t.raw.view(_TORCH_FLOAT[t.ggml_type])), None
+        return self._raw(t), t.ggml_type
+
+    def unused(self, ignored: tuple[str, ...] = ()) -> list[str]:
+        """Tensors of the file the model did not take (and that aren't known to be unneeded or `ignored`
+        name prefixes)."""
+        return [
+            n
+            for n in self.file.tensors
+            if n not in self._loaded and not n.endswith(_NOT_LOADED) and not n.startswith(ignored)
+        ]
 
     def _get(self, name: str, shape: tuple[int, ...]) -> GGUFTensor:
         t = self.file.tensors.get(name)
@@ -110,11 +131,17 @@ def load_decoder(
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported compute dtype {dtype}; use float32, bfloat16 or float16")
-    wanted = [n for n in f.tensors if not n.endswith(_NOT_LOADED)]
+    # qwen4exp attention layers with compress ratio 0 run dense and leave their indexer unused, as in
+    # llama.cpp (config_from_gguf warns about such a file).
+    dense = () if config.indexer is None else config.indexer.compress_ratios
+    ignored = tuple(
+        f"blk.{i}.indexer." for i, ratio in enumerate(dense) if ratio == 0 and not config.recurrent_layers[i]
+    )
+    wanted = [n for n in f.tensors if not n.endswith(_NOT_LOADED) and not n.startswith(ignored)]
     with tqdm(total=len(wanted), desc="Loading weights", unit="tensor", disable=not progress) as bar:
         weights = GGUFWeights(f, dtype, torch.device(device), bar)
         model = Decoder(config, weights)
-    unused = weights.unused()
+    unused = weights.unused(ignored)
     if unused:
         shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
         raise GGUFError(f"{f.path}: tensors not used by the {config.architecture} model: {shown}")

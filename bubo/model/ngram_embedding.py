@@ -224,10 +224,17 @@ class PLEState:
     tokens: [B, n − 1] int64, the last n − 1 token ids, oldest first; EOS before the sequence start.
     conv_state: [B, hc·hidden, (Kp − 1)·n], the last (Kp − 1)·n normalised gated values (oldest
         first), zeros before the sequence start, in the activation dtype.
+    eos_token_id: what `tokens` holds before the sequence start.
     """
 
     tokens: torch.Tensor
     conv_state: torch.Tensor
+    eos_token_id: int
+
+    def reset(self) -> None:
+        """Back to an empty sequence."""
+        self.tokens.fill_(self.eos_token_id)
+        self.conv_state.zero_()
 
 
 class PLELayer(nn.Module):
@@ -290,6 +297,7 @@ class PLELayer(nn.Module):
             conv_state=torch.zeros(
                 batch, self.conv_weight.shape[0], self.conv_history, dtype=dtype, device=device
             ),
+            eos_token_id=self.embedding.eos_token_id,
         )
 
     def _norm(self, x: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
