@@ -191,7 +191,8 @@ def _print_layer_plan(f: GGUFFile) -> None:
         print(f"layer plan:   none: Bubo can't build this model: {error}")
         return
     mlp = _mlp_description(config)
-    print(f"layer plan:   {config.num_layers} layers, mlp: {mlp}")
+    streams = f", {config.hc_count} hyper-connected residual streams" if config.hc_count else ""
+    print(f"layer plan:   {config.num_layers} layers{streams}, mlp: {mlp}")
     rows = [("layers", "mixer", "mlp")]
     rows += [(span, mixer, config.mlp_kind.value) for span, mixer in _mixer_runs(config)]
     width = max(len(r[0]) for r in rows)
@@ -202,14 +203,7 @@ def _print_layer_plan(f: GGUFFile) -> None:
 
 def _mixer_runs(config: ModelConfig) -> list[tuple[str, str]]:
     """(layer span such as "0-2", mixer kind) for each run of consecutive layers of one kind."""
-    if config.is_hybrid:
-        # Every attention layer of a hybrid Qwen model gates its output with sigmoid(q_gate).
-        kinds = [
-            "linear attention (Gated DeltaNet)" if recurrent else "gated full attention"
-            for recurrent in config.recurrent_layers
-        ]
-    else:
-        kinds = ["full attention"] * config.num_layers
+    kinds = [_mixer_kind(config, i) for i in range(config.num_layers)]
     runs: list[tuple[str, str]] = []
     start = 0
     for i in range(1, len(kinds) + 1):
@@ -217,6 +211,21 @@ def _mixer_runs(config: ModelConfig) -> list[tuple[str, str]]:
             runs.append((str(start) if i - 1 == start else f"{start}-{i - 1}", kinds[start]))
             start = i
     return runs
+
+
+def _mixer_kind(config: ModelConfig, i: int) -> str:
+    if not config.is_hybrid:
+        return "full attention"
+    if config.recurrent_layers[i]:
+        kind = "linear attention (Gated DeltaNet)"
+        return kind + " + n-gram embedding" if config.ple is not None and config.ple.layer == i else kind
+    ratio = config.indexer.compress_ratios[i] if config.indexer is not None else 0
+    if ratio:
+        return f"indexed sparse attention (QSA, {ratio} tokens/block, budget {config.indexer.budget})"
+    if config.indexer is not None:
+        # The converter slip of qwen4exp.md §2.3: the file says 0, so this layer runs dense, as in llama.cpp.
+        return "gated full attention (QSA off: compress ratio 0)"
+    return "gated full attention"
 
 
 def _mlp_description(config: ModelConfig) -> str:

@@ -12,6 +12,7 @@ the PLE's n-gram context is cut mid-sequence. Measured max |Δlogit|: prefill 2.
 4.3e-5 (the all-zero-ratio file against a dense reference: 2.3e-5, 2.5e-5); tolerance 1e-3. ~10 s.
 """
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
+from bubo import cli
 from bubo.engine.kv_cache import KVCache
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFError, GGUFFile
@@ -236,3 +238,21 @@ def test_ple_on_an_attention_layer_is_refused(reference: Qwen4ExpForCausalLM, tm
     )
     with pytest.raises(GGUFError, match="exactly one linear-attention layer"):
         config_from_gguf(GGUFFile(path))
+
+
+def test_inspect_shows_the_layer_plan(gguf_path: Path, tmp_path: Path, reference, capsys) -> None:
+    assert cli.main(["inspect", str(gguf_path)]) == 0
+    out = capsys.readouterr().out
+    assert "8 layers, 4 hyper-connected residual streams, mlp: sparse MoE, 8 experts, top-3" in out
+    # ple_layer_ids [2] is 1-based: the n-gram embedding sits on 0-based layer 1.
+    assert re.search(r"\n  0\s+linear attention \(Gated DeltaNet\)\s", out)
+    assert re.search(r"\n  1\s+linear attention \(Gated DeltaNet\) \+ n-gram embedding\s", out)
+    assert re.search(r"\n  4-6\s+linear attention \(Gated DeltaNet\)\s", out)
+    assert re.search(r"\n  3\s+indexed sparse attention \(QSA, 4 tokens/block, budget 8\)\s", out)
+
+    dense = write_qwen4exp_gguf(
+        reference, tmp_path / "dense.gguf", metadata_overrides={"qwen4exp.attention.compress_ratios": [0] * 8}
+    )
+    with pytest.warns(UserWarning, match="compress_ratios"):
+        assert cli.main(["inspect", str(dense)]) == 0
+    assert re.search(r"\n  3\s+gated full attention \(QSA off: compress ratio 0\)\s", capsys.readouterr().out)
