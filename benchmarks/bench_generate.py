@@ -131,7 +131,13 @@ def _prompt_ids(tokenize, n: int) -> list[int]:
 
 
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    # VmHWM, not getrusage's ru_maxrss: ru_maxrss survives fork + exec, so a worker spawned by a parent
+    # that holds a big model would report the parent's peak instead of its own.
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # no procfs: the best there is
 
 
 def _run_worker(args: argparse.Namespace) -> dict:
