@@ -21,7 +21,10 @@ import torch
 from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
 from bubo import cli
+from bubo.engine.generate import GenerationResult, generate
 from bubo.engine.kv_cache import KVCache
+from bubo.engine.loaded_model import load_model
+from bubo.engine.sampler import SamplingParams
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.model.attention import Attention
@@ -256,3 +259,23 @@ def test_inspect_shows_the_layer_plan(gguf_path: Path, tmp_path: Path, reference
     with pytest.warns(UserWarning, match="compress_ratios"):
         assert cli.main(["inspect", str(dense)]) == 0
     assert re.search(r"\n  3\s+gated full attention \(QSA off: compress ratio 0\)\s", capsys.readouterr().out)
+
+
+def test_generate_is_greedy_transformers(reference: Qwen4ExpForCausalLM, gguf_path: Path) -> None:
+    loaded = load_model(gguf_path)
+    try:
+        prompt = _tokens()[0, :24].tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        result = list(generate(loaded.model, loaded.tokenizer, prompt, params))[-1]
+        assert isinstance(result, GenerationResult)
+        tokens = list(prompt)
+        with torch.no_grad():
+            for _ in range(len(result.token_ids)):
+                logits = reference(torch.tensor([tokens])).logits[0, -1]
+                for banned in loaded.tokenizer.stop_ids:  # ignore_eos bans them, as llama-server does
+                    logits[banned] = float("-inf")
+                tokens.append(int(logits.argmax()))
+        assert result.token_ids == tokens[len(prompt) :]
+        assert len(result.token_ids) == 10
+    finally:
+        loaded.file.close()
