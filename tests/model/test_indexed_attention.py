@@ -23,39 +23,12 @@ from bubo.gguf.config import ModelConfig, RopeStyle
 from bubo.model.indexed_attention import IndexedAttention, IndexerState, QSAIndexer
 from bubo.model.layers import RMSNorm, RotaryEmbedding
 from tests.fixtures.gguf_writer import randomize_
+from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG
 
 TOLERANCE = 1e-4
 BATCH = 2
 MAX_LEN = 72
 LAYER = 3  # a QSA layer of the 7.1 config
-
-# Spec section 7.1, the fields an attention layer reads.
-_CONFIG = {
-    "vocab_size": 2048,
-    "hidden_size": 64,
-    "num_hidden_layers": 8,
-    "layer_types": ["linear_attention"] * 3
-    + ["full_attention"]
-    + ["linear_attention"] * 3
-    + ["full_attention"],
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 4096,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 10000000.0,
-        "partial_rotary_factor": 0.5,
-        "mrope_section": [2, 1, 1],
-        "mrope_interleaved": True,
-    },
-    "indexer_n_heads": 2,
-    "indexer_kv_heads": 1,
-    "indexer_head_dim": 16,
-    "indexer_budget": 8,
-    "indexer_compress_ratio": 4,
-}
 
 
 def _gguf_tensors(attention: Qwen4ExpTextAttention) -> dict[str, torch.Tensor]:
@@ -90,7 +63,7 @@ class _Case:
     """The transformers layer and Bubo's, built from the same random weights."""
 
     def __init__(self) -> None:
-        self.hf_config = Qwen4ExpTextConfig(**_CONFIG)
+        self.hf_config = Qwen4ExpTextConfig(**TINY_QWEN4EXP_CONFIG)
         self.hf_config._attn_implementation = "eager"
         self.reference = Qwen4ExpTextAttention(self.hf_config, layer_idx=LAYER)
         randomize_(self.reference, seed=0)
@@ -164,7 +137,9 @@ class _Case:
 
 
 def _hidden(length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(BATCH, length, _CONFIG["hidden_size"], generator=torch.Generator().manual_seed(seed))
+    return torch.randn(
+        BATCH, length, TINY_QWEN4EXP_CONFIG["hidden_size"], generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -201,7 +176,7 @@ def test_zero_score_ties_break_as_transformers() -> None:
     """With the indexer's query projection zeroed every block scores 0 (relu), so which blocks are
     kept is decided by torch.topk's tie order over each query's visible blocks, as in transformers."""
     case = _Case()
-    query_rows = _CONFIG["indexer_n_heads"] * _CONFIG["indexer_head_dim"]
+    query_rows = TINY_QWEN4EXP_CONFIG["indexer_n_heads"] * TINY_QWEN4EXP_CONFIG["indexer_head_dim"]
     with torch.no_grad():
         case.reference.indexer.index_qk_proj.weight[:query_rows] = 0
         case.attention.indexer.q_proj.weight.zero_()

@@ -33,6 +33,7 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import (
 )
 
 from bubo.model.ngram_embedding import NGramEmbedding, NGramHash, PLELayer, derive_ngram_hash, ngram_rows
+from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG
 
 TOLERANCE = 1e-4
 HIDDEN, STREAMS, EOS, VOCAB = 64, 4, 1792, 2048
@@ -49,62 +50,8 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-# Spec section 7.1: the unit-test config in which every feature of the model is live.
-SPEC_CONFIG = {
-    "vocab_size": VOCAB,
-    "hidden_size": HIDDEN,
-    "num_hidden_layers": 8,
-    "layer_types": ["linear_attention"] * 3
-    + ["full_attention"]
-    + ["linear_attention"] * 3
-    + ["full_attention"],
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "hidden_act": "silu",
-    "output_gate_type": "sigmoid",
-    "rms_norm_eps": 1e-06,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 10000000.0,
-        "partial_rotary_factor": 0.5,
-        "mrope_section": [2, 1, 1],
-        "mrope_interleaved": True,
-    },
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "num_experts": 8,
-    "num_experts_per_tok": 3,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "norm_topk_prob": True,
-    "hc_count": STREAMS,
-    "hc_lowrank": 16,
-    "indexer_n_heads": 2,
-    "indexer_kv_heads": 1,
-    "indexer_head_dim": 16,
-    "indexer_budget": 8,
-    "indexer_compress_ratio": 4,
-    "ple_layer_ids": [PLE_LAYER + 1],
-    "ple_embed_dim": HIDDEN,
-    "ple_conv_kernel_size": 4,
-    "ngram_size": 3,
-    "heads_per_ngram": 2,
-    "ngram_vocab_size_base": 31,
-    "make_ngram_vocab_size_divisible_by": 128,
-    "split_ngram_parts": 2,
-    "seed": 1234,
-    "eos_token_id": EOS,
-}
-
-
 def _config(ple_embed_dim: int = HIDDEN) -> Qwen4ExpTextConfig:
-    return Qwen4ExpTextConfig(**{**SPEC_CONFIG, "ple_embed_dim": ple_embed_dim})
+    return Qwen4ExpTextConfig(**{**TINY_QWEN4EXP_CONFIG, "ple_embed_dim": ple_embed_dim})
 
 
 def _random_ple(ple_embed_dim: int, seed: int) -> Qwen4ExpTextPLELayer:

@@ -32,63 +32,13 @@ from bubo.model.decoder import Decoder, DeltaNetMixer, HyperConnectedLayer, Inde
 from bubo.model.hyper_connections import StreamMixer
 from bubo.model.loader import load_decoder
 from tests.fixtures.gguf_writer import randomize_
-from tests.fixtures.qwen4exp_gguf import write_qwen4exp_gguf
+from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG, write_qwen4exp_gguf
 
 TOLERANCE = 1e-3  # fp32 Bubo vs fp32 transformers (TESTING.md)
 PREFILL, DECODE, BATCH = 64, 32, 2
 EOS = 1792
 LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
 QSA_LAYERS = [3, 7]
-
-# Spec section 7.1.
-SPEC_CONFIG = {
-    "vocab_size": 2048,
-    "hidden_size": 64,
-    "num_hidden_layers": 8,
-    "layer_types": LAYER_TYPES,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "hidden_act": "silu",
-    "output_gate_type": "sigmoid",
-    "rms_norm_eps": 1e-06,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 10000000.0,
-        "partial_rotary_factor": 0.5,
-        "mrope_section": [2, 1, 1],
-        "mrope_interleaved": True,
-    },
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "num_experts": 8,
-    "num_experts_per_tok": 3,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "norm_topk_prob": True,
-    "hc_count": 4,
-    "hc_lowrank": 16,
-    "indexer_n_heads": 2,
-    "indexer_kv_heads": 1,
-    "indexer_head_dim": 16,
-    "indexer_budget": 8,
-    "indexer_compress_ratio": 4,
-    "ple_layer_ids": [2],
-    "ple_embed_dim": 64,
-    "ple_conv_kernel_size": 4,
-    "ngram_size": 3,
-    "heads_per_ngram": 2,
-    "ngram_vocab_size_base": 31,
-    "make_ngram_vocab_size_divisible_by": 128,
-    "split_ngram_parts": 2,
-    "seed": 1234,
-    "eos_token_id": EOS,
-}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -101,7 +51,7 @@ def _one_thread() -> Iterator[None]:
 
 
 def _reference(**overrides: object) -> Qwen4ExpForCausalLM:
-    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**{**SPEC_CONFIG, **overrides}))
+    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**{**TINY_QWEN4EXP_CONFIG, **overrides}))
     model.config._attn_implementation = "eager"
     randomize_(model)  # every parameter; the 1-D norm gammas (incl. the (1 + w) ones) around 1
     return model.eval()
@@ -125,7 +75,9 @@ def _load(path: Path) -> Decoder:
 def _tokens(seed: int = 1) -> torch.Tensor:
     """[BATCH, PREFILL + DECODE] random ids with EOS at chosen places."""
     shape = (BATCH, PREFILL + DECODE)
-    tokens = torch.randint(0, SPEC_CONFIG["vocab_size"], shape, generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(
+        0, TINY_QWEN4EXP_CONFIG["vocab_size"], shape, generator=torch.Generator().manual_seed(seed)
+    )
     tokens[0, [5, 6, 40]] = EOS  # two in a row, and one that cuts a context mid-sequence
     tokens[1, [0, PREFILL + 3]] = EOS  # at the start, and in the decode part
     return tokens
