@@ -1,10 +1,13 @@
-"""A hybrid MoE model (qwen35moe) through Bubo and transformers, and the decode ceiling of the real one.
+"""Hybrid MoE models (qwen35moe, qwen4exp) through Bubo and transformers, and the decode ceiling of the real one.
 
-Writes a tiny-but-not-trivial random qwen35moe GGUF (Gated DeltaNet + gated attention, shared-expert
-MoE; projections Q8_0, experts Q4_0) with the test fixture writer, then measures prefill and decode
-speed and peak RSS per engine in fresh processes through bench_generate.py's workers. Last it
-estimates, from the real Qwen3.8-Flash-Next shapes (/work/shared/spec/qwen4exp.md section 1), the
-weight bytes one decoded token reads and the decode rate that bandwidth alone allows.
+Writes two tiny-but-not-trivial random GGUFs with the test fixture writers: a qwen35moe (Gated
+DeltaNet + gated attention, shared-expert MoE; projections Q8_0, experts Q4_0) and a qwen4exp of the
+same size (adding QSA, hyper-connections and PLE; all F32, as its fixture writer doesn't quantize).
+Then it measures prefill and decode speed and peak RSS per engine in fresh processes through
+bench_generate.py's workers; transformers 5.24 can't read qwen4exp GGUF (its loader raises "not
+supported yet"), which the table reports as skipped. Last it estimates, from the real
+Qwen3.8-Flash-Next shapes (shared/spec/qwen4exp.md section 1), the weight bytes one decoded
+token reads and the decode rate that bandwidth alone allows.
 
     python benchmarks/bench_hybrid.py
     python benchmarks/bench_hybrid.py --threads 8 --repeats 3 --bandwidth-gbs 4800,25
@@ -13,6 +16,7 @@ weight bytes one decoded token reads and the decode rate that bandwidth alone al
 import argparse
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,6 +55,18 @@ TINY_QWEN35MOE = {
         "mrope_section": [3, 3, 2],
         "mrope_interleaved": True,
     },
+}
+# The same scale over spec section 7.1's tiny qwen4exp (every feature live; ~1 GB in F32). The QSA
+# budget (128) is below the 512-token prompt, so the indexer selects rather than attending densely.
+TINY_QWEN4EXP = {
+    **TINY_QWEN35MOE,
+    "hc_count": 4,
+    "hc_lowrank": 64,
+    "indexer_n_heads": 4,
+    "indexer_head_dim": 64,
+    "indexer_budget": 128,
+    "indexer_compress_ratio": 4,
+    "ple_embed_dim": 512,  # P = H, as llama.cpp requires
 }
 
 # Qwen3.8-Flash-Next, qwen4exp.md section 1 (real dimensions) and section 3 (tensor shapes).
@@ -110,7 +126,7 @@ def print_decode_estimate(bandwidths_gbs: list[float]) -> None:
         print(f"  bandwidth-bound ceiling at {gbs:>6.0f} GB/s: {gbs * 1e9 / nbytes:>8.1f} tok/s")
 
 
-def write_model(path: Path) -> Path:
+def write_qwen35moe(path: Path) -> Path:
     import torch
     from gguf import GGMLQuantizationType as Q
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
@@ -124,6 +140,26 @@ def write_model(path: Path) -> Path:
     quantize = {"blk.*.ffn_*_exps.weight": Q.Q4_0, "output.weight": Q.Q8_0}
     quantize |= {f"blk.*.{name}.weight": Q.Q8_0 for name in q8}
     return write_gguf(model, path, quantize=quantize)
+
+
+def write_qwen4exp(path: Path) -> Path:
+    import torch
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    from tests.fixtures.gguf_writer import randomize_
+    from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG, write_qwen4exp_gguf
+
+    torch.manual_seed(0)
+    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**{**TINY_QWEN4EXP_CONFIG, **TINY_QWEN4EXP}))
+    randomize_(model, std=0.05)
+    return write_qwen4exp_gguf(model, path)
+
+
+# name -> (writer, how its tensors are stored)
+MODELS: dict[str, tuple[Callable[[Path], Path], str]] = {
+    "qwen35moe": (write_qwen35moe, "projections Q8_0, experts Q4_0"),
+    "qwen4exp": (write_qwen4exp, "all F32: the qwen4exp fixture writer doesn't quantize"),
+}
 
 
 def main() -> int:
@@ -142,20 +178,22 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        args.model = write_model(Path(tmp) / "tiny-qwen35moe.gguf")
-        results: dict[str, list[dict]] = {e: [] for e in ENGINES}
-        skipped: dict[str, str] = {}
-        for _ in range(args.repeats):
-            for engine in ENGINES:
-                if engine not in skipped:
-                    outcome = _spawn(engine, args)
-                    if "skipped" in outcome:
-                        skipped[engine] = outcome["skipped"]
-                    else:
-                        results[engine].append(outcome)
-        print(f"tiny qwen35moe: {args.model.stat().st_size / 1e6:.1f} MB (projections Q8_0, experts Q4_0)")
-        _print_table(args, results, skipped)
+    for name, (write, storage) in MODELS.items():
+        # One file at a time: the qwen4exp one is ~1 GB.
+        with tempfile.TemporaryDirectory() as tmp:
+            args.model = write(Path(tmp) / f"tiny-{name}.gguf")
+            results: dict[str, list[dict]] = {e: [] for e in ENGINES}
+            skipped: dict[str, str] = {}
+            for _ in range(args.repeats):
+                for engine in ENGINES:
+                    if engine not in skipped:
+                        outcome = _spawn(engine, args)
+                        if "skipped" in outcome:
+                            skipped[engine] = outcome["skipped"]
+                        else:
+                            results[engine].append(outcome)
+            print(f"\ntiny {name}: {args.model.stat().st_size / 1e6:.1f} MB ({storage})")
+            _print_table(args, results, skipped)
     print_decode_estimate([float(x) for x in args.bandwidth_gbs.split(",")])
     return 0
 

@@ -56,7 +56,8 @@ class WeightSource(Protocol):
         ...
 
     def linear(self, name: str, shape: tuple[int, int], bias: str | None = None) -> nn.Module:
-        """A module computing x W^T (+ b) for the [out, in] weight `name` and optional bias tensor `bias`."""
+        """A module computing x W^T (+ b) for the [out, in] weight `name` and optional bias tensor `bias`;
+        a [1, in] weight may be stored 1-D."""
         ...
 
     def embedding(self, name: str, shape: tuple[int, int]) -> nn.Module:
@@ -260,6 +261,7 @@ def _sparse_moe(config: ModelConfig, i: int, weights: WeightSource) -> SparseMoE
             up=weights.linear(p + "ffn_up_shexp.weight", (width, hidden)),
             down=weights.linear(p + "ffn_down_shexp.weight", (hidden, width)),
         )
+        # Files through llama-quantize hold this [1, H] gate 1-D; GGUFWeights.linear accepts both.
         shared["shared_expert_gate"] = weights.linear(p + "ffn_gate_inp_shexp.weight", (1, hidden))
     return SparseMoE(
         router=weights.linear(p + "ffn_gate_inp.weight", (n, hidden)),

@@ -52,15 +52,16 @@ class GGUFWeights:
         return self._materialise(name, lambda: t.dequantize(self.dtype, self.device))
 
     def linear(self, name: str, shape: tuple[int, int], bias: str | None = None) -> nn.Module:
-        t = self._get(name, shape)
+        stored = self._stored_shape(name, shape)
+        t = self._get(name, stored)
         b = None if bias is None else self.tensor(bias, shape[:1])
         if t.ggml_type in FLOAT_TYPES:
             layer = nn.Linear(shape[1], shape[0], bias=b is not None, device="meta")
-            layer.weight = nn.Parameter(self.tensor(name, shape), requires_grad=False)
+            layer.weight = nn.Parameter(self.tensor(name, stored).view(shape), requires_grad=False)
             if b is not None:
                 layer.bias = nn.Parameter(b, requires_grad=False)
             return layer
-        return QuantizedLinear(self._raw(t), t.ggml_type, in_features=shape[1], bias=b)
+        return QuantizedLinear(self._raw(t).view(shape[0], -1), t.ggml_type, in_features=shape[1], bias=b)
 
     def embedding(self, name: str, shape: tuple[int, int]) -> nn.Module:
         t = self._get(name, shape)
@@ -92,6 +93,13 @@ class GGUFWeights:
             for n in self.file.tensors
             if n not in self._loaded and not n.endswith(_NOT_LOADED) and not n.startswith(ignored)
         ]
+
+    def _stored_shape(self, name: str, shape: tuple[int, int]) -> tuple[int, ...]:
+        """`shape`, or [in] where the file holds a one-row matrix 1-D: the converter writes the shared
+        expert's gate ffn_gate_inp_shexp [1, H], but files that went through llama-quantize hold it
+        [H], so both reach us (shared/spec/qwen4exp.md section 5, item 5)."""
+        t = self.file.tensors.get(name)
+        return shape[1:] if shape[0] == 1 and t is not None and tuple(t.shape) == shape[1:] else shape
 
     def _get(self, name: str, shape: tuple[int, ...]) -> GGUFTensor:
         t = self.file.tensors.get(name)

@@ -7,8 +7,9 @@ heads for the qwen35 family, grouped and a fused ssm_ba for qwen3next, +1 on the
 and loaded by Bubo: a 64-token prefill, then 32 single-token decode steps through the hybrid cache,
 each compared with transformers' full-sequence logits at the same positions. Then the same with
 Q8_0 projections (the reference holds their dequantized values), and greedy generation through
-`generate()` (also reusing its cache for a longer prompt). Measured max |Δlogit|: prefill 3e-5 to
-6e-5, cached decode 3e-5 to 1.1e-4 (qwen3next the largest), Q8_0 alike; tolerance 1e-3.
+`generate()` (also reusing its cache for a longer prompt), and a 1-D shared-expert gate (bitwise
+the same logits). Measured max |Δlogit|: prefill 3e-5 to 6e-5, cached decode 3e-5 to 1.1e-4
+(qwen3next the largest), Q8_0 alike; tolerance 1e-3.
 """
 
 from collections.abc import Iterator
@@ -190,6 +191,22 @@ def test_quantized_projections_match_transformers(arch: str, tmp_path: Path) -> 
     d_prefill, d_decode = _max_deltas(reference, model)
     print(f"{arch} Q8_0: max|Δlogit| prefill {d_prefill:.2e}, cached decode {d_decode:.2e}")
     assert d_prefill <= TOLERANCE and d_decode <= TOLERANCE
+
+
+@pytest.mark.parametrize("quantize", [None, _PROJECTIONS_Q8], ids=["f32", "q8_0"])
+def test_vector_shared_expert_gate(quantize: dict[str, Q] | None, tmp_path: Path) -> None:
+    """llama-quantize leaves ffn_gate_inp_shexp 1-D [H] (qwen4exp.md section 5): same logits as [1, H]."""
+    reference = _reference("qwen35moe")
+    gate = "blk.*.ffn_gate_inp_shexp.weight"
+    matrix = write_gguf(reference, tmp_path / "matrix.gguf", quantize=quantize)
+    vector = write_gguf(reference, tmp_path / "vector.gguf", quantize=quantize, vectors=(gate,))
+    assert GGUFFile(vector).tensors["blk.0.ffn_gate_inp_shexp.weight"].shape == (_COMMON["hidden_size"],)
+    logits = []
+    for path in (matrix, vector):
+        model = _load(path)
+        with torch.no_grad():
+            logits.append(model(_tokens(PREFILL), model.new_cache(batch=BATCH, max_len=PREFILL)))
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_recurrent_cache_resets_but_does_not_rewind(tmp_path: Path) -> None:
