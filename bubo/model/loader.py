@@ -23,6 +23,11 @@ from bubo.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
 __all__ = ["GGUFWeights", "load_decoder"]
 
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+_STORAGE_DTYPE = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
 _TORCH_FLOAT = {
     GGMLQuantizationType.F32: torch.float32,
     GGMLQuantizationType.F16: torch.float16,
@@ -49,7 +54,14 @@ class GGUFWeights:
 
     def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = self._get(name, shape)
-        return self._materialise(name, lambda: t.dequantize(self.dtype, self.device))
+        return self._materialise(name, lambda: self._float(t))
+
+    def _float(self, t: GGUFTensor) -> torch.Tensor:
+        # A float tensor already in the compute dtype is used where it lies in the memory map: a
+        # converted copy would cost its size again on top of the file's pages.
+        if _STORAGE_DTYPE.get(t.ggml_type) == self.dtype and self.device == t.raw.device:
+            return t.raw.view(self.dtype).view(t.shape)
+        return t.dequantize(self.dtype, self.device)
 
     def linear(self, name: str, shape: tuple[int, int], bias: str | None = None) -> nn.Module:
         stored = self._stored_shape(name, shape)

@@ -142,6 +142,15 @@ def test_matches_transformers(name: str, tmp_path: Path) -> None:
     _check_against_reference(reference, model, name)
 
 
+def test_float_weights_in_the_compute_dtype_stay_in_the_memory_map(tmp_path: Path) -> None:
+    path = write_gguf(_reference("llama-untied-llama3-rope"), tmp_path / "f32.gguf")
+    f, model = _load(path)
+    assert model.norm.weight.data_ptr() == f.tensors["output_norm.weight"].raw.data_ptr()
+    assert model.output.weight.data_ptr() == f.tensors["output.weight"].raw.data_ptr()
+    _, converted = _load(path, dtype=torch.bfloat16)  # another dtype needs its own copy
+    assert converted.norm.weight.data_ptr() != f.tensors["output_norm.weight"].raw.data_ptr()
+
+
 @pytest.mark.parametrize("name", QUANT_CASES)
 def test_quantized_weights_match_dequantized_reference(name: str, tmp_path: Path) -> None:
     reference = _reference(name)
