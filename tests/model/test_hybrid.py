@@ -38,6 +38,7 @@ from bubo.model.decoder import Decoder, DeltaNetMixer
 from bubo.model.loader import load_decoder
 from bubo.model.moe import SparseMoE
 from bubo.model.quantized_linear import QuantizedLinear
+from tests.fixtures.compare import prefill_and_decode_deltas
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 
 TOLERANCE = 1e-3  # fp32 Bubo vs fp32 transformers (TESTING.md)
@@ -134,19 +135,6 @@ def _load(path: Path) -> Decoder:
     return load_decoder(f, config_from_gguf(f))
 
 
-def _max_deltas(reference: PreTrainedModel, model: Decoder) -> tuple[float, float]:
-    tokens = _tokens(PREFILL + DECODE)
-    with torch.no_grad():
-        expected = reference(tokens).logits
-        cache = model.new_cache(batch=BATCH, max_len=PREFILL + DECODE)
-        prefill = model(tokens[:, :PREFILL], cache)
-        decode = torch.cat([model(tokens[:, i : i + 1], cache) for i in range(PREFILL, PREFILL + DECODE)], 1)
-    return (
-        (prefill - expected[:, :PREFILL]).abs().max().item(),
-        (decode - expected[:, PREFILL:]).abs().max().item(),
-    )
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_layer_plan_and_parts(arch: str, tmp_path: Path) -> None:
     model = _load(write_gguf(_reference(arch), tmp_path / "model.gguf"))
@@ -176,7 +164,7 @@ def test_layer_plan_and_parts(arch: str, tmp_path: Path) -> None:
 def test_matches_transformers(arch: str, tmp_path: Path) -> None:
     reference = _reference(arch)
     model = _load(write_gguf(reference, tmp_path / "model.gguf"))
-    d_prefill, d_decode = _max_deltas(reference, model)
+    d_prefill, d_decode = prefill_and_decode_deltas(reference, model, _tokens(PREFILL + DECODE), PREFILL)
     print(f"{arch}: max|Δlogit| prefill {d_prefill:.2e}, cached decode {d_decode:.2e}")
     assert d_prefill <= TOLERANCE and d_decode <= TOLERANCE
 
@@ -188,7 +176,7 @@ def test_quantized_projections_match_transformers(arch: str, tmp_path: Path) -> 
     deltanet = model.layers[0].attention.deltanet
     assert isinstance(deltanet.attn_qkv, QuantizedLinear) and isinstance(deltanet.ssm_out, QuantizedLinear)
     assert isinstance(model.layers[1].attention.q_proj, QuantizedLinear)
-    d_prefill, d_decode = _max_deltas(reference, model)
+    d_prefill, d_decode = prefill_and_decode_deltas(reference, model, _tokens(PREFILL + DECODE), PREFILL)
     print(f"{arch} Q8_0: max|Δlogit| prefill {d_prefill:.2e}, cached decode {d_decode:.2e}")
     assert d_prefill <= TOLERANCE and d_decode <= TOLERANCE
 

@@ -23,6 +23,7 @@ from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
 from bubo.model.moe import ExpertMatrices, QuantizedExpertMatrices, SparseMoE
+from tests.fixtures.compare import prefill_and_decode_deltas
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 
 TOLERANCE = 1e-3  # fp32 Bubo vs fp32 transformers (TESTING.md)
@@ -64,13 +65,7 @@ def _load(path: Path) -> tuple[GGUFFile, Decoder]:
 
 def _check_against_reference(reference: Qwen3MoeForCausalLM, model: Decoder, label: str) -> None:
     tokens = _tokens(reference.config.vocab_size)
-    with torch.no_grad():
-        expected = reference(tokens).logits
-        cache = model.new_cache(batch=BATCH, max_len=PREFILL + DECODE)
-        prefill = model(tokens[:, :PREFILL], cache)
-        decode = torch.cat([model(tokens[:, i : i + 1], cache) for i in range(PREFILL, PREFILL + DECODE)], 1)
-    d_prefill = (prefill - expected[:, :PREFILL]).abs().max().item()
-    d_decode = (decode - expected[:, PREFILL:]).abs().max().item()
+    d_prefill, d_decode = prefill_and_decode_deltas(reference, model, tokens, PREFILL)
     print(f"{label}: max|Δlogit| prefill {d_prefill:.2e}, cached decode {d_decode:.2e}")
     assert d_prefill <= TOLERANCE
     assert d_decode <= TOLERANCE

@@ -31,6 +31,7 @@ from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DeltaNetMixer, HyperConnectedLayer, IndexedAttentionMixer
 from bubo.model.hyper_connections import StreamMixer
 from bubo.model.loader import load_decoder
+from tests.fixtures.compare import prefill_and_decode_deltas
 from tests.fixtures.gguf_writer import randomize_
 from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG, write_qwen4exp_gguf
 
@@ -83,19 +84,6 @@ def _tokens(seed: int = 1) -> torch.Tensor:
     return tokens
 
 
-def _max_deltas(reference: Qwen4ExpForCausalLM, model: Decoder) -> tuple[float, float]:
-    tokens = _tokens()
-    with torch.no_grad():
-        expected = reference(tokens).logits
-        cache = model.new_cache(batch=BATCH, max_len=PREFILL + DECODE)
-        prefill = model(tokens[:, :PREFILL], cache)
-        decode = torch.cat([model(tokens[:, i : i + 1], cache) for i in range(PREFILL, PREFILL + DECODE)], 1)
-    return (
-        (prefill - expected[:, :PREFILL]).abs().max().item(),
-        (decode - expected[:, PREFILL:]).abs().max().item(),
-    )
-
-
 def test_config_and_layer_plan(gguf_path: Path) -> None:
     model = _load(gguf_path)
     c = model.config
@@ -129,7 +117,7 @@ def test_ple_table_stays_memory_mapped(gguf_path: Path) -> None:
 
 
 def test_matches_transformers(reference: Qwen4ExpForCausalLM, gguf_path: Path) -> None:
-    d_prefill, d_decode = _max_deltas(reference, _load(gguf_path))
+    d_prefill, d_decode = prefill_and_decode_deltas(reference, _load(gguf_path), _tokens(), PREFILL)
     print(f"qwen4exp: max|Δlogit| prefill {d_prefill:.2e}, cached decode {d_decode:.2e}")
     assert d_prefill <= TOLERANCE and d_decode <= TOLERANCE
 
@@ -167,7 +155,7 @@ def test_all_zero_compress_ratios_warn_and_run_dense(tmp_path: Path) -> None:
     dense.load_state_dict(sparse.state_dict())
     with torch.no_grad():  # the selection matters: the sparse model's logits are not these
         assert (dense(_tokens()).logits - sparse(_tokens()).logits).abs().max() > 100 * TOLERANCE
-    d_prefill, d_decode = _max_deltas(dense, model)
+    d_prefill, d_decode = prefill_and_decode_deltas(dense, model, _tokens(), PREFILL)
     print(f"qwen4exp dense file: max|Δlogit| prefill {d_prefill:.2e}, cached decode {d_decode:.2e}")
     assert d_prefill <= TOLERANCE and d_decode <= TOLERANCE
 
