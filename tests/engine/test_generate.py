@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from bubo.engine.generate import GenerationResult, TextDelta, generate
+from bubo.engine.loaded_model import load_model
 from bubo.engine.sampler import SamplingParams
 
 # ids 0-255: single bytes; then whole words and special tokens.
@@ -292,18 +293,10 @@ def test_closing_the_stream_stops_the_model() -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_path: Any) -> Iterator[Any]:
-    try:
-        from bubo.engine.loaded_model import load_model
-    except ImportError as error:
-        pytest.skip(f"the model modules (bubo.gguf / bubo.model) are not available yet: {error}")
+def smollm2(smollm2_path: Any, one_thread: None) -> Iterator[Any]:
+    # One thread: these few small forwards gain nothing from more (see the one_thread fixture).
     loaded = load_model(smollm2_path)
-    # One thread: these few small forwards gain nothing from more, and OpenMP threads slow down many-fold
-    # when the cores are shared with other test processes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield loaded
-    torch.set_num_threads(threads)
     loaded.file.close()
 
 

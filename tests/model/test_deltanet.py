@@ -11,8 +11,6 @@ Measured max |Δ| (outputs of magnitude ~2): 5e-7 prefill, 1.2e-6 decode, 2.4e-6
 Bubo's own paths (tolerance 1e-4).
 """
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import nn
@@ -45,14 +43,7 @@ DIMS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """These tensors are tiny: with several threads on a busy machine each op waits on the others
-    (~15 ms per matmul measured on 2 loaded cores, against 10 µs on one)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:

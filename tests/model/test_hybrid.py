@@ -12,7 +12,6 @@ the same logits). Measured max |Δlogit|: prefill 3e-5 to 6e-5, cached decode 3e
 (qwen3next the largest), Q8_0 alike; tolerance 1e-3.
 """
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -93,13 +92,7 @@ _PROJECTIONS_Q8 = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors: several threads on a busy machine mostly wait on each other (see test_deltanet)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _reference(arch: str) -> PreTrainedModel:

@@ -16,7 +16,6 @@ the output by 3 to 10.
 """
 
 import itertools
-from collections.abc import Iterator
 
 import gguf
 import numpy as np
@@ -41,13 +40,7 @@ BATCH, LENGTH = 2, 40
 PLE_LAYER = 1  # 0-based; HF ple_layer_ids [2] (1-based), as in 7.1
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors: one thread avoids waiting on the others on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _config(ple_embed_dim: int = HIDDEN) -> Qwen4ExpTextConfig:

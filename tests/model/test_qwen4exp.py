@@ -13,7 +13,6 @@ the PLE's n-gram context is cut mid-sequence. Measured max |Δlogit|: prefill 2.
 """
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,13 +41,7 @@ LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention
 QSA_LAYERS = [3, 7]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors: several threads on a busy machine mostly wait on each other (see test_deltanet)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _reference(**overrides: object) -> Qwen4ExpForCausalLM:
