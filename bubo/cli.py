@@ -1,4 +1,4 @@
-"""The `bubo` command line: generate, inspect (`python -m bubo` is the same)."""
+"""The `bubo` command line: serve, generate, inspect (`python -m bubo` is the same)."""
 
 import argparse
 import os
@@ -23,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except (GGUFError, DefaultModelMissingError, FileNotFoundError, IsADirectoryError, ValueError) as error:
+    except (GGUFError, DefaultModelMissingError, OSError, ValueError) as error:
         # A bad file or bad flag is the user's to fix: one line, no traceback.
         print(f"bubo: error: {error}", file=sys.stderr)
         return 1
@@ -65,6 +65,46 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
     gen.set_defaults(run=_generate)
+
+    srv = commands.add_parser(
+        "serve", help="serve the model over HTTP (OpenAI, Anthropic, llama-server APIs)"
+    )
+    _add_model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route")
+    srv.add_argument(
+        "--served-model-name",
+        "--alias",
+        "-a",
+        default=None,
+        help="the model id clients use (default: from the file name)",
+    )
+    srv.add_argument(
+        "--ctx-size", "-c", type=int, default=None, help="context size in tokens (default: the model's)"
+    )
+    srv.add_argument(
+        "--debug-hooks",
+        action="store_true",
+        help="add /debug/prompt, /debug/cache, /debug/settings (loopback only)",
+    )
+    srv.add_argument(
+        "--max-body-mb", type=float, default=32.0, help="largest request body in MB (default 32)"
+    )
+    srv.add_argument("--temp", "--temperature", type=float, default=0.8, help="default temperature (0.8)")
+    srv.add_argument("--top-k", type=int, default=40, help="default top-k (40; 0 = off)")
+    srv.add_argument("--top-p", type=float, default=0.95, help="default top-p (0.95; 1 = off)")
+    srv.add_argument("--min-p", type=float, default=0.05, help="default min-p (0.05; 0 = off)")
+    srv.add_argument("--repeat-penalty", type=float, default=1.0, help="default repeat penalty (1 = off)")
+    srv.add_argument("--seed", type=int, default=-1, help="default seed (-1 = random per request)")
+    srv.add_argument(
+        "--n-predict",
+        "-n",
+        type=int,
+        default=-1,
+        help="default token limit per request (-1 = until the context ends)",
+    )
+    srv.set_defaults(run=_serve)
 
     ins = commands.add_parser(
         "inspect", help="print a GGUF file's architecture, layer plan, metadata and tensors"
@@ -145,6 +185,54 @@ def _print_stats(result: Any, load_seconds: float) -> None:
         f"finish: {result.finish_reason} ({result.stop_reason}) | seed {result.seed}",
         file=sys.stderr,
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from bubo.engine.sampler import SamplingParams
+    from bubo.server.app import is_loopback, serve
+    from bubo.server.state import ServerSettings, ServerState
+
+    if args.debug_hooks and not is_loopback(args.host):
+        raise ValueError(
+            f"--debug-hooks needs a loopback --host (127.0.0.1, ::1, localhost), not {args.host}"
+        )
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.ctx_size is not None and args.ctx_size < 2:
+        raise ValueError(f"--ctx-size must be at least 2, got {args.ctx_size}")
+    if args.max_body_mb <= 0:
+        raise ValueError(f"--max-body-mb must be positive, got {args.max_body_mb}")
+    if args.n_predict == 0 or args.n_predict < -1:
+        raise ValueError(f"--n-predict must be -1 or a positive integer, got {args.n_predict}")
+    defaults = SamplingParams(
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=None if args.seed == -1 else args.seed,
+        max_tokens=None if args.n_predict == -1 else args.n_predict,
+    )
+    defaults.validate()
+    settings = ServerSettings(
+        model_path=_resolve_model(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        ctx_size=args.ctx_size,
+        debug_hooks=args.debug_hooks,
+        max_body_mb=args.max_body_mb,
+        dtype=DTYPES[args.dtype],
+        device=args.device,
+        threads=args.threads,
+        defaults=defaults,
+    )
+    ServerState(settings).preflight()
+    logging.basicConfig(level=logging.INFO, format="bubo: %(levelname)s %(name)s: %(message)s")
+    return serve(settings)
 
 
 def _inspect(args: argparse.Namespace) -> int:

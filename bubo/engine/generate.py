@@ -17,8 +17,8 @@ from bubo.engine.sampler import Sampler, SamplingParams
 
 FinishReason = Literal["stop", "length"]
 # Why generation ended, in more detail than finish_reason: "eos" (a stop token), "stop_string",
-# "max_tokens", or "context" (the KV cache is full).
-StopReason = Literal["eos", "stop_string", "max_tokens", "context"]
+# "max_tokens", "context" (the KV cache is full) or "cancelled" (the caller's `cancelled()` said so).
+StopReason = Literal["eos", "stop_string", "max_tokens", "context", "cancelled"]
 
 
 class Cache(Protocol):
@@ -123,13 +123,15 @@ def generate(
     *,
     cache: Cache | None = None,
     special: bool = False,
+    cancelled: Callable[[], bool] | None = None,
 ) -> Iterator[GenerationEvent]:
     """Continue `prompt_ids`, yielding TextDelta pieces and then one GenerationResult.
 
     Without `cache`, a fresh one is sized for the prompt plus max_tokens (the model's context when
     there is no limit). A given cache may already hold a prefix of `prompt_ids` (`cache.length` tokens,
     the caller vouches they match): only the rest is computed. `special` keeps the text of special
-    tokens such as <|im_start|>; by default they generate no text, like llama-server.
+    tokens such as <|im_start|>; by default they generate no text, like llama-server. `cancelled` is
+    asked before every forward pass; when it answers True generation ends there (a client went away).
     """
     params.validate()
     prompt = list(prompt_ids)
@@ -200,6 +202,9 @@ def generate(
         if cache.length >= cache.max_len:
             reason = "context"
             break
+        if cancelled is not None and cancelled():
+            reason = "cancelled"
+            break
         logits = model(next_token.view(1, 1), cache)[0, -1]
     finished_at = time.perf_counter()
 
@@ -216,7 +221,7 @@ def generate(
             yield TextDelta(text, pending)
 
     yield GenerationResult(
-        finish_reason="stop" if reason in ("eos", "stop_string") else "length",
+        finish_reason="length" if reason in ("max_tokens", "context") else "stop",
         stop_reason=reason,
         stop_token_id=stop_token,
         stop_string=stops.matched,

@@ -1,0 +1,107 @@
+"""The protocol-neutral request every API dialect builds, and the events every dialect formats.
+
+A dialect adapter validates its body into a `GenerationRequest`; the slot runs it and answers with
+`OutputDelta` pieces (reasoning or answer text) and one `Finished`. Nothing here knows about HTTP or
+about any one API's field names.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from bubo.engine.generate import GenerationResult
+from bubo.engine.sampler import SamplingParams
+
+Channel = Literal["reasoning", "content"]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to run: the prompt (text as rendered, and its token ids) and how to sample.
+
+    `reasoning` says whether the output may hold a `<think>` block to split off; `in_reasoning`
+    whether the prompt already opened it (the generation prompt ends in `<think>\\n`).
+    """
+
+    request_id: str
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    reasoning: bool = False
+    in_reasoning: bool = False
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    channel: Channel
+    text: str
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """How the prompt cache served one request (the same values /debug/cache shows).
+
+    `cache_miss_reason` is None on a hit, else why the prompt was computed from the start:
+    "empty" (nothing cached), "prefix_mismatch" (the cached tokens diverge before the prompt does),
+    "no_snapshot" (a recurrent state can only be kept whole and the prompt does not extend it).
+    """
+
+    cache_hit: bool
+    cached_tokens: int
+    cache_miss_reason: str | None
+    cache_snapshots_skipped: int = 0
+    cache_snapshots: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "cache_hit": self.cache_hit,
+            "cached_tokens": self.cached_tokens,
+            "cache_miss_reason": self.cache_miss_reason,
+            "cache_snapshots": self.cache_snapshots,
+            "cache_snapshots_skipped": self.cache_snapshots_skipped,
+        }
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts and speeds of one request, in the neutral names each dialect maps from."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    reasoning_tokens: int
+    prompt_ms: float
+    predicted_ms: float
+    draft_tokens: int = 0
+    draft_accepted: int = 0
+    cache: CacheReport = field(default_factory=lambda: CacheReport(False, 0, "empty"))
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def prompt_per_second(self) -> float:
+        return (
+            (self.prompt_tokens - self.cached_tokens) / self.prompt_ms * 1000 if self.prompt_ms > 0 else 0.0
+        )
+
+    @property
+    def predicted_per_second(self) -> float:
+        return self.completion_tokens / self.predicted_ms * 1000 if self.predicted_ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event. `finish_reason` is "stop" or "length"; `result` keeps the engine's detail."""
+
+    result: GenerationResult
+    usage: Usage
+    reasoning_text: str
+    content_text: str
+
+    @property
+    def finish_reason(self) -> str:
+        return self.result.finish_reason
+
+
+OutputEvent = OutputDelta | Finished

@@ -1,0 +1,237 @@
+"""The session slot: one sequence of model state that requests take turns on (llama-server's slot).
+
+Requests queue in arrival order on an asyncio lock; the one holding it runs `generate` in a worker
+thread (torch releases the GIL in its kernels, so the event loop keeps serving health checks and
+streams meanwhile) and hands events back through an asyncio queue. A consumer that stops listening
+sets a flag that `generate` checks before every forward pass, so a client that disconnects stops its
+generation within one token; the lock is released only when the worker thread is done with the cache.
+
+The cache is kept between requests: a new prompt that starts with tokens already in the cache
+reuses them (a growing chat history is computed once). A cache with recurrent state (Gated DeltaNet)
+cannot be cut back, so it is reused only when the new prompt extends everything it holds.
+"""
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from bubo.engine.generate import Cache, GenerationResult, Model, TextDelta, Tokenizer, generate
+from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputDelta, OutputEvent, Usage
+from bubo.templates.reasoning import ReasoningSplitter
+
+__all__ = ["DeviceLostError", "SessionSlot", "SlotStats"]
+
+log = logging.getLogger(__name__)
+
+# Messages with which CUDA reports a context that is gone for good (after these every later call
+# fails too, so the process can only report itself broken).
+_DEVICE_LOST_MARKERS = (
+    "device-side assert",
+    "illegal memory access",
+    "unspecified launch failure",
+    "uncorrectable ecc error",
+    "device lost",
+    "cuda error: unknown error",
+    "no cuda gpus are available",
+)
+
+
+class DeviceLostError(RuntimeError):
+    """The accelerator's context is gone; nothing can run on it any more."""
+
+
+def is_device_lost(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, DeviceLostError) or any(marker in text for marker in _DEVICE_LOST_MARKERS)
+
+
+@dataclass
+class SlotStats:
+    """Running totals for /metrics (llama-server's `llamacpp:` names map onto these)."""
+
+    prompt_tokens_total: int = 0
+    prompt_seconds_total: float = 0.0
+    tokens_predicted_total: int = 0
+    predicted_seconds_total: float = 0.0
+    decode_calls_total: int = 0
+    draft_tokens_total: int = 0
+    draft_accepted_total: int = 0
+    requests_total: int = 0
+    requests_processing: int = 0
+    requests_deferred: int = 0
+    requests_deferred_total: int = 0
+
+
+class SessionSlot:
+    """Slot 0: the model, its one cache of `n_ctx` positions, and the queue of requests waiting for it."""
+
+    id = 0
+
+    def __init__(self, model: Model, tokenizer: Tokenizer, n_ctx: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.n_ctx = n_ctx
+        self.stats = SlotStats()
+        self.device_lost = False
+        self.last_cache_report: CacheReport | None = None
+        self.last_prompt_tokens = 0
+        self.last_request_id: str | None = None
+        self._cache: Cache | None = None
+        self._cached_ids: list[int] = []
+        self._lock = asyncio.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bubo-slot")
+
+    @property
+    def is_processing(self) -> bool:
+        return self.stats.requests_processing > 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._cache.length if self._cache is not None else 0
+
+    async def run(self, request: GenerationRequest) -> AsyncIterator[OutputEvent]:
+        """Wait for the slot, then stream the request's events; closing the iterator cancels it."""
+        if self.device_lost:
+            raise DeviceLostError("the accelerator was lost; restart the server")
+        if self._lock.locked():
+            self.stats.requests_deferred += 1
+            self.stats.requests_deferred_total += 1
+            try:
+                await self._lock.acquire()
+            finally:
+                self.stats.requests_deferred -= 1
+        else:
+            await self._lock.acquire()
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[OutputEvent | BaseException] = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def put(item: OutputEvent | BaseException) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, item)
+
+        self.stats.requests_processing += 1
+        try:
+            worker = loop.run_in_executor(self._executor, self._work, request, put, cancelled)
+        except BaseException:
+            self.stats.requests_processing -= 1
+            self._lock.release()
+            raise
+
+        def done(_: object) -> None:
+            self.stats.requests_processing -= 1
+            self._lock.release()
+
+        worker.add_done_callback(done)
+        try:
+            while True:
+                item = await events.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, Finished):
+                    return
+        finally:
+            cancelled.set()
+
+    def _work(
+        self,
+        request: GenerationRequest,
+        put: Callable[[OutputEvent | BaseException], None],
+        cancelled: threading.Event,
+    ) -> None:
+        try:
+            for event in self._generate(request, cancelled):
+                put(event)
+        except BaseException as error:  # handed to the request's coroutine, which reports it
+            if is_device_lost(error):
+                self.device_lost = True
+                log.error("request %s: the accelerator was lost: %s", request.request_id, error)
+                error = DeviceLostError(str(error))
+            put(error)
+
+    def _reuse(self, prompt: list[int]) -> CacheReport:
+        """Cut the cache back to the longest prefix it shares with `prompt`, and say what was kept."""
+        if self._cache is None:
+            self._cache = self.model.new_cache(max_len=self.n_ctx)
+        cache = self._cache
+        common = 0
+        for a, b in zip(self._cached_ids, prompt, strict=False):
+            if a != b:
+                break
+            common += 1
+        # The last prompt token always goes through the model: its logits give the first new token.
+        keep = min(common, len(prompt) - 1)
+        reason: str | None = None
+        if keep == 0:
+            reason = "empty" if not self._cached_ids else "prefix_mismatch"
+        elif keep < cache.length and not cache.can_rewind:
+            keep, reason = 0, "no_snapshot"
+        cache.truncate(keep)
+        self._cached_ids = self._cached_ids[:keep]
+        return CacheReport(cache_hit=keep > 0, cached_tokens=keep, cache_miss_reason=reason)
+
+    def _generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[OutputEvent]:
+        prompt = request.prompt_ids
+        report = self._reuse(prompt)
+        self.last_cache_report = report
+        self.last_prompt_tokens = len(prompt)
+        self.last_request_id = request.request_id
+        assert self._cache is not None
+        splitter = ReasoningSplitter(in_reasoning=request.in_reasoning) if request.reasoning else None
+        reasoning: list[str] = []
+        content: list[str] = []
+        reasoning_tokens = 0
+        result: GenerationResult | None = None
+        try:
+            for event in generate(
+                self.model,
+                self.tokenizer,
+                prompt,
+                request.params,
+                cache=self._cache,
+                cancelled=cancelled.is_set,
+            ):
+                if isinstance(event, TextDelta):
+                    pieces = splitter.feed(event.text) if splitter else [("content", event.text)]
+                    if any(channel == "reasoning" for channel, _ in pieces) or (
+                        splitter and splitter.in_reasoning
+                    ):
+                        reasoning_tokens += len(event.token_ids)
+                    for channel, text in pieces:
+                        (reasoning if channel == "reasoning" else content).append(text)
+                        yield OutputDelta(channel, text)
+                else:
+                    result = event
+        finally:
+            # Whatever happened, the cache holds exactly the tokens that went through the model.
+            done = result.token_ids if result is not None else []
+            self._cached_ids = (prompt + done)[: self._cache.length]
+            if len(self._cached_ids) != self._cache.length:
+                self._cache.truncate(0)
+                self._cached_ids = []
+        if splitter:
+            for channel, text in splitter.flush():
+                (reasoning if channel == "reasoning" else content).append(text)
+                yield OutputDelta(channel, text)
+        assert result is not None
+        timings = result.timings
+        usage = Usage(
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            cached_tokens=result.cached_tokens,
+            reasoning_tokens=reasoning_tokens,
+            prompt_ms=timings.prefill_seconds * 1000,
+            predicted_ms=timings.decode_seconds * 1000,
+            cache=report,
+        )
+        stats = self.stats
+        stats.requests_total += 1
+        stats.prompt_tokens_total += timings.prefill_tokens
+        stats.prompt_seconds_total += timings.prefill_seconds
+        stats.tokens_predicted_total += result.completion_tokens
+        stats.predicted_seconds_total += timings.decode_seconds
+        stats.decode_calls_total += timings.decode_tokens
+        yield Finished(result, usage, "".join(reasoning), "".join(content))

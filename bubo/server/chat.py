@@ -1,0 +1,187 @@
+"""Chat requests, whatever their dialect, as the template sees them, and the thinking switch.
+
+Each dialect turns its own message format into OpenAI-style template messages (role, content,
+tool_calls, tool_call_id, reasoning_content); this module checks them, decides whether thinking is on
+from `reasoning_effort` / `thinking` / `chat_template_kwargs` (which must agree), and renders them
+with the model's template into the prompt text and tokens the engine runs.
+"""
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from bubo.server.errors import ApiError, bad_field
+from bubo.server.fields import Body
+
+__all__ = [
+    "REASONING_EFFORTS",
+    "ChatRequest",
+    "ThinkingChoice",
+    "chat_messages",
+    "thinking_choice",
+    "tool_list",
+]
+
+REASONING_EFFORTS = ("off", "minimal", "low", "medium", "high", "xhigh", "max")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class ThinkingChoice:
+    """`enabled` None leaves the template's default; `effort` is the requested level, if any."""
+
+    enabled: bool | None = None
+    effort: str | None = None
+
+
+@dataclass
+class ChatRequest:
+    """A conversation ready for the template."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    thinking: ThinkingChoice = field(default_factory=ThinkingChoice)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+
+
+def thinking_choice(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
+    """Read `reasoning_effort`, `thinking` and `chat_template_kwargs`; 400 when they disagree.
+
+    Returns the choice and the remaining template kwargs (enable_thinking / reasoning_effort are
+    re-derived from the choice, so the template always sees one consistent answer).
+    """
+    effort = body.string("reasoning_effort", choices=REASONING_EFFORTS)
+    enabled: bool | None = None if effort is None else effort != "off"
+
+    thinking = body.object("thinking")
+    if thinking is not None:
+        kind = thinking.get("type")
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise bad_field("thinking", f'type must be "enabled" or "disabled", got {kind!r}')
+        wanted = kind != "disabled"
+        if enabled is not None and wanted != enabled:
+            raise _conflict("thinking", f"thinking.type {kind!r} contradicts reasoning_effort {effort!r}")
+        enabled = wanted
+
+    kwargs = dict(body.object("chat_template_kwargs") or {})
+    if "enable_thinking" in kwargs:
+        flag = kwargs.pop("enable_thinking")
+        if not isinstance(flag, bool):
+            raise bad_field("chat_template_kwargs.enable_thinking", "must be true or false")
+        if enabled is not None and flag != enabled:
+            raise _conflict(
+                "chat_template_kwargs", f"enable_thinking={flag} contradicts the request's thinking setting"
+            )
+        enabled = flag
+    if "reasoning_effort" in kwargs:
+        level = kwargs.pop("reasoning_effort")
+        if level not in REASONING_EFFORTS:
+            raise bad_field(
+                "chat_template_kwargs.reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}"
+            )
+        if effort is not None and level != effort:
+            raise _conflict("chat_template_kwargs", f"reasoning_effort {level!r} contradicts {effort!r}")
+        if enabled is not None and (level != "off") != enabled:
+            raise _conflict(
+                "chat_template_kwargs", f"reasoning_effort {level!r} contradicts the thinking setting"
+            )
+        effort, enabled = level, level != "off"
+    return ThinkingChoice(enabled, effort), kwargs
+
+
+def _conflict(field_name: str, message: str) -> ApiError:
+    return ApiError(400, "conflicting_fields", f"{field_name}: {message}", param=field_name)
+
+
+def _text_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A string stays a string; an array of text parts becomes their text. Other parts (images) are
+    refused: a text model cannot see them."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_field(where, "content must be a string or an array of content parts")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, Mapping):
+            raise bad_field(f"{where}[{i}]", "a content part must be an object")
+        kind = part.get("type")
+        if kind in ("text", "input_text", "output_text"):
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_field(f"{where}[{i}].text", "must be a string")
+            texts.append(text)
+        elif kind in ("image_url", "image", "input_image", "input_audio", "video", "file"):
+            raise ApiError(
+                400,
+                "unsupported_content",
+                f"{where}[{i}]: this model takes text only, not {kind!r} parts",
+                param=where,
+            )
+        else:
+            raise bad_field(f"{where}[{i}].type", f"unknown content part type {kind!r}")
+    return "\n".join(texts)
+
+
+def chat_messages(raw: Any, field_name: str = "messages") -> list[dict[str, Any]]:
+    """Check OpenAI-style messages and flatten text-part content; 400 missing_messages when absent."""
+    if raw is None or raw == []:
+        raise ApiError(
+            400,
+            "missing_messages",
+            f"{field_name} is required and must be a non-empty array",
+            param=field_name,
+        )
+    if not isinstance(raw, list):
+        raise bad_field(field_name, "must be a non-empty array of messages")
+    messages = []
+    for i, message in enumerate(raw):
+        where = f"{field_name}[{i}]"
+        if not isinstance(message, Mapping):
+            raise bad_field(where, "a message must be an object")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise bad_field(f"{where}.role", f"must be one of {', '.join(_ROLES)}; got {role!r}")
+        out = dict(message)
+        if role == "developer":
+            out["role"] = "system"
+        content = message.get("content")
+        if content is None:
+            if role != "assistant":
+                raise bad_field(f"{where}.content", "is required")
+        else:
+            out["content"] = _text_content(content, f"{where}.content")
+        calls = message.get("tool_calls")
+        if calls is not None:
+            out["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        messages.append(out)
+    return messages
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """Assistant tool calls as the templates expect them: arguments as an object when they parse."""
+
+    if not isinstance(calls, list):
+        raise bad_field(where, "must be an array")
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise bad_field(f"{where}[{i}].function", "must be an object with a name")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                raise bad_field(f"{where}[{i}].function.arguments", "is not valid JSON") from None
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+def tool_list(tools: Any, field_name: str = "tools") -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        raise bad_field(field_name, "must be an array of tool objects")
+    return [dict(t) for t in tools] or None

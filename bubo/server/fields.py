@@ -1,0 +1,219 @@
+"""Reading request bodies: JSON parsing, typed field access, and the fields every dialect shares
+(sampling, stop strings, token limits, the model name). Every failure is a 400 that names the field."""
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from aiohttp import web
+
+from bubo.engine.sampler import SamplingParams
+from bubo.server.errors import ApiError, bad_field
+
+__all__ = ["Body", "read_json", "reject_n", "sampling_params"]
+
+
+async def read_json(request: web.Request) -> "Body":
+    """The body as a JSON object; malformed JSON, or JSON that is not an object, is 400 parse_error."""
+    raw = await request.read()
+    try:
+        data = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(400, "parse_error", f"the request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        kind = "empty" if data is None else f"a JSON {type(data).__name__}"
+        raise ApiError(400, "parse_error", f"the request body must be a JSON object, got {kind}")
+    return Body(data)
+
+
+def _type_name(value: object) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number"
+    )
+
+
+class Body:
+    """A JSON object with getters that check types; `None` (JSON null) counts as absent."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self.data = data
+
+    def __contains__(self, name: str) -> bool:
+        return self.data.get(name) is not None
+
+    def raw(self, name: str, default: Any = None) -> Any:
+        value = self.data.get(name)
+        return default if value is None else value
+
+    def string(self, name: str, default: str | None = None, *, choices: Sequence[str] = ()) -> str | None:
+        value = self.data.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise bad_field(name, f"must be a string, got {_type_name(value)}")
+        if choices and value not in choices:
+            raise bad_field(name, f"must be one of {', '.join(choices)}; got {value!r}")
+        return value
+
+    def boolean(self, name: str, default: bool = False) -> bool:
+        value = self.data.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise bad_field(name, f"must be true or false, got {_type_name(value)}")
+        return value
+
+    def integer(
+        self, name: str, default: int | None = None, *, minimum: int | None = None, maximum: int | None = None
+    ) -> int | None:
+        value = self.data.get(name)
+        if value is None:
+            return default
+        # JSON has one number type: 5.0 is an integer, 5.5 is not.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad_field(
+                name,
+                f"must be an integer, got {_type_name(value) if not isinstance(value, float) else value}",
+            )
+        if minimum is not None and value < minimum:
+            raise bad_field(name, f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise bad_field(name, f"must be <= {maximum}, got {value}")
+        return value
+
+    def number(
+        self,
+        name: str,
+        default: float | None = None,
+        *,
+        minimum: float | None = None,
+        maximum: float | None = None,
+    ) -> float | None:
+        value = self.data.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise bad_field(name, f"must be a finite number, got {_type_name(value)}")
+        if minimum is not None and value < minimum:
+            raise bad_field(name, f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise bad_field(name, f"must be <= {maximum}, got {value}")
+        return float(value)
+
+    def array(self, name: str, default: list[Any] | None = None) -> list[Any] | None:
+        value = self.data.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, list):
+            raise bad_field(name, f"must be an array, got {_type_name(value)}")
+        return value
+
+    def object(self, name: str, default: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        value = self.data.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, dict):
+            raise bad_field(name, f"must be an object, got {_type_name(value)}")
+        return value
+
+    def token_limit(self, *names: str) -> int | None:
+        """The first of `names` that is set: -1 or null keep the server default (None); anything else
+        must be a positive integer."""
+        for name in names:
+            value = self.integer(name)
+            if value is None or value == -1:
+                continue
+            if value < 1:
+                raise bad_field(
+                    name, f"must be a positive integer, or -1 for the server default; got {value}"
+                )
+            return value
+        return None
+
+    def stop(self, name: str = "stop") -> list[str]:
+        """A string or an array of non-empty strings."""
+        value = self.data.get(name)
+        if value is None:
+            return []
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not all(isinstance(s, str) for s in values):
+            raise bad_field(name, "must be a string or an array of strings")
+        if any(s == "" for s in values):
+            raise bad_field(name, "stop strings must not be empty")
+        return list(values)
+
+
+def _logit_bias(body: Body, vocab_size: int) -> dict[int, float]:
+    """OpenAI's {"token id": bias} map, or llama-server's [[id, bias], …] list; a bias of false bans."""
+    value = body.data.get("logit_bias")
+    if value is None:
+        return {}
+    pairs: list[tuple[Any, Any]]
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+        pairs = [(p[0], p[1]) for p in value]
+    else:
+        raise bad_field("logit_bias", "must be an object mapping token ids to biases, or [[id, bias], …]")
+    bias: dict[int, float] = {}
+    for key, amount in pairs:
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise bad_field("logit_bias", f"keys must be token ids, got {key!r}") from None
+        if not 0 <= token < vocab_size:
+            raise bad_field("logit_bias", f"token id {token} is outside the vocabulary (size {vocab_size})")
+        if amount is False:
+            bias[token] = -math.inf
+        elif isinstance(amount, bool) or not isinstance(amount, int | float) or not math.isfinite(amount):
+            raise bad_field("logit_bias", f"the bias for token {token} must be a finite number or false")
+        else:
+            bias[token] = float(amount)
+    return bias
+
+
+def sampling_params(
+    body: Body, defaults: SamplingParams, vocab_size: int, *, limit_fields: Sequence[str] = ("max_tokens",)
+) -> SamplingParams:
+    """The sampling fields every dialect shares, over the server's defaults (llama-server's names)."""
+    d = defaults
+    top_k = body.integer("top_k", d.top_k)
+    seed = body.integer("seed", d.seed, minimum=-1, maximum=2**64 - 1)
+    limit = body.token_limit(*limit_fields)
+    params = replace(
+        d,
+        temperature=body.number("temperature", d.temperature, minimum=0.0),
+        top_k=max(top_k, 0) if top_k is not None else d.top_k,
+        top_p=body.number("top_p", d.top_p, minimum=0.0, maximum=1.0),
+        min_p=body.number("min_p", d.min_p, minimum=0.0, maximum=1.0),
+        seed=None if seed == -1 else seed,
+        repeat_penalty=body.number("repeat_penalty", d.repeat_penalty, minimum=0.0),
+        repeat_last_n=body.integer("repeat_last_n", d.repeat_last_n, minimum=-1),
+        presence_penalty=body.number("presence_penalty", d.presence_penalty, minimum=-2.0, maximum=2.0),
+        frequency_penalty=body.number("frequency_penalty", d.frequency_penalty, minimum=-2.0, maximum=2.0),
+        logit_bias=_logit_bias(body, vocab_size) or dict(d.logit_bias),
+        max_tokens=limit if limit is not None else d.max_tokens,
+        stop=body.stop() or list(d.stop),
+        ignore_eos=body.boolean("ignore_eos", d.ignore_eos),
+    )
+    if params.top_p == 0.0:
+        # OpenAI allows top_p 0 and means "only the most likely token".
+        params = replace(params, top_p=1.0, top_k=1)
+    if params.repeat_penalty == 0.0:
+        raise bad_field("repeat_penalty", "must be > 0 (1 disables it)")
+    try:
+        params.validate()
+    except ValueError as error:
+        raise ApiError(400, "invalid_value", str(error)) from None
+    return params
+
+
+def reject_n(body: Body) -> None:
+    """Only one choice per request is generated."""
+    n = body.integer("n")
+    if n is not None and n != 1:
+        raise ApiError(400, "unsupported_n", f"n: only 1 is supported, got {n}", param="n")

@@ -1,0 +1,5 @@
+from aiohttp import web
+
+
+def routes() -> list[web.RouteDef]:
+    return []

@@ -1,0 +1,284 @@
+"""What the server knows: its settings, the model once loaded, the slot, and the shared steps every
+dialect takes between validating a body and formatting the answer (model name resolution, rendering
+a chat, tokenizing, the memory guard, running on the slot)."""
+
+import logging
+import re
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bubo.engine.loaded_model import LoadedModel, load_model
+from bubo.engine.request import Finished, GenerationRequest, OutputEvent
+from bubo.engine.sampler import SamplingParams
+from bubo.engine.slot import DeviceLostError, SessionSlot
+from bubo.gguf.config import config_from_gguf
+from bubo.gguf.reader import GGUFFile
+from bubo.server.chat import ChatRequest
+from bubo.server.errors import ApiError
+from bubo.server.memory_guard import MemoryGuard, MemoryProbe, SystemMemoryProbe, request_cost
+from bubo.templates.chat_template import ChatTemplate, ChatTemplateError
+
+__all__ = ["RenderedPrompt", "ServerSettings", "ServerState", "model_id_from_path", "new_id"]
+
+log = logging.getLogger("bubo.server")
+
+SERVED_ALIAS = "bubo"
+
+
+def model_id_from_path(path: Path) -> str:
+    """The served id for a file: its name lowercased, a dot inside a version number dropped, other
+    separators as dashes (Huihui-Qwen3.8-Flash-Next-UD-Q4_K_XL-v1.gguf -> huihui-qwen38-flash-next-ud-q4-k-xl-v1)."""
+    name = re.sub(r"(?<=\d)\.(?=\d)", "", path.stem.lower())
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "model"
+
+
+def new_id(prefix: str) -> str:
+    """An id like OpenAI's: prefix plus 24 random lowercase letters and digits."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    return prefix + "".join(secrets.choice(alphabet) for _ in range(24))
+
+
+@dataclass
+class ServerSettings:
+    model_path: Path
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    served_model_name: str | None = None
+    ctx_size: int | None = None
+    debug_hooks: bool = False
+    max_body_mb: float = 32.0
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    threads: int | None = None
+    defaults: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A chat rendered by the template: the text, its tokens, and where reasoning stands at its end."""
+
+    text: str
+    ids: list[int]
+    reasoning: bool
+    in_reasoning: bool
+
+
+class ServerState:
+    """Shared by every handler. The model loads in a background thread so the port opens at once."""
+
+    def __init__(self, settings: ServerSettings, memory_probe: MemoryProbe | None = None) -> None:
+        self.settings = settings
+        self.created = int(time.time())
+        self.model_id = settings.served_model_name or model_id_from_path(settings.model_path)
+        self.context_length: int | None = None
+        self.loaded: LoadedModel | None = None
+        self.slot: SessionSlot | None = None
+        self.template: ChatTemplate | None = None
+        self.guard: MemoryGuard | None = None
+        self.load_error: BaseException | None = None
+        self._memory_probe = memory_probe
+        self._ready = threading.Event()
+
+    # Loading
+
+    def preflight(self) -> None:
+        """Read the file's header and config (fast): a bad path or an unsupported file fails here, before
+        the port opens, with GGUFError / UnsupportedArchitectureError / OSError."""
+        path = self.settings.model_path
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"model file not found: {path}" if not path.exists() else f"not a file: {path}"
+            )
+        with GGUFFile(path) as file:
+            config = config_from_gguf(file)
+        self.context_length = self._n_ctx(config.context_length)
+
+    def _n_ctx(self, trained: int) -> int:
+        return min(self.settings.ctx_size or trained, trained)
+
+    def load(self) -> None:
+        """Load the model (blocking; run it in a thread). Failures are kept in `load_error`."""
+        try:
+            if self.settings.threads:
+                torch.set_num_threads(self.settings.threads)
+            loaded = load_model(
+                self.settings.model_path, dtype=self.settings.dtype, device=self.settings.device
+            )
+            self.attach(loaded)
+        except BaseException as error:
+            self.load_error = error
+            raise
+
+    def attach(self, loaded: LoadedModel) -> None:
+        """Serve an already loaded model (the tests' shortcut past `load`)."""
+        config = loaded.config
+        n_ctx = self._n_ctx(config.context_length)
+        self.context_length = n_ctx
+        tokenizer = loaded.tokenizer
+        special = {
+            name: tokenizer.decode([token_id])
+            for name, token_id in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id))
+            if token_id is not None
+        }
+        source = loaded.file.metadata.get("tokenizer.chat_template")
+        try:
+            template = (
+                ChatTemplate(source, special) if isinstance(source, str) else ChatTemplate.fallback(special)
+            )
+        except ChatTemplateError as error:
+            log.warning("%s; using the ChatML fallback", error)
+            template = ChatTemplate.fallback(special)
+        self.template = template
+        self.guard = MemoryGuard(
+            self._memory_probe or SystemMemoryProbe(loaded.model.device),
+            request_cost(config, self.settings.dtype),
+        )
+        self.slot = SessionSlot(loaded.model, tokenizer, n_ctx)
+        self.loaded = loaded
+        self._ready.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def device_lost(self) -> bool:
+        return self.slot is not None and self.slot.device_lost
+
+    @property
+    def served_ids(self) -> list[str]:
+        return [self.model_id] if self.model_id == SERVED_ALIAS else [self.model_id, SERVED_ALIAS]
+
+    def require_ready(self) -> LoadedModel:
+        if self.device_lost:
+            raise ApiError(
+                503,
+                "device_lost",
+                "the accelerator was lost; restart the server",
+                top_level={"status": "device_lost"},
+            )
+        if self.loaded is None or self.slot is None:
+            raise ApiError(503, "not_ready", "the model is still loading", headers={"Retry-After": "5"})
+        return self.loaded
+
+    # The shared steps
+
+    def resolve_model(self, name: Any, *, required: bool = True) -> str:
+        """The name to echo back; 400 missing_model without one (where required), 404 for another model."""
+        if name is None or name == "":
+            if required:
+                raise ApiError(
+                    400,
+                    "missing_model",
+                    "model is required: use " + " or ".join(repr(i) for i in self.served_ids),
+                    param="model",
+                )
+            return self.model_id
+        if not isinstance(name, str):
+            raise ApiError(400, "invalid_value", "model: must be a string", param="model")
+        if name not in self.served_ids:
+            raise ApiError(
+                404,
+                "model_not_found",
+                f"model '{name}' is not served by this process; it serves '{self.model_id}' (also as 'bubo')",
+                param="model",
+            )
+        return name
+
+    @property
+    def n_ctx(self) -> int:
+        assert self.slot is not None
+        return self.slot.n_ctx
+
+    def tokenize(self, text: str, *, parse_special: bool = True) -> list[int]:
+        """Prompt tokens; BOS as the file says, unless the text already starts with it (templates
+        that write `bos_token` themselves would otherwise get two)."""
+        loaded = self.require_ready()
+        tokenizer = loaded.tokenizer
+        ids = tokenizer.encode(text, parse_special=parse_special)
+        bos = tokenizer.bos_id
+        if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]
+        return ids
+
+    def render(self, chat: ChatRequest) -> str:
+        """The prompt text of a chat, exactly as generation uses it."""
+        self.require_ready()
+        assert self.template is not None
+        kwargs = dict(chat.template_kwargs)
+        if chat.thinking.enabled is not None:
+            kwargs["enable_thinking"] = chat.thinking.enabled
+        if chat.thinking.effort is not None:
+            kwargs["reasoning_effort"] = chat.thinking.effort
+        try:
+            return self.template.render(
+                chat.messages, tools=chat.tools, add_generation_prompt=chat.add_generation_prompt, **kwargs
+            )
+        except ChatTemplateError as error:
+            raise ApiError(400, "template_error", str(error)) from None
+
+    def render_prompt(self, chat: ChatRequest) -> RenderedPrompt:
+        text = self.render(chat)
+        assert self.template is not None
+        thinking = self.template.supports_thinking and chat.thinking.enabled is not False
+        opened = text.rstrip().endswith("<think>")
+        ids = self.tokenize(text)
+        return RenderedPrompt(text, ids, reasoning=thinking or opened, in_reasoning=opened)
+
+    def check_context(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ApiError(
+                400, "empty_prompt", "the prompt is empty: give at least one token", param="prompt"
+            )
+        if len(prompt_ids) >= self.n_ctx:
+            raise ApiError(
+                400,
+                "context_length_exceeded",
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.n_ctx} "
+                "(prompt plus at least one generated token); shorten the prompt",
+            )
+
+    def request(
+        self,
+        prompt: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        reasoning: bool = False,
+        in_reasoning: bool = False,
+    ) -> GenerationRequest:
+        self.check_context(prompt_ids)
+        assert self.guard is not None and self.slot is not None
+        limit = params.token_limit
+        total = len(prompt_ids) + (self.n_ctx if limit is None else limit)
+        self.guard.check(len(prompt_ids), max(0, min(total, self.n_ctx) - self.slot.cached_tokens))
+        return GenerationRequest(new_id("req_"), prompt, prompt_ids, params, reasoning, in_reasoning)
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[OutputEvent]:
+        """Run on the slot; closing this iterator (a client gone) stops the generation."""
+        self.require_ready()
+        assert self.slot is not None
+        try:
+            async with aclosing(self.slot.run(request)) as events:
+                async for event in events:
+                    yield event
+        except DeviceLostError as error:
+            raise ApiError(
+                503, "device_lost", f"the accelerator was lost: {error}", top_level={"status": "device_lost"}
+            ) from None
+
+    async def complete(self, request: GenerationRequest) -> Finished:
+        async with aclosing(self.stream(request)) as events:
+            async for event in events:
+                if isinstance(event, Finished):
+                    return event
+        raise RuntimeError("the generation ended without a result")

@@ -1,0 +1,128 @@
+"""Chat templates rendered the way transformers' `apply_chat_template` renders them.
+
+A GGUF's `tokenizer.chat_template` is untrusted input, so it runs in Jinja2's immutable sandbox. The
+environment mirrors transformers 5.x (`utils/chat_template_utils.py`): `trim_blocks`/`lstrip_blocks`,
+the loop-controls extension, a `tojson` that is plain `json.dumps` (no key sorting, no HTML escaping,
+non-ASCII kept), the globals `raise_exception` and `strftime_now`, and the same message preprocessing
+(None-valued keys dropped; `reasoning_content` / `thinking` / `reasoning` aliased to one another).
+"""
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from importlib.resources import files
+from typing import Any
+
+import jinja2
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+__all__ = ["ChatTemplate", "ChatTemplateError"]
+
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+class ChatTemplateError(ValueError):
+    """The template could not render this conversation (a syntax error, or its own raise_exception)."""
+
+
+class _GenerationTag(Extension):
+    """transformers' `{% generation %}…{% endgeneration %}` marks assistant text for training masks;
+    for rendering it is a no-op block."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _preprocess(message: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop None-valued keys (so `content: null` reads as undefined) and alias the reasoning keys."""
+    out = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((out[key] for key in _REASONING_KEYS if key in out), None)
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
+        out["thinking"] = reasoning
+    return out
+
+
+class ChatTemplate:
+    """One compiled template plus the special-token strings it may refer to (`bos_token`, …)."""
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as error:
+            raise ChatTemplateError(
+                f"the chat template does not parse: {error} (line {error.lineno})"
+            ) from None
+
+    @classmethod
+    def fallback(cls, special_tokens: Mapping[str, str] | None = None) -> "ChatTemplate":
+        """ChatML, for files that carry no template of their own."""
+        return cls(files("bubo.templates").joinpath("chatml.jinja").read_text(), special_tokens)
+
+    @cached_property
+    def supports_thinking(self) -> bool:
+        """Whether the template knows reasoning blocks (Qwen3's `<think>` or an enable_thinking switch)."""
+        return "<think>" in self.source or "enable_thinking" in self.source
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text for `messages`; extra kwargs (enable_thinking, …) become template variables."""
+        variables = {
+            **self.special_tokens,
+            **kwargs,
+            "messages": [_preprocess(m) for m in messages],
+            "tools": list(tools) if tools is not None else None,
+            "documents": list(documents) if documents is not None else None,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return self._template.render(**variables)
+        except jinja2.TemplateError as error:
+            raise ChatTemplateError(f"the chat template failed: {error}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as error:
+            raise ChatTemplateError(f"the chat template failed on this conversation: {error}") from None

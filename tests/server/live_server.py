@@ -1,0 +1,116 @@
+"""A real Bubo server on a loopback port, run in a background thread, for tests that talk HTTP to it
+(raw sockets, httpx, the openai and anthropic SDKs), plus a scripted model for exact outputs."""
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from bubo.engine.loaded_model import LoadedModel
+from bubo.server.app import create_app
+from bubo.server.memory_guard import MemoryProbe
+from bubo.server.state import ServerSettings, ServerState
+
+
+class LiveServer:
+    """`create_app` served by aiohttp's runner (as `bubo serve` does) on 127.0.0.1 and a free port."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="live-server")
+        self.port = 0
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.runner = web.AppRunner(create_app(self.state), handler_cancellation=True, access_log=None)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = self.runner.addresses[0][1]
+        self._started.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.runner.cleanup())
+
+    def start(self) -> "LiveServer":
+        self._thread.start()
+        if not self._started.wait(30):
+            raise RuntimeError("the test server did not start")
+        return self
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def serve_loaded(
+    loaded: LoadedModel | None, memory_probe: MemoryProbe | None = None, **settings: Any
+) -> LiveServer:
+    """A started server for `loaded` (None: one that is still loading, forever)."""
+    path = loaded.path if loaded is not None else settings.pop("model_path")
+    state = ServerState(ServerSettings(model_path=path, **settings), memory_probe=memory_probe)
+    if loaded is not None:
+        state.attach(loaded)
+    return LiveServer(state).start()
+
+
+class _ScriptCache:
+    """Just enough of KVCache for the scripted model: a length, and the position the script restarts at."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.length = 0
+        self.script_start = 0
+
+    @property
+    def can_rewind(self) -> bool:
+        return True
+
+    def truncate(self, n: int) -> None:
+        self.length = n
+
+
+class ScriptedModel:
+    """A stand-in decoder whose next token follows a fixed script, whatever the prompt: the script
+    restarts on every forward of more than one token (a prefill), so each request replays it (keep
+    prompts at two tokens or more past any cached prefix). After the script it emits `after`."""
+
+    def __init__(self, config: Any, script: Sequence[int], after: int) -> None:
+        self.config = config
+        self.script = list(script)
+        self.after = after
+        self.device = torch.device("cpu")
+        self.forwards = 0
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None) -> _ScriptCache:
+        return _ScriptCache(max_len or self.config.context_length)
+
+    def __call__(self, tokens: torch.Tensor, cache: _ScriptCache, last_only: bool = False) -> torch.Tensor:
+        self.forwards += 1
+        steps = tokens.shape[1]
+        cache.length += steps
+        if steps > 1 or cache.length == steps:
+            cache.script_start = cache.length
+        index = cache.length - cache.script_start
+        token = self.script[index] if index < len(self.script) else self.after
+        logits = torch.full((1, 1 if last_only else steps, self.config.vocab_size), -10.0)
+        logits[0, -1, token] = 10.0
+        return logits
+
+
+def scripted(loaded: LoadedModel, text: str, *, end: str = "<|im_end|>", special: bool = False) -> LoadedModel:
+    """`loaded` with its decoder replaced by one that writes `text` and then `end`."""
+    tokenizer = loaded.tokenizer
+    script = tokenizer.encode(text, add_bos=False, parse_special=special)
+    end_id = tokenizer.token_to_id(end)
+    assert end_id is not None
+    return replace(loaded, model=ScriptedModel(loaded.config, script, end_id))
