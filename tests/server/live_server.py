@@ -107,7 +107,9 @@ class ScriptedModel:
         return logits
 
 
-def scripted(loaded: LoadedModel, text: str, *, end: str = "<|im_end|>", special: bool = False) -> LoadedModel:
+def scripted(
+    loaded: LoadedModel, text: str, *, end: str = "<|im_end|>", special: bool = False
+) -> LoadedModel:
     """`loaded` with its decoder replaced by one that writes `text` and then `end`."""
     tokenizer = loaded.tokenizer
     script = tokenizer.encode(text, add_bos=False, parse_special=special)
