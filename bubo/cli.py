@@ -23,17 +23,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
+    except BrokenPipeError:
+        # The reader went away (`bubo inspect FILE | head`): not an error. Point stdout at devnull so
+        # the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (GGUFError, DefaultModelMissingError, OSError, ValueError) as error:
         # A bad file or bad flag is the user's to fix: one line, no traceback.
         print(f"bubo: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        # The reader went away (`bubo inspect FILE | head`): not an error. Point stdout at devnull so
-        # the interpreter's final flush does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
 
 
 def _parser() -> argparse.ArgumentParser:

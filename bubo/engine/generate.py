@@ -60,11 +60,23 @@ class Tokenizer(Protocol):
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log probability under the model (log-softmax of its raw logits, before
+    penalties and temperature, as OpenAI reports them) and the `top` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TextDelta:
-    """A piece of generated text and the tokens sampled since the previous piece."""
+    """A piece of generated text and the tokens sampled since the previous piece (with their log
+    probabilities when they were asked for)."""
 
     text: str
     token_ids: list[int]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,7 @@ def generate(
     cache: Cache | None = None,
     special: bool = False,
     cancelled: Callable[[], bool] | None = None,
+    logprobs: int | None = None,
 ) -> Iterator[GenerationEvent]:
     """Continue `prompt_ids`, yielding TextDelta pieces and then one GenerationResult.
 
@@ -132,6 +145,7 @@ def generate(
     the caller vouches they match): only the rest is computed. `special` keeps the text of special
     tokens such as <|im_start|>; by default they generate no text, like llama-server. `cancelled` is
     asked before every forward pass; when it answers True generation ends there (a client went away).
+    `logprobs` (None: off) attaches each token's log probability and that many top alternatives.
     """
     params.validate()
     prompt = list(prompt_ids)
@@ -175,6 +189,7 @@ def generate(
 
     completion: list[int] = []
     pending: list[int] = []
+    pending_logprobs: list[TokenLogprob] = []
     pieces: list[str] = []
     stop_token: int | None = None
     reason: StopReason = "max_tokens"
@@ -189,11 +204,13 @@ def generate(
             stop_token, reason = token, "eos"
             break
         pending.append(token)
+        if logprobs is not None:
+            pending_logprobs.append(_logprob(logits, token, logprobs))
         text = stops.feed(detokenizer.feed(token))
         if text:
             pieces.append(text)
-            yield TextDelta(text, pending)
-            pending = []
+            yield TextDelta(text, pending, tuple(pending_logprobs))
+            pending, pending_logprobs = [], []
         if stops.matched is not None:
             reason = "stop_string"
             break
@@ -218,7 +235,7 @@ def generate(
             text += stops.flush()
         if text:
             pieces.append(text)
-            yield TextDelta(text, pending)
+            yield TextDelta(text, pending, tuple(pending_logprobs))
 
     yield GenerationResult(
         finish_reason="length" if reason in ("max_tokens", "context") else "stop",
@@ -238,6 +255,15 @@ def generate(
             decode_seconds=finished_at - first_token_at if completion else 0.0,
         ),
     )
+
+
+def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    logprobs = logits.float().log_softmax(-1)
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        values, ids = logprobs.topk(top)
+        alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(logprobs[token]), alternatives)
 
 
 def _text_bytes(tokenizer: Tokenizer, special: bool) -> Callable[[int], bytes]:

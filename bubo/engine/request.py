@@ -8,7 +8,7 @@ about any one API's field names.
 from dataclasses import dataclass, field
 from typing import Literal
 
-from bubo.engine.generate import GenerationResult
+from bubo.engine.generate import GenerationResult, TokenLogprob
 from bubo.engine.sampler import SamplingParams
 
 Channel = Literal["reasoning", "content"]
@@ -19,7 +19,8 @@ class GenerationRequest:
     """What to run: the prompt (text as rendered, and its token ids) and how to sample.
 
     `reasoning` says whether the output may hold a `<think>` block to split off; `in_reasoning`
-    whether the prompt already opened it (the generation prompt ends in `<think>\\n`).
+    whether the prompt already opened it (the generation prompt ends in `<think>\\n`). `logprobs`
+    (None: off) asks for each token's log probability and that many alternatives.
     """
 
     request_id: str
@@ -28,12 +29,16 @@ class GenerationRequest:
     params: SamplingParams
     reasoning: bool = False
     in_reasoning: bool = False
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
 class OutputDelta:
+    """A piece of reasoning or answer text, with the log probabilities of the tokens that completed it."""
+
     channel: Channel
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class Finished:
     usage: Usage
     reasoning_text: str
     content_text: str
+    content_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finish_reason(self) -> str:

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from bubo.engine.generate import Cache, GenerationResult, Model, TextDelta, Tokenizer, generate
+from bubo.engine.generate import Cache, GenerationResult, Model, Tokenizer, TokenLogprob, generate
 from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputDelta, OutputEvent, Usage
 from bubo.templates.reasoning import ReasoningSplitter
 
@@ -120,19 +120,30 @@ class SessionSlot:
             self._lock.release()
             raise
 
-        def done(_: object) -> None:
-            self.stats.requests_processing -= 1
-            self._lock.release()
+        released = False
 
-        worker.add_done_callback(done)
+        def release(_: object = None) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.stats.requests_processing -= 1
+                self._lock.release()
+
+        worker.add_done_callback(release)
         try:
             while True:
                 item = await events.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item
                 if isinstance(item, Finished):
+                    # Finished is the worker's last event: once it has returned, the slot is free. Freeing
+                    # it here rather than in the done callback (which may run a loop turn later) means a
+                    # client that reads /slots right after its answer sees it idle.
+                    await asyncio.shield(worker)
+                    release()
+                    yield item
                     return
+                yield item
         finally:
             cancelled.set()
 
@@ -185,6 +196,9 @@ class SessionSlot:
         content: list[str] = []
         reasoning_tokens = 0
         result: GenerationResult | None = None
+        # Log probabilities waiting for a piece of text to ride on (the splitter may hold text back).
+        logprobs: tuple[TokenLogprob, ...] = ()
+        content_logprobs: list[TokenLogprob] = []
         try:
             for event in generate(
                 self.model,
@@ -193,18 +207,23 @@ class SessionSlot:
                 request.params,
                 cache=self._cache,
                 cancelled=cancelled.is_set,
+                logprobs=request.logprobs,
             ):
-                if isinstance(event, TextDelta):
-                    pieces = splitter.feed(event.text) if splitter else [("content", event.text)]
-                    if any(channel == "reasoning" for channel, _ in pieces) or (
-                        splitter and splitter.in_reasoning
-                    ):
-                        reasoning_tokens += len(event.token_ids)
-                    for channel, text in pieces:
-                        (reasoning if channel == "reasoning" else content).append(text)
-                        yield OutputDelta(channel, text)
-                else:
+                if isinstance(event, GenerationResult):
                     result = event
+                    continue
+                pieces = splitter.feed(event.text) if splitter else [("content", event.text)]
+                if any(channel == "reasoning" for channel, _ in pieces) or (
+                    splitter and splitter.in_reasoning
+                ):
+                    reasoning_tokens += len(event.token_ids)
+                logprobs += event.logprobs
+                for channel, text in pieces:
+                    (reasoning if channel == "reasoning" else content).append(text)
+                    if channel == "content":
+                        content_logprobs += logprobs
+                    yield OutputDelta(channel, text, logprobs)
+                    logprobs = ()
         finally:
             # Whatever happened, the cache holds exactly the tokens that went through the model.
             done = result.token_ids if result is not None else []
@@ -215,7 +234,10 @@ class SessionSlot:
         if splitter:
             for channel, text in splitter.flush():
                 (reasoning if channel == "reasoning" else content).append(text)
-                yield OutputDelta(channel, text)
+                if channel == "content":
+                    content_logprobs += logprobs
+                yield OutputDelta(channel, text, logprobs)
+                logprobs = ()
         assert result is not None
         timings = result.timings
         usage = Usage(
@@ -234,4 +256,4 @@ class SessionSlot:
         stats.tokens_predicted_total += result.completion_tokens
         stats.predicted_seconds_total += timings.decode_seconds
         stats.decode_calls_total += timings.decode_tokens
-        yield Finished(result, usage, "".join(reasoning), "".join(content))
+        yield Finished(result, usage, "".join(reasoning), "".join(content), tuple(content_logprobs))

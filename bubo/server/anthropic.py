@@ -1,5 +1,481 @@
+"""The Anthropic dialect: POST /v1/messages (JSON or SSE) and POST /v1/messages/count_tokens.
+
+Anthropic clients (the official SDK, agents) send content blocks: text, tool_use, tool_result,
+thinking. This adapter turns them into the OpenAI-style template messages `chat.py` checks (tool_use
+becomes assistant `tool_calls`, tool_result a `tool` message, thinking `reasoning_content`), runs the
+neutral request, and writes the answer as a `message` with thinking and text blocks, or as
+Anthropic's named SSE events (message_start, content_block_*, message_delta, message_stop).
+
+Usage follows Anthropic's accounting: `input_tokens` are the prompt tokens that were computed, and
+`cache_read_input_tokens` those the prompt cache served, so their sum is the whole prompt.
+"""
+
+from collections.abc import Mapping
+from contextlib import aclosing
+from dataclasses import replace
+from typing import Any
+
 from aiohttp import web
+
+from bubo.engine.request import Finished, GenerationRequest, OutputDelta, OutputEvent, Usage
+from bubo.engine.sampler import SamplingParams
+from bubo.server.chat import ChatRequest, ThinkingChoice, chat_messages, thinking_choice, tool_list
+from bubo.server.errors import ApiError, bad_field, error_body
+from bubo.server.fields import Body, read_json, sampling_params
+from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.sse import EventStream
+from bubo.server.state import ServerState, new_id
+from bubo.server.usage import gufo, timings
+
+__all__ = ["routes"]
+
+_STOP_REASONS = {
+    "eos": "end_turn",
+    "stop_string": "stop_sequence",
+    "max_tokens": "max_tokens",
+    "context": "max_tokens",
+    # A cancelled generation has no reader left; the value only has to be a valid one.
+    "cancelled": "end_turn",
+}
+# Block types that carry something a text model cannot read.
+_UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
+# The sampling fields Anthropic defines; other llama-server knobs are not part of this dialect.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens")
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+def _unsupported(kind: str, where: str) -> ApiError:
+    return ApiError(
+        400,
+        "unsupported_content",
+        f"{where}: this model takes text only, not {kind!r} blocks",
+        param=where,
+    )
+
+
+def _block_type(block: Any, where: str) -> str:
+    if not isinstance(block, Mapping):
+        raise bad_field(where, "a content block must be an object")
+    kind = block.get("type")
+    if kind in _UNSUPPORTED_BLOCKS:
+        raise _unsupported(kind, where)
+    if not isinstance(kind, str):
+        raise bad_field(f"{where}.type", "is required")
+    return kind
+
+
+def _text(block: Mapping[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise bad_field(f"{where}.text", "must be a string")
+    return text
+
+
+def _text_blocks(content: Any, where: str) -> str:
+    """A string, or an array of text blocks joined by newlines (system prompts, tool results)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_field(where, "must be a string or an array of text blocks")
+    texts = []
+    for i, block in enumerate(content):
+        kind = _block_type(block, f"{where}[{i}]")
+        if kind != "text":
+            raise bad_field(f"{where}[{i}].type", f"must be text here, got {kind!r}")
+        texts.append(_text(block, f"{where}[{i}]"))
+    return "\n".join(texts)
+
+
+def _user_messages(content: list[Any], where: str) -> list[dict[str, Any]]:
+    """One user turn: its text, and each tool_result as a `tool` message, in the order sent."""
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for i, block in enumerate(content):
+        at = f"{where}[{i}]"
+        kind = _block_type(block, at)
+        if kind == "text":
+            texts.append(_text(block, at))
+        elif kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad_field(f"{at}.tool_use_id", "must be a non-empty string")
+            result = _text_blocks(block.get("content", ""), f"{at}.content")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": result})
+        else:
+            raise bad_field(f"{at}.type", f"a user message takes text and tool_result blocks, not {kind!r}")
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _assistant_message(content: list[Any], where: str) -> dict[str, Any]:
+    """One assistant turn: text, tool_use as tool_calls, thinking as reasoning_content."""
+    texts: list[str] = []
+    thoughts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for i, block in enumerate(content):
+        at = f"{where}[{i}]"
+        kind = _block_type(block, at)
+        if kind == "text":
+            texts.append(_text(block, at))
+        elif kind == "thinking":
+            thinking = block.get("thinking")
+            if not isinstance(thinking, str):
+                raise bad_field(f"{at}.thinking", "must be a string")
+            thoughts.append(thinking)
+        elif kind == "redacted_thinking":
+            # Its `data` is another server's encrypted reasoning: nothing this model can read.
+            continue
+        elif kind == "tool_use":
+            name = block.get("name")
+            call_id = block.get("id")
+            arguments = block.get("input", {})
+            if not isinstance(name, str) or not name:
+                raise bad_field(f"{at}.name", "must be a non-empty string")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad_field(f"{at}.id", "must be a non-empty string")
+            if not isinstance(arguments, Mapping):
+                raise bad_field(f"{at}.input", "must be an object")
+            calls.append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": dict(arguments)}}
+            )
+        else:
+            raise bad_field(
+                f"{at}.type", f"an assistant message takes text, thinking and tool_use blocks, not {kind!r}"
+            )
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if thoughts:
+        message["reasoning_content"] = "\n".join(thoughts)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _template_messages(body: Body) -> list[dict[str, Any]]:
+    """`system` and `messages` as OpenAI-style template messages, checked by chat_messages."""
+    raw = body.raw("messages")
+    if raw is None or raw == []:
+        raise ApiError(
+            400, "missing_messages", "messages is required and must be a non-empty array", param="messages"
+        )
+    if not isinstance(raw, list):
+        raise bad_field("messages", "must be a non-empty array of messages")
+    out: list[dict[str, Any]] = []
+    system = body.raw("system")
+    if system is not None:
+        out.append({"role": "system", "content": _text_blocks(system, "system")})
+    for i, message in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise bad_field(where, "a message must be an object")
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise bad_field(f"{where}.role", f"must be user or assistant; got {role!r}")
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+        elif not isinstance(content, list):
+            raise bad_field(f"{where}.content", "must be a string or an array of content blocks")
+        elif role == "user":
+            out += _user_messages(content, f"{where}.content")
+        else:
+            out.append(_assistant_message(content, f"{where}.content"))
+    return chat_messages(out)
+
+
+def _tools(body: Body) -> list[dict[str, Any]] | None:
+    """Anthropic tools ({name, description, input_schema}) as the OpenAI function tools templates know."""
+    tools = tool_list(body.raw("tools"))
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            raise ApiError(
+                400,
+                "unsupported_tool",
+                f"{where}.type: server tools such as {kind!r} are not available; define a custom tool",
+                param="tools",
+            )
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_field(f"{where}.name", "must be a non-empty string")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, Mapping):
+            raise bad_field(f"{where}.input_schema", "must be a JSON schema object")
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            raise bad_field(f"{where}.description", "must be a string")
+        function: dict[str, Any] = {"name": name, "parameters": dict(schema)}
+        if description is not None:
+            function["description"] = description
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _check_tool_choice(body: Body) -> None:
+    choice = body.object("tool_choice")
+    if choice is None:
+        return
+    kind = choice.get("type")
+    if kind not in ("auto", "any", "tool", "none"):
+        raise bad_field("tool_choice.type", f"must be auto, any, tool or none; got {kind!r}")
+    if kind == "tool" and not isinstance(choice.get("name"), str):
+        raise bad_field("tool_choice.name", "is required when type is tool")
+
+
+def _thinking(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
+    """Anthropic's `thinking` and `output_config.effort`, read by the shared thinking switch.
+
+    The template has one switch, so "between_tools" (thinking only between tool calls) counts as
+    enabled, and an effort level is the reasoning effort unless thinking is disabled. The token budget
+    is checked but not enforced: generation has no separate limit for reasoning.
+    """
+    data = dict(body.data)
+    thinking = body.object("thinking") or {}
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise bad_field("thinking.budget_tokens", "must be a positive integer")
+    if thinking.get("display") not in (None, "summarized", "omitted"):
+        raise bad_field("thinking.display", "must be summarized or omitted")
+    if thinking.get("type") == "between_tools":
+        data["thinking"] = {**thinking, "type": "enabled"}
+    output = body.object("output_config") or {}
+    if output.get("format") is not None:
+        raise ApiError(
+            400,
+            "unsupported_response_format",
+            "output_config.format: structured output is not supported yet",
+            param="output_config.format",
+        )
+    effort = output.get("effort")
+    if effort is not None:
+        if effort not in _EFFORTS:
+            raise bad_field("output_config.effort", f"must be one of {', '.join(_EFFORTS)}; got {effort!r}")
+        if thinking.get("type") != "disabled" and "reasoning_effort" not in body:
+            data["reasoning_effort"] = effort
+    return thinking_choice(Body(data))
+
+
+def _chat_request(body: Body) -> ChatRequest:
+    """Everything that shapes the prompt, shared by messages and count_tokens."""
+    messages = _template_messages(body)
+    tools = _tools(body)
+    _check_tool_choice(body)
+    thinking, kwargs = _thinking(body)
+    body.object("metadata")
+    return ChatRequest(messages, tools, thinking, kwargs)
+
+
+def _omit_thinking(body: Body) -> bool:
+    """`thinking.display: "omitted"`: thinking blocks are sent, their text is not."""
+    return (body.object("thinking") or {}).get("display") == "omitted"
+
+
+def _max_tokens(body: Body) -> int:
+    """Anthropic requires max_tokens, a positive integer (no -1 for the server default here)."""
+    if "max_tokens" not in body:
+        raise ApiError(
+            400, "missing_max_tokens", "max_tokens is required: a positive integer", param="max_tokens"
+        )
+    limit = body.integer("max_tokens", minimum=1)
+    assert limit is not None
+    return limit
+
+
+def _sampling(body: Body, defaults: SamplingParams, vocab_size: int) -> SamplingParams:
+    _max_tokens(body)
+    fields = Body({name: body.data[name] for name in _SAMPLING_FIELDS if name in body.data})
+    params = sampling_params(fields, defaults, vocab_size)
+    array = body.array("stop_sequences")
+    if array is None:
+        return params
+    if not all(isinstance(s, str) and s for s in array):
+        raise bad_field("stop_sequences", "must be an array of non-empty strings")
+    return replace(params, stop=list(array))
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "output_tokens": usage.completion_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "gufo": gufo(usage),
+    }
+
+
+def _stop(finished: Finished) -> tuple[str, str | None]:
+    """stop_reason and stop_sequence for a finished generation."""
+    result = finished.result
+    reason = _STOP_REASONS[result.stop_reason]
+    return reason, result.stop_string if reason == "stop_sequence" else None
+
+
+def _message(message_id: str, model: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": None,
+        "stop_sequence": None,
+    }
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_json(request)
+    loaded = state.require_ready()
+    model = state.resolve_model(body.raw("model"))
+    chat = _chat_request(body)
+    stream = body.boolean("stream")
+    params = _sampling(body, state.settings.defaults, loaded.tokenizer.vocab_size)
+    prompt = state.render_prompt(chat)
+    generation = state.request(
+        prompt.text, prompt.ids, params, reasoning=prompt.reasoning, in_reasoning=prompt.in_reasoning
+    )
+    message_id = new_id("msg_")
+    omit = _omit_thinking(body)
+    if stream:
+        return await _stream(request, state, generation, _message(message_id, model, []), omit)
+    finished = await state.complete(generation)
+    content: list[dict[str, Any]] = []
+    if generation.reasoning and finished.reasoning_text:
+        thinking = "" if omit else finished.reasoning_text
+        content.append({"type": "thinking", "thinking": thinking, "signature": ""})
+    if finished.content_text:
+        content.append({"type": "text", "text": finished.content_text})
+    stop_reason, stop_sequence = _stop(finished)
+    answer = {
+        **_message(message_id, model, content),
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": _usage(finished.usage),
+        "timings": timings(finished.usage),
+    }
+    return web.json_response(answer, headers={"x-request-id": request[REQUEST_ID]})
+
+
+class _Blocks:
+    """Opens content blocks lazily as the channel changes, numbering them, and closes them."""
+
+    def __init__(self, sse: EventStream, omit_thinking: bool) -> None:
+        self.sse = sse
+        self.omit_thinking = omit_thinking
+        self.index = -1
+        self.kind: str | None = None
+
+    async def write(self, event: OutputDelta) -> None:
+        if not event.text:
+            return
+        kind = "thinking" if event.channel == "reasoning" else "text"
+        if kind != self.kind:
+            await self.close()
+            self.index += 1
+            self.kind = kind
+            block = (
+                {"type": "thinking", "thinking": "", "signature": ""}
+                if kind == "thinking"
+                else {"type": "text", "text": ""}
+            )
+            await self._send("content_block_start", content_block=block)
+        if kind == "thinking" and self.omit_thinking:
+            return
+        delta = (
+            {"type": "thinking_delta", "thinking": event.text}
+            if kind == "thinking"
+            else {"type": "text_delta", "text": event.text}
+        )
+        await self._send("content_block_delta", delta=delta)
+
+    async def close(self) -> None:
+        if self.kind is None:
+            return
+        if self.kind == "thinking":
+            # Clients pass the signature back with the block; Bubo does not sign its reasoning.
+            await self._send("content_block_delta", delta={"type": "signature_delta", "signature": ""})
+        await self._send("content_block_stop")
+        self.kind = None
+
+    async def _send(self, name: str, **fields: Any) -> None:
+        await self.sse.send({"type": name, "index": self.index, **fields}, event=name)
+
+
+async def _stream(
+    request: web.Request,
+    state: ServerState,
+    generation: GenerationRequest,
+    message: dict[str, Any],
+    omit_thinking: bool,
+) -> web.StreamResponse:
+    request_id = request[REQUEST_ID]
+    async with aclosing(state.stream(generation)) as events:
+        # Failures before the first event (a busy or lost device) still get a status code.
+        first = await anext(events)
+        sse = EventStream(request, request_id)
+        await sse.start()
+        try:
+            start_usage = {
+                "input_tokens": len(generation.prompt_ids),
+                "output_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0,
+            }
+            await sse.send(
+                {"type": "message_start", "message": {**message, "usage": start_usage}}, event="message_start"
+            )
+            await sse.send({"type": "ping"}, event="ping")
+            blocks = _Blocks(sse, omit_thinking)
+            event: OutputEvent | None = first
+            while event is not None:
+                if isinstance(event, OutputDelta):
+                    await blocks.write(event)
+                    event = await anext(events, None)
+                    continue
+                await blocks.close()
+                stop_reason, stop_sequence = _stop(event)
+                await sse.send(
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                        "usage": _usage(event.usage),
+                        "timings": timings(event.usage),
+                    },
+                    event="message_delta",
+                )
+                await sse.send({"type": "message_stop"}, event="message_stop")
+                break
+        except ApiError as error:
+            # The same body the error middleware writes, so a stream fails as a request would.
+            await sse.send(error_body(error, anthropic=True, request_id=request_id), event="error")
+        except ConnectionResetError:
+            return sse.response
+        return await sse.finish()
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt's token count as generation would see it; the context length does not limit it."""
+    state = request.app[STATE]
+    body = await read_json(request)
+    state.require_ready()
+    state.resolve_model(body.raw("model"))
+    if body.boolean("stream"):
+        raise ApiError(
+            400,
+            "unsupported_stream",
+            "stream: count_tokens answers with one JSON object, not a stream",
+            param="stream",
+        )
+    prompt = state.render_prompt(_chat_request(body))
+    return web.json_response({"input_tokens": len(prompt.ids)}, headers={"x-request-id": request[REQUEST_ID]})
 
 
 def routes() -> list[web.RouteDef]:
-    return []
+    return [web.post("/v1/messages", messages), web.post("/v1/messages/count_tokens", count_tokens)]

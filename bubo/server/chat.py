@@ -19,6 +19,9 @@ __all__ = [
     "ChatRequest",
     "ThinkingChoice",
     "chat_messages",
+    "chat_request",
+    "require_text_format",
+    "text_content",
     "thinking_choice",
     "tool_list",
 ]
@@ -95,24 +98,29 @@ def _conflict(field_name: str, message: str) -> ApiError:
     return ApiError(400, "conflicting_fields", f"{field_name}: {message}", param=field_name)
 
 
-def _text_content(content: Any, where: str) -> str | list[dict[str, Any]]:
-    """A string stays a string; an array of text parts becomes their text. Other parts (images) are
-    refused: a text model cannot see them."""
+_TEXT_PARTS = ("text", "input_text", "output_text")
+_MEDIA_PARTS = ("image_url", "image", "input_image", "input_audio", "input_file", "video", "file")
+
+
+def text_content(content: Any, where: str) -> str:
+    """A message's content as one string: a string as is, an array of text parts (a refusal counts as
+    text) joined by newlines. Media parts are refused: a text model cannot see them."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_field(where, "content must be a string or an array of content parts")
+        raise bad_field(where, "must be a string or an array of content parts")
     texts = []
     for i, part in enumerate(content):
         if not isinstance(part, Mapping):
             raise bad_field(f"{where}[{i}]", "a content part must be an object")
         kind = part.get("type")
-        if kind in ("text", "input_text", "output_text"):
-            text = part.get("text")
+        key = "refusal" if kind == "refusal" else "text"
+        if kind in _TEXT_PARTS or kind == "refusal":
+            text = part.get(key)
             if not isinstance(text, str):
-                raise bad_field(f"{where}[{i}].text", "must be a string")
+                raise bad_field(f"{where}[{i}].{key}", "must be a string")
             texts.append(text)
-        elif kind in ("image_url", "image", "input_image", "input_audio", "video", "file"):
+        elif kind in _MEDIA_PARTS:
             raise ApiError(
                 400,
                 "unsupported_content",
@@ -151,7 +159,7 @@ def chat_messages(raw: Any, field_name: str = "messages") -> list[dict[str, Any]
             if role != "assistant":
                 raise bad_field(f"{where}.content", "is required")
         else:
-            out["content"] = _text_content(content, f"{where}.content")
+            out["content"] = text_content(content, f"{where}.content")
         calls = message.get("tool_calls")
         if calls is not None:
             out["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
@@ -185,3 +193,22 @@ def tool_list(tools: Any, field_name: str = "tools") -> list[dict[str, Any]] | N
     if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
         raise bad_field(field_name, "must be an array of tool objects")
     return [dict(t) for t in tools] or None
+
+
+def chat_request(body: Body) -> ChatRequest:
+    """The conversation of an OpenAI chat-completions body (also /apply-template's and /debug/prompt's)."""
+    messages = chat_messages(body.raw("messages"))
+    thinking, kwargs = thinking_choice(body)
+    return ChatRequest(messages, tool_list(body.raw("tools")), thinking, kwargs)
+
+
+def require_text_format(fmt: Any, field_name: str) -> None:
+    """An output format (`response_format`, `text.format`): only plain text is produced until
+    constrained decoding lands, so json_object / json_schema are refused rather than ignored."""
+    kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise bad_field(f"{field_name}.type", f"must be text, json_object or json_schema; got {kind!r}")
+    if kind != "text":
+        raise ApiError(
+            400, "unsupported_response_format", f"{field_name}: {kind} is not supported yet", param=field_name
+        )

@@ -1,5 +1,102 @@
+"""Debug hooks for research inspection: the rendered prompt, the prompt cache, the effective settings.
+
+app.py adds these routes only with --debug-hooks, and the CLI allows that flag only on a loopback
+address: they show the prompt text and the server's configuration, which a public port should not.
+"""
+
+import math
+import platform
+from dataclasses import asdict
+
+import torch
 from aiohttp import web
+
+import bubo
+from bubo.server.chat import chat_request
+from bubo.server.fields import read_json
+from bubo.server.keys import STATE
+
+__all__ = ["routes"]
+
+
+async def prompt(request: web.Request) -> web.Response:
+    """A chat-completions body rendered and tokenized exactly as generation would, without generating."""
+    state = request.app[STATE]
+    body = await read_json(request)
+    state.require_ready()
+    state.resolve_model(body.raw("model"), required=False)
+    rendered = state.render_prompt(chat_request(body))
+    return web.json_response(
+        {
+            "prompt": rendered.text,
+            "tokens": rendered.ids,
+            "n_tokens": len(rendered.ids),
+            "reasoning": rendered.reasoning,
+            "in_reasoning": rendered.in_reasoning,
+        }
+    )
+
+
+async def cache(request: web.Request) -> web.Response:
+    """The slot's prompt cache and how it served the last request (as that request's usage.gufo.options)."""
+    state = request.app[STATE]
+    loaded = state.require_ready()
+    slot = state.slot
+    assert slot is not None
+    report = slot.last_cache_report
+    return web.json_response(
+        {
+            "n_ctx": slot.n_ctx,
+            "cached_tokens": slot.cached_tokens,
+            # A recurrent (hybrid) cache keeps its state whole or not at all; attention caches cut back.
+            "can_rewind": not loaded.config.is_hybrid,
+            "is_processing": slot.is_processing,
+            "last_request_id": slot.last_request_id,
+            "last_prompt_tokens": slot.last_prompt_tokens,
+            "last_cache_report": report.as_dict() if report is not None else None,
+        }
+    )
+
+
+async def settings(request: web.Request) -> web.Response:
+    """The settings in effect. The API key itself is never shown, only whether one is set."""
+    state = request.app[STATE]
+    s = state.settings
+    defaults = asdict(s.defaults)
+    # JSON has no infinity: a banned token (-inf bias) is written as false, as in llama-server's lists.
+    defaults["logit_bias"] = [
+        [token, False if bias == -math.inf else bias] for token, bias in sorted(s.defaults.logit_bias.items())
+    ]
+    return web.json_response(
+        {
+            "host": s.host,
+            "port": s.port,
+            "model_path": str(s.model_path),
+            "model_id": state.model_id,
+            "served_ids": state.served_ids,
+            "ready": state.ready,
+            "ctx_size": s.ctx_size,
+            "n_ctx": state.context_length,
+            "dtype": str(s.dtype).removeprefix("torch."),
+            "device": s.device,
+            "threads": s.threads,
+            "torch_threads": torch.get_num_threads(),
+            "max_body_mb": s.max_body_mb,
+            "api_key_set": s.api_key is not None,
+            "debug_hooks": s.debug_hooks,
+            "sampling_defaults": defaults,
+            "versions": {
+                "bubo": bubo.__version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            },
+        }
+    )
 
 
 def routes() -> list[web.RouteDef]:
-    return []
+    return [
+        web.post("/debug/prompt", prompt),
+        web.get("/debug/cache", cache),
+        web.get("/debug/settings", settings),
+    ]

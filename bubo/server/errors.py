@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-__all__ = ["ApiError", "bad_field", "error_response"]
+__all__ = ["ApiError", "bad_field", "error_body", "error_response"]
 
 # The status codes Anthropic's API documents, with the `error.type` it sends for each.
 _ANTHROPIC_TYPES = {
@@ -58,7 +58,8 @@ def bad_field(field: str, message: str, code: str = "invalid_value") -> ApiError
     return ApiError(400, code, f"{field}: {message}", param=field)
 
 
-def error_response(error: ApiError, *, anthropic: bool, request_id: str) -> web.Response:
+def error_body(error: ApiError, *, anthropic: bool, request_id: str) -> dict[str, object]:
+    """The JSON body of an error, in the Anthropic or the OpenAI shape (also sent as a stream's last event)."""
     if anthropic:
         body: dict[str, object] = {
             "type": "error",
@@ -80,5 +81,11 @@ def error_response(error: ApiError, *, anthropic: bool, request_id: str) -> web.
             },
             **error.top_level,
         }
+    return body
+
+
+def error_response(error: ApiError, *, anthropic: bool, request_id: str) -> web.Response:
     headers = {"x-request-id": request_id, **error.headers}
-    return web.json_response(body, status=error.status, headers=headers)
+    return web.json_response(
+        error_body(error, anthropic=anthropic, request_id=request_id), status=error.status, headers=headers
+    )

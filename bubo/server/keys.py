@@ -5,4 +5,4 @@ from aiohttp import web
 from bubo.server.state import ServerState
 
 STATE = web.AppKey("state", ServerState)
-REQUEST_ID = "bubo.request_id"
+REQUEST_ID = web.RequestKey("request_id", str)

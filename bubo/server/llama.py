@@ -1,5 +1,234 @@
+"""The llama-server dialect: POST /completion, POST /apply-template, GET /props and GET /slots.
+
+Field names follow llama.cpp's server (tools/server/README.md). /completion needs no model name and
+streams bare `data: {...}` events, the last one with `"stop": true` and the full statistics; unlike
+the OpenAI routes it ends without `data: [DONE]`, as llama-server's own /completion does.
+"""
+
+import math
+from contextlib import aclosing
+from typing import Any
+
 from aiohttp import web
+
+import bubo
+from bubo.engine.request import Finished, GenerationRequest, OutputDelta
+from bubo.engine.sampler import SamplingParams
+from bubo.server.chat import chat_request
+from bubo.server.errors import ApiError, error_body
+from bubo.server.fields import read_json, sampling_params
+from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.sse import EventStream
+from bubo.server.state import ServerState
+from bubo.server.usage import openai_usage, timings
+
+__all__ = ["routes"]
+
+BUILD_INFO = f"bubo-{bubo.__version__}"
+
+# GenerationResult.stop_reason -> llama-server's stop_type. A full context is a limit too.
+_STOP_TYPES = {
+    "eos": "eos",
+    "stop_string": "word",
+    "max_tokens": "limit",
+    "context": "limit",
+    "cancelled": "none",
+}
+
+
+def _params_json(params: SamplingParams) -> dict[str, Any]:
+    """Sampling parameters under llama-server's names (-1 for "unset", logit_bias as [id, bias] pairs
+    with false for a ban, since JSON has no infinity)."""
+    limit = -1 if params.max_tokens is None else params.max_tokens
+    return {
+        "n_predict": limit,
+        "max_tokens": limit,
+        "seed": -1 if params.seed is None else params.seed,
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "repeat_last_n": params.repeat_last_n,
+        "repeat_penalty": params.repeat_penalty,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "logit_bias": [[t, False if b == -math.inf else b] for t, b in sorted(params.logit_bias.items())],
+        "stop": list(params.stop),
+        "ignore_eos": params.ignore_eos,
+        "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+    }
+
+
+class _Completion:
+    """What every chunk and the final body of one /completion answer share."""
+
+    def __init__(self, state: ServerState, model: str, generation: GenerationRequest, stream: bool) -> None:
+        self.state = state
+        self.model = model
+        self.generation = generation
+        self.stream = stream
+
+    def final(self, finished: Finished, content: str) -> dict[str, Any]:
+        result = finished.result
+        usage = finished.usage
+        settings = {
+            "n_ctx": self.state.n_ctx,
+            "model": self.model,
+            **_params_json(self.generation.params),
+            "seed_cur": result.seed,
+            "stream": self.stream,
+        }
+        return {
+            "index": 0,
+            "content": content,
+            "id_slot": 0,
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": usage.completion_tokens,
+            "tokens_evaluated": usage.prompt_tokens,
+            "tokens_cached": usage.cached_tokens,
+            "truncated": result.stop_reason == "context",
+            "stop_type": _STOP_TYPES[result.stop_reason],
+            "stopping_word": result.stop_string or "",
+            "stopped_eos": result.stop_reason == "eos",
+            "stopped_word": result.stop_reason == "stop_string",
+            "stopped_limit": result.stop_reason in ("max_tokens", "context"),
+            "generation_settings": settings,
+            "prompt": self.generation.prompt,
+            "timings": timings(usage),
+            "usage": openai_usage(usage),
+        }
+
+
+async def completion(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_json(request)
+    loaded = state.require_ready()
+    model = state.resolve_model(body.raw("model"), required=False)
+    text, ids = state.completion_prompt(body.raw("prompt"))
+    stream = body.boolean("stream")
+    params = sampling_params(
+        body, state.settings.defaults, loaded.tokenizer.vocab_size, limit_fields=("n_predict", "max_tokens")
+    )
+    generation = state.request(text, ids, params)
+    answer = _Completion(state, model, generation, stream)
+    if stream:
+        return await _stream(request, state, answer)
+    finished = await state.complete(generation)
+    return web.json_response(
+        answer.final(finished, finished.content_text), headers={"x-request-id": request[REQUEST_ID]}
+    )
+
+
+async def _stream(request: web.Request, state: ServerState, answer: _Completion) -> web.StreamResponse:
+    async with aclosing(state.stream(answer.generation)) as events:
+        # Waiting for the first event lets a failure before any output (a device loss) be a plain error.
+        first = await anext(events)
+        sse = EventStream(request, request[REQUEST_ID])
+        await sse.start()
+        try:
+            event = first
+            while event is not None:
+                if isinstance(event, OutputDelta):
+                    await sse.send({"index": 0, "content": event.text, "id_slot": 0, "stop": False})
+                else:
+                    # The text went out in the chunks before; the last one carries only the statistics.
+                    await sse.send(answer.final(event, ""))
+                    break
+                event = await anext(events, None)
+        except ApiError as error:
+            await sse.send(error_body(error, anthropic=False, request_id=request[REQUEST_ID]))
+        except ConnectionResetError:
+            return sse.response
+        return await sse.finish()
+
+
+async def apply_template(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await read_json(request)
+    state.require_ready()
+    state.resolve_model(body.raw("model"), required=False)
+    prompt = state.render(chat_request(body))
+    return web.json_response({"prompt": prompt})
+
+
+def _model_info(state: ServerState) -> dict[str, Any]:
+    loaded = state.require_ready()
+    config = loaded.config
+    return {
+        "architecture": config.architecture,
+        "n_params": sum(tensor.n_elements for tensor in loaded.file.tensors.values()),
+        "size": loaded.path.stat().st_size,
+        "n_vocab": config.vocab_size,
+        "n_ctx_train": config.context_length,
+        "n_embd": config.hidden_size,
+        "n_layer": config.num_layers,
+        "n_head": config.num_heads,
+        "n_head_kv": config.num_kv_heads,
+        "n_expert": config.num_experts,
+        "n_expert_used": config.num_experts_per_tok,
+    }
+
+
+def _slot_json(state: ServerState) -> dict[str, Any]:
+    slot = state.slot
+    assert slot is not None
+    processing = slot.is_processing
+    return {
+        "id": slot.id,
+        "n_ctx": slot.n_ctx,
+        "speculative": False,
+        "is_processing": processing,
+        # The older llama-server field: 0 idle, 1 processing.
+        "state": 1 if processing else 0,
+        "n_prompt_tokens": slot.last_prompt_tokens,
+        "n_cached_tokens": slot.cached_tokens,
+        "n_deferred": slot.stats.requests_deferred,
+        "last_request_id": slot.last_request_id,
+        "params": _params_json(state.settings.defaults),
+    }
+
+
+async def props(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    loaded = state.require_ready()
+    state.resolve_model(request.query.get("model"), required=False)
+    assert state.template is not None
+    slot = _slot_json(state)
+    return web.json_response(
+        {
+            "model": state.model_id,
+            "model_alias": state.model_id,
+            "served_model_names": state.served_ids,
+            "model_path": str(loaded.path),
+            "template": state.template.source,
+            "chat_template": state.template.source,
+            "model_info": _model_info(state),
+            "default_generation_settings": {
+                "id": slot["id"],
+                "n_ctx": slot["n_ctx"],
+                "speculative": False,
+                "is_processing": slot["is_processing"],
+                "params": slot["params"],
+            },
+            "total_slots": 1,
+            "modalities": {"vision": False, "audio": False},
+            "build_info": BUILD_INFO,
+        }
+    )
+
+
+async def slots(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.require_ready()
+    return web.json_response([_slot_json(state)])
 
 
 def routes() -> list[web.RouteDef]:
-    return []
+    return [
+        web.post("/completion", completion),
+        web.post("/apply-template", apply_template),
+        web.get("/props", props),
+        web.get("/slots", slots),
+        web.get("/v1/slots", slots),
+    ]

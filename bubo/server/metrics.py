@@ -1,5 +1,124 @@
+"""GET /metrics (and /v1/metrics): Prometheus text under llama-server's `llamacpp:` names.
+
+A custom collector reads the slot's running totals (`SlotStats`) when it is scraped, so nothing on the
+request path updates Prometheus objects. Each app gets its own registry rather than the process-wide
+default one: tests run several servers in one process, and each must report only its own slot.
+Before the model is loaded (and after a device loss) the route answers 503 like every other route
+that needs the model, so a scraper sees the target as down rather than as an idle server.
+"""
+
+import weakref
+from collections.abc import Iterator
+
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from bubo.server.keys import STATE
+from bubo.server.state import ServerState
+
+__all__ = ["SlotCollector", "routes"]
+
+
+class SlotCollector:
+    """The slot's statistics as llama-server names them, read at scrape time."""
+
+    def __init__(self, state: ServerState) -> None:
+        # A weak reference: the registry lives in a table keyed by the state and must not keep it alive.
+        self._state = weakref.ref(state)
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state()
+        slot = state.slot if state is not None else None
+        if slot is None:
+            return
+        stats = slot.stats
+
+        def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+            # prometheus-client takes the name without `_total` and writes the suffix back itself.
+            return CounterMetricFamily(name.removesuffix("_total"), documentation, value=value)
+
+        def rate(tokens: int, seconds: float) -> float:
+            return tokens / seconds if seconds > 0 else 0.0
+
+        yield counter(
+            "llamacpp:prompt_tokens_total", "Number of prompt tokens processed.", stats.prompt_tokens_total
+        )
+        yield counter(
+            "llamacpp:prompt_seconds_total", "Prompt process time in seconds.", stats.prompt_seconds_total
+        )
+        yield GaugeMetricFamily(
+            "llamacpp:prompt_tokens_seconds",
+            "Average prompt throughput in tokens/s.",
+            value=rate(stats.prompt_tokens_total, stats.prompt_seconds_total),
+        )
+        yield counter(
+            "llamacpp:tokens_predicted_total",
+            "Number of generation tokens processed.",
+            stats.tokens_predicted_total,
+        )
+        yield counter(
+            "llamacpp:tokens_predicted_seconds_total",
+            "Predict process time in seconds.",
+            stats.predicted_seconds_total,
+        )
+        # Decode time covers every generated token but the first (that one ends the prompt phase).
+        yield GaugeMetricFamily(
+            "llamacpp:predicted_tokens_seconds",
+            "Average generation throughput in tokens/s.",
+            value=rate(stats.decode_calls_total, stats.predicted_seconds_total),
+        )
+        yield counter("llamacpp:n_decode_total", "Total number of decode calls.", stats.decode_calls_total)
+        # One slot: every decode call that happened had exactly one busy slot.
+        yield GaugeMetricFamily(
+            "llamacpp:n_busy_slots_per_decode",
+            "Average number of busy slots per decode call.",
+            value=1.0 if stats.decode_calls_total else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "llamacpp:requests_processing", "Number of requests processing.", value=stats.requests_processing
+        )
+        yield GaugeMetricFamily(
+            "llamacpp:requests_deferred", "Number of requests deferred.", value=stats.requests_deferred
+        )
+        yield GaugeMetricFamily(
+            "llamacpp:kv_cache_usage_ratio",
+            "KV-cache usage. 1 means 100 percent usage.",
+            value=slot.cached_tokens / slot.n_ctx if slot.n_ctx else 0.0,
+        )
+        yield GaugeMetricFamily("llamacpp:kv_cache_tokens", "KV-cache tokens.", value=slot.cached_tokens)
+        yield counter(
+            "llamacpp:spec_decode_num_draft_tokens_total",
+            "Total draft tokens generated (0 when spec-decode is off).",
+            stats.draft_tokens_total,
+        )
+        yield counter(
+            "llamacpp:spec_decode_num_accepted_tokens_total",
+            "Total draft tokens accepted by the target model (0 when spec-decode is off).",
+            stats.draft_accepted_total,
+        )
+
+
+_registries: "weakref.WeakKeyDictionary[ServerState, CollectorRegistry]" = weakref.WeakKeyDictionary()
+
+
+def registry_for(state: ServerState) -> CollectorRegistry:
+    """The registry of one server, made on its first scrape."""
+    registry = _registries.get(state)
+    if registry is None:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(SlotCollector(state))
+        _registries[state] = registry
+    return registry
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.require_ready()
+    return web.Response(
+        body=generate_latest(registry_for(state)), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
 
 
 def routes() -> list[web.RouteDef]:
-    return []
+    return [web.get("/metrics", metrics), web.get("/v1/metrics", metrics)]

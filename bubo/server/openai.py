@@ -1,14 +1,17 @@
 """The OpenAI dialect: POST /v1/chat/completions and POST /v1/completions, as JSON or SSE."""
 
 import time
+from collections.abc import Sequence
 from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
+from bubo.engine.generate import TokenLogprob
 from bubo.engine.request import Finished, GenerationRequest, OutputDelta, OutputEvent
-from bubo.server.chat import ChatRequest, chat_messages, thinking_choice, tool_list
-from bubo.server.errors import ApiError, bad_field
+from bubo.model.tokenizer import Tokenizer
+from bubo.server.chat import chat_request, require_text_format
+from bubo.server.errors import ApiError, bad_field, error_body
 from bubo.server.fields import Body, read_json, reject_n, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
@@ -29,27 +32,21 @@ def _stream_options(body: Body) -> bool:
     return flag
 
 
+def _chat_logprobs(body: Body) -> int | None:
+    """`logprobs: true` with `top_logprobs` alternatives (0-20); None when not asked for."""
+    top = body.integer("top_logprobs", minimum=0, maximum=20)
+    if not body.boolean("logprobs"):
+        if top:
+            raise bad_field("top_logprobs", "needs logprobs: true")
+        return None
+    return top or 0
+
+
 def _check_unsupported(body: Body) -> None:
     """Fields whose meaning Bubo does not implement yet are refused, not silently ignored."""
-    if body.boolean("logprobs") or body.integer("top_logprobs", minimum=0, maximum=20):
-        raise ApiError(
-            400,
-            "unsupported_logprobs",
-            "logprobs: token log probabilities are not supported yet",
-            param="logprobs",
-        )
     response_format = body.object("response_format")
     if response_format is not None:
-        kind = response_format.get("type")
-        if kind not in ("text", "json_object", "json_schema"):
-            raise bad_field("response_format.type", f"must be text, json_object or json_schema; got {kind!r}")
-        if kind != "text":
-            raise ApiError(
-                400,
-                "unsupported_response_format",
-                f"response_format: {kind} is not supported yet",
-                param="response_format",
-            )
+        require_text_format(response_format, "response_format")
     tool_choice = body.raw("tool_choice")
     if (
         tool_choice is not None
@@ -66,9 +63,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     loaded = state.require_ready()
     model = state.resolve_model(body.raw("model"))
     reject_n(body)
-    messages = chat_messages(body.raw("messages"))
-    thinking, kwargs = thinking_choice(body)
-    tools = tool_list(body.raw("tools"))
+    chat = chat_request(body)
     stream = body.boolean("stream")
     include_usage = _stream_options(body)
     _check_unsupported(body)
@@ -78,18 +73,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         loaded.tokenizer.vocab_size,
         limit_fields=("max_completion_tokens", "max_tokens"),
     )
-    prompt = state.render_prompt(ChatRequest(messages, tools, thinking, kwargs))
+    top_logprobs = _chat_logprobs(body)
+    prompt = state.render_prompt(chat)
     generation = state.request(
-        prompt.text, prompt.ids, params, reasoning=prompt.reasoning, in_reasoning=prompt.in_reasoning
+        prompt.text,
+        prompt.ids,
+        params,
+        reasoning=prompt.reasoning,
+        in_reasoning=prompt.in_reasoning,
+        logprobs=top_logprobs,
     )
-    reply = _Reply(new_id("chatcmpl-"), "chat.completion", model, generation.reasoning)
+    reply = _Reply(new_id("chatcmpl-"), "chat.completion", model, loaded.tokenizer, top_logprobs)
     if stream:
         return await _stream(request, state, generation, reply, include_usage, _chat_chunk)
     finished = await state.complete(generation)
     message: dict[str, Any] = {"role": "assistant", "content": finished.content_text}
     if generation.reasoning:
         message["reasoning_content"] = finished.reasoning_text
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finished.finish_reason}
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": reply.chat_logprobs(finished.content_logprobs),
+        "finish_reason": finished.finish_reason,
+    }
     return web.json_response(reply.body(choice, finished), headers={"x-request-id": request[REQUEST_ID]})
 
 
@@ -99,7 +105,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     loaded = state.require_ready()
     model = state.resolve_model(body.raw("model"))
     reject_n(body)
-    text, ids = _completion_prompt(state, body)
+    text, ids = state.completion_prompt(body.raw("prompt"))
     stream = body.boolean("stream")
     include_usage = _stream_options(body)
     echo = body.boolean("echo")
@@ -107,64 +113,73 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(
             400, "unsupported_suffix", "suffix: fill-in-the-middle is not supported", param="suffix"
         )
-    if body.raw("logprobs") is not None and body.raw("logprobs") is not False:
-        raise ApiError(
-            400,
-            "unsupported_logprobs",
-            "logprobs: token log probabilities are not supported yet",
-            param="logprobs",
-        )
+    # The legacy API's `logprobs` is the number of alternatives (0-5 there; up to 20 here).
+    top_logprobs = body.integer("logprobs", minimum=0, maximum=20)
     params = sampling_params(body, state.settings.defaults, loaded.tokenizer.vocab_size)
-    generation = state.request(text, ids, params)
-    reply = _Reply(new_id("cmpl-"), "text_completion", model, False, prefix=text if echo else "")
+    generation = state.request(text, ids, params, logprobs=top_logprobs)
+    prefix = text if echo else ""
+    reply = _Reply(new_id("cmpl-"), "text_completion", model, loaded.tokenizer, top_logprobs, prefix)
     if stream:
         return await _stream(request, state, generation, reply, include_usage, _text_chunk)
     finished = await state.complete(generation)
     choice = {
         "index": 0,
         "text": reply.prefix + finished.content_text,
-        "logprobs": None,
+        "logprobs": reply.text_logprobs(finished.content_logprobs),
         "finish_reason": finished.finish_reason,
     }
     return web.json_response(reply.body(choice, finished), headers={"x-request-id": request[REQUEST_ID]})
 
 
-def _completion_prompt(state: ServerState, body: Body) -> tuple[str, list[int]]:
-    """`prompt` as a string, a one-element array of strings, or an array of token ids."""
-    prompt = body.raw("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt, state.tokenize(prompt)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        vocab = state.require_ready().tokenizer.vocab_size
-        if not all(0 <= t < vocab for t in prompt):
-            raise bad_field("prompt", f"token ids must be in [0, {vocab})")
-        return state.require_ready().tokenizer.decode(prompt), list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise ApiError(
-            400,
-            "unsupported_n",
-            "prompt: one prompt per request (several prompts would be n > 1)",
-            param="prompt",
-        )
-    raise bad_field("prompt", "is required: a string, or an array of token ids")
-
-
 class _Reply:
-    """The fields every body and chunk of one answer repeats."""
+    """The fields every body and chunk of one answer repeats, and its log-probability formatting."""
 
-    def __init__(self, reply_id: str, kind: str, model: str, reasoning: bool, prefix: str = "") -> None:
+    def __init__(
+        self,
+        reply_id: str,
+        kind: str,
+        model: str,
+        tokenizer: Tokenizer,
+        logprobs: int | None,
+        prefix: str = "",
+    ) -> None:
         self.id = reply_id
         self.kind = kind
         self.model = model
-        self.reasoning = reasoning
+        self.tokenizer = tokenizer
+        self.logprobs = logprobs
         self.prefix = prefix
         self.created = int(time.time())
+        # Where the next token starts in the text (the legacy API's text_offset).
+        self.offset = len(prefix)
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self.tokenizer.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def chat_logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        content = [
+            {**self._token(lp.token_id, lp.logprob), "top_logprobs": [self._token(i, v) for i, v in lp.top]}
+            for lp in logprobs
+        ]
+        return {"content": content, "refusal": None}
+
+    def text_logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        tokens = [self._token(lp.token_id, lp.logprob)["token"] for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self._token(i, v)["token"]: v for i, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
 
     def body(self, choice: dict[str, Any], finished: Finished) -> dict[str, Any]:
         return {
@@ -198,8 +213,9 @@ def _chat_chunk(reply: _Reply, event: OutputDelta | Finished | None) -> dict[str
         return reply.chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
     if isinstance(event, OutputDelta):
         key = "reasoning_content" if event.channel == "reasoning" else "content"
+        logprobs = reply.chat_logprobs(event.logprobs) if event.channel == "content" else None
         return reply.chunk(
-            [{"index": 0, "delta": {key: event.text}, "logprobs": None, "finish_reason": None}]
+            [{"index": 0, "delta": {key: event.text}, "logprobs": logprobs, "finish_reason": None}]
         )
     return reply.chunk(
         [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}],
@@ -213,7 +229,8 @@ def _text_chunk(reply: _Reply, event: OutputDelta | Finished | None) -> dict[str
             return None
         return reply.chunk([{"index": 0, "text": reply.prefix, "logprobs": None, "finish_reason": None}])
     if isinstance(event, OutputDelta):
-        return reply.chunk([{"index": 0, "text": event.text, "logprobs": None, "finish_reason": None}])
+        logprobs = reply.text_logprobs(event.logprobs)
+        return reply.chunk([{"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": None}])
     return reply.chunk(
         [{"index": 0, "text": "", "logprobs": None, "finish_reason": event.finish_reason}],
         timings=timings(event.usage),
@@ -246,7 +263,7 @@ async def _stream(
                 event = await anext(events, None)
             await sse.send("[DONE]")
         except ApiError as error:
-            await sse.send({"error": {"message": error.message, "type": error.type, "code": error.code}})
+            await sse.send(error_body(error, anthropic=False, request_id=request[REQUEST_ID]))
         except ConnectionResetError:
             return sse.response
         return await sse.finish()

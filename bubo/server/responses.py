@@ -1,5 +1,518 @@
+"""The OpenAI Responses dialect: POST /v1/responses, as JSON or SSE.
+
+A Responses body carries its conversation as `input` items (messages, function calls and their
+outputs, reasoning) and `instructions`; this module turns them into the template messages every
+dialect shares, runs them, and answers with a `response` object whose `output` holds a reasoning
+item (when the model reasoned) and one assistant message. The stream is the Responses event
+sequence (`event: NAME` plus `data: JSON`, each with a `sequence_number`). Nothing is stored, so
+`previous_response_id`, `conversation` and `background` are refused rather than ignored.
+"""
+
+import json
+import time
+from collections.abc import Mapping
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
 from aiohttp import web
+
+from bubo.engine.request import Finished, GenerationRequest, OutputDelta, OutputEvent, Usage
+from bubo.engine.sampler import SamplingParams
+from bubo.server.chat import (
+    REASONING_EFFORTS,
+    ChatRequest,
+    chat_messages,
+    require_text_format,
+    text_content,
+    thinking_choice,
+)
+from bubo.server.errors import ApiError, bad_field
+from bubo.server.fields import Body, read_json, sampling_params
+from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.sse import EventStream
+from bubo.server.state import ServerState, new_id
+from bubo.server.usage import gufo, timings
+
+__all__ = ["function_tools", "input_messages", "routes"]
+
+_MESSAGE_ROLES = ("system", "developer", "user", "assistant")
+# Stateful or hosted features: Bubo keeps no responses and runs no hosted tools.
+_UNSUPPORTED_FIELDS = {
+    "previous_response_id": "previous_response_id: stored responses are not supported; send the "
+    "whole conversation in input",
+    "conversation": "conversation: stored conversations are not supported; send the whole "
+    "conversation in input",
+    "prompt": "prompt: stored prompt templates are not supported; send instructions and input",
+}
+
+
+def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
+    """A reasoning item's text: its reasoning_text content, else its summary."""
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list) or not all(
+            isinstance(p, Mapping) and p.get("type") == part_type and isinstance(p.get("text"), str)
+            for p in parts
+        ):
+            raise bad_field(f"{where}.{key}", f"must be an array of {part_type} parts with text")
+        if parts:
+            return "\n".join(p["text"] for p in parts)
+    return ""
+
+
+def _string(item: Mapping[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise bad_field(f"{where}.{key}", "is required and must be a non-empty string")
+    return value
+
+
+def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A function_call item as an OpenAI chat tool call; the arguments must be JSON."""
+    arguments = item.get("arguments", "")
+    if not isinstance(arguments, str):
+        raise bad_field(f"{where}.arguments", "must be a JSON string")
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        raise bad_field(f"{where}.arguments", "is not valid JSON") from None
+    return {
+        "id": _string(item, "call_id", where),
+        "type": "function",
+        "function": {"name": _string(item, "name", where), "arguments": parsed},
+    }
+
+
+def input_messages(raw: Any, instructions: str | None = None) -> list[dict[str, Any]]:
+    """`input` (a string or an array of items) and `instructions` as OpenAI-style template messages.
+
+    Consecutive function_call items become one assistant turn (parallel calls), joined to the
+    assistant message just before them; a function_call_output becomes a tool message; a reasoning
+    item's text becomes the reasoning_content of the next assistant turn.
+    """
+    if raw is None or raw == "" or raw == []:
+        raise ApiError(
+            400,
+            "missing_input",
+            "input is required: a string, or a non-empty array of input items",
+            param="input",
+        )
+    items = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+    if not isinstance(items, list):
+        raise bad_field("input", "must be a string or an array of input items")
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    reasoning: str | None = None
+    call_names: dict[str, str] = {}
+
+    def assistant_turn() -> dict[str, Any]:
+        """The assistant message function calls join: the last message, if the assistant wrote it."""
+        nonlocal reasoning
+        last = messages[-1] if messages else None
+        if last is None or last["role"] != "assistant":
+            last = {"role": "assistant", "content": ""}
+            messages.append(last)
+        if reasoning is not None:
+            last["reasoning_content"] = "\n".join(filter(None, (last.get("reasoning_content"), reasoning)))
+            reasoning = None
+        return last
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, Mapping):
+            raise bad_field(where, "an input item must be an object")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in _MESSAGE_ROLES:
+                raise bad_field(f"{where}.role", f"must be one of {', '.join(_MESSAGE_ROLES)}; got {role!r}")
+            message = {"role": role, "content": text_content(item.get("content"), f"{where}.content")}
+            if role == "assistant" and reasoning is not None:
+                message["reasoning_content"] = reasoning
+                reasoning = None
+            messages.append(message)
+        elif kind == "function_call":
+            call = _function_call(item, where)
+            call_names[call["id"]] = call["function"]["name"]
+            assistant_turn().setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            call_id = _string(item, "call_id", where)
+            tool: dict[str, Any] = {
+                "role": "tool",
+                "tool_call_id": call_id,
+                "content": text_content(item.get("output"), f"{where}.output"),
+            }
+            if call_id in call_names:
+                tool["name"] = call_names[call_id]
+            messages.append(tool)
+        elif kind == "reasoning":
+            reasoning = _reasoning_text(item, where)
+        elif kind == "item_reference":
+            raise ApiError(
+                400,
+                "unsupported_item",
+                f"{where}: item_reference needs stored items, which Bubo does not keep; send the item itself",
+                param=f"{where}.type",
+            )
+        else:
+            raise bad_field(
+                f"{where}.type",
+                f"must be message, function_call, function_call_output or reasoning; got {kind!r}",
+            )
+    if not any(m["role"] != "system" for m in messages):
+        raise ApiError(400, "missing_input", "input holds no message to answer", param="input")
+    return chat_messages(messages, "input")
+
+
+def function_tools(raw: Any) -> list[dict[str, Any]] | None:
+    """Responses function tools (flat: name, description, parameters, strict) in the OpenAI chat
+    shape the templates know. `strict` is kept only when it is true or false: absent or null means
+    the schema is used as sent."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise bad_field("tools", "must be an array of tool objects")
+    tools = []
+    for i, tool in enumerate(raw):
+        where = f"tools[{i}]"
+        if not isinstance(tool, Mapping):
+            raise bad_field(where, "a tool must be an object")
+        if tool.get("type") != "function":
+            raise ApiError(
+                400,
+                "unsupported_tool",
+                f"{where}.type: only function tools are supported, got {tool.get('type')!r}",
+                param=f"{where}.type",
+            )
+        function: dict[str, Any] = {"name": _string(tool, "name", where)}
+        description = tool.get("description")
+        if description is not None:
+            if not isinstance(description, str):
+                raise bad_field(f"{where}.description", "must be a string")
+            function["description"] = description
+        parameters = tool.get("parameters")
+        if parameters is not None:
+            if not isinstance(parameters, Mapping):
+                raise bad_field(f"{where}.parameters", "must be a JSON schema object")
+            function["parameters"] = dict(parameters)
+        strict = tool.get("strict")
+        if strict is not None:
+            if not isinstance(strict, bool):
+                raise bad_field(f"{where}.strict", "must be true, false or null")
+            function["strict"] = strict
+        tools.append({"type": "function", "function": function})
+    return tools or None
+
+
+def _tool_choice(body: Body) -> Any:
+    choice = body.raw("tool_choice", "auto")
+    if choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return choice
+    raise bad_field("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "name": ...}')
+
+
+def _reasoning_effort(body: Body) -> str | None:
+    """`reasoning.effort`, in chat's terms: OpenAI's "none" is chat's "off"."""
+    reasoning = body.object("reasoning")
+    if reasoning is None:
+        return None
+    effort = reasoning.get("effort")
+    if effort is None:
+        return None
+    if effort == "none":
+        return "off"
+    if effort not in REASONING_EFFORTS:
+        raise bad_field(
+            "reasoning.effort", f"must be one of none, {', '.join(REASONING_EFFORTS)}; got {effort!r}"
+        )
+    return effort
+
+
+def _text_config(body: Body) -> dict[str, Any]:
+    """`text.format`: plain text only until constrained decoding lands."""
+    text = body.object("text") or {}
+    fmt = text.get("format") or {"type": "text"}
+    require_text_format(fmt, "text.format")
+    return {**text, "format": {"type": "text"}}
+
+
+def _check_unsupported(body: Body) -> None:
+    for name, message in _UNSUPPORTED_FIELDS.items():
+        if name in body:
+            raise ApiError(400, f"unsupported_{name}", message, param=name)
+    if body.boolean("background"):
+        raise ApiError(
+            400,
+            "unsupported_background",
+            "background: background responses need stored responses, which Bubo does not keep",
+            param="background",
+        )
+    if body.integer("top_logprobs", minimum=0, maximum=20):
+        raise ApiError(
+            400,
+            "unsupported_logprobs",
+            "top_logprobs: token log probabilities are not supported yet",
+            param="top_logprobs",
+        )
+    metadata = body.object("metadata")
+    if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
+        raise bad_field("metadata", "values must be strings")
+    body.boolean("store")
+    body.boolean("parallel_tool_calls", True)
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        # Bubo has no billed cache writes: the slot simply keeps whatever it last ran.
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "total_tokens": usage.total_tokens,
+        "gufo": gufo(usage),
+    }
+
+
+@dataclass
+class _Reply:
+    """The response object's fixed fields, echoed from the request in every body and lifecycle event."""
+
+    model: str
+    echo: dict[str, Any]
+    id: str = ""
+    created_at: int = 0
+
+    def __post_init__(self) -> None:
+        self.id = new_id("resp_")
+        self.created_at = int(time.time())
+
+    def body(
+        self, status: str, output: list[dict[str, Any]], finished: Finished | None = None
+    ) -> dict[str, Any]:
+        incomplete = status == "incomplete"
+        body = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "model": self.model,
+            "output": output,
+            **self.echo,
+            "usage": _usage(finished.usage) if finished is not None else None,
+        }
+        if finished is not None:
+            body["timings"] = timings(finished.usage)
+        return body
+
+
+def _status(finished: Finished) -> str:
+    return "incomplete" if finished.finish_reason == "length" else "completed"
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [] if status == "in_progress" else [_output_text(text)]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _output(finished: Finished) -> list[dict[str, Any]]:
+    """The output items of a finished answer; a cut answer marks the item it was cut in incomplete."""
+    cut = finished.finish_reason == "length"
+    output = []
+    if finished.reasoning_text:
+        status = "incomplete" if cut and not finished.content_text else "completed"
+        output.append(_reasoning_item(new_id("rs_"), finished.reasoning_text, status))
+    output.append(_message_item(new_id("msg_"), finished.content_text, "incomplete" if cut else "completed"))
+    return output
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_json(request)
+    loaded = state.require_ready()
+    model = state.resolve_model(body.raw("model"))
+    _check_unsupported(body)
+    instructions = body.string("instructions")
+    messages = input_messages(body.raw("input"), instructions)
+    effort = _reasoning_effort(body)
+    thinking, kwargs = thinking_choice(
+        Body(
+            {
+                "reasoning_effort": effort,
+                "thinking": body.raw("thinking"),
+                "chat_template_kwargs": body.raw("chat_template_kwargs"),
+            }
+        )
+    )
+    tools = function_tools(body.raw("tools"))
+    tool_choice = _tool_choice(body)
+    text = _text_config(body)
+    stream = body.boolean("stream")
+    params = sampling_params(
+        body, state.settings.defaults, loaded.tokenizer.vocab_size, limit_fields=("max_output_tokens",)
+    )
+    prompt = state.render_prompt(ChatRequest(messages, tools, thinking, kwargs))
+    generation = state.request(
+        prompt.text, prompt.ids, params, reasoning=prompt.reasoning, in_reasoning=prompt.in_reasoning
+    )
+    reply = _Reply(model, _echo(body, params, instructions, tool_choice, text))
+    if stream:
+        return await _stream(request, state, generation, reply)
+    finished = await state.complete(generation)
+    return web.json_response(
+        reply.body(_status(finished), _output(finished), finished),
+        headers={"x-request-id": request[REQUEST_ID]},
+    )
+
+
+def _echo(
+    body: Body, params: SamplingParams, instructions: str | None, tool_choice: Any, text: dict[str, Any]
+) -> dict[str, Any]:
+    """The request settings a Response repeats back, with the values the generation really used."""
+    reasoning = body.object("reasoning")
+    return {
+        "instructions": instructions,
+        "max_output_tokens": params.max_tokens,
+        "metadata": body.object("metadata", {}),
+        "parallel_tool_calls": body.boolean("parallel_tool_calls", True),
+        "previous_response_id": None,
+        "reasoning": {"effort": reasoning.get("effort"), "summary": None} if reasoning else None,
+        "store": False,
+        "temperature": params.temperature,
+        "text": text,
+        "tool_choice": tool_choice,
+        "tools": [dict(t) for t in body.array("tools", [])],
+        "top_p": body.number("top_p", params.top_p),
+        "truncation": "disabled",
+        "user": body.string("user"),
+    }
+
+
+class _EventWriter:
+    """Writes the Responses event sequence for one answer, opening and closing output items as the
+    reasoning and answer text arrive."""
+
+    def __init__(self, sse: EventStream, reply: _Reply) -> None:
+        self.sse = sse
+        self.reply = reply
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        self.open_kind: str | None = None
+        self.open_id = ""
+        self.open_text: list[str] = []
+
+    async def send(self, kind: str, **fields: Any) -> None:
+        await self.sse.send({"type": kind, "sequence_number": self.sequence, **fields}, event=kind)
+        self.sequence += 1
+
+    async def start(self) -> None:
+        opening = self.reply.body("in_progress", [])
+        await self.send("response.created", response=opening)
+        await self.send("response.in_progress", response=opening)
+
+    def _place(self) -> dict[str, Any]:
+        return {"item_id": self.open_id, "output_index": len(self.output), "content_index": 0}
+
+    async def _open(self, kind: str) -> None:
+        self.open_kind = kind
+        self.open_text = []
+        index = len(self.output)
+        if kind == "reasoning":
+            self.open_id = new_id("rs_")
+            item = _reasoning_item(self.open_id, "", "in_progress")
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+        else:
+            self.open_id = new_id("msg_")
+            item = _message_item(self.open_id, "", "in_progress")
+            part = {"type": "output_text", "text": "", "annotations": []}
+        await self.send("response.output_item.added", output_index=index, item=item)
+        await self.send("response.content_part.added", **self._place(), part=part)
+
+    async def _close(self, status: str) -> None:
+        text = "".join(self.open_text)
+        if self.open_kind == "reasoning":
+            await self.send("response.reasoning_text.done", **self._place(), text=text)
+            part: dict[str, Any] = {"type": "reasoning_text", "text": text}
+            item = _reasoning_item(self.open_id, text, status)
+        else:
+            await self.send("response.output_text.done", **self._place(), text=text, logprobs=[])
+            part = {"type": "output_text", "text": text, "annotations": []}
+            item = _message_item(self.open_id, text, status)
+        await self.send("response.content_part.done", **self._place(), part=part)
+        await self.send("response.output_item.done", output_index=len(self.output), item=item)
+        self.output.append(item)
+        self.open_kind = None
+
+    async def delta(self, event: OutputDelta) -> None:
+        if not event.text:
+            return
+        kind = "reasoning" if event.channel == "reasoning" else "message"
+        if self.open_kind != kind:
+            if self.open_kind is not None:
+                await self._close("completed")
+            await self._open(kind)
+        self.open_text.append(event.text)
+        if kind == "reasoning":
+            await self.send("response.reasoning_text.delta", **self._place(), delta=event.text)
+        else:
+            await self.send("response.output_text.delta", **self._place(), delta=event.text, logprobs=[])
+
+    async def finish(self, finished: Finished) -> None:
+        status = _status(finished)
+        if self.open_kind == "reasoning":
+            await self._close("incomplete" if status == "incomplete" else "completed")
+        if self.open_kind is None:
+            # Every answer has a message, even an empty one (all reasoning, or nothing at all).
+            await self._open("message")
+        await self._close(status)
+        final = "response.incomplete" if status == "incomplete" else "response.completed"
+        await self.send(final, response=self.reply.body(status, self.output, finished))
+
+    async def error(self, error: ApiError) -> None:
+        await self.send("error", code=error.code, message=error.message, param=error.param)
+
+
+async def _stream(
+    request: web.Request, state: ServerState, generation: GenerationRequest, reply: _Reply
+) -> web.StreamResponse:
+    async with aclosing(state.stream(generation)) as events:
+        # The first event decides the status: failures before it still answer with their own code.
+        first = await anext(events)
+        sse = EventStream(request, request[REQUEST_ID])
+        await sse.start()
+        writer = _EventWriter(sse, reply)
+        try:
+            await writer.start()
+            event: OutputEvent | None = first
+            while event is not None:
+                if isinstance(event, Finished):
+                    await writer.finish(event)
+                    break
+                await writer.delta(event)
+                event = await anext(events, None)
+        except ApiError as error:
+            await writer.error(error)
+        except ConnectionResetError:
+            return sse.response
+        return await sse.finish()
 
 
 def routes() -> list[web.RouteDef]:
-    return []
+    return [web.post("/v1/responses", create_response)]

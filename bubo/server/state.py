@@ -22,7 +22,7 @@ from bubo.engine.slot import DeviceLostError, SessionSlot
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.server.chat import ChatRequest
-from bubo.server.errors import ApiError
+from bubo.server.errors import ApiError, bad_field
 from bubo.server.memory_guard import MemoryGuard, MemoryProbe, SystemMemoryProbe, request_cost
 from bubo.templates.chat_template import ChatTemplate, ChatTemplateError
 
@@ -210,6 +210,31 @@ class ServerState:
             ids = ids[1:]
         return ids
 
+    def completion_prompt(self, prompt: Any) -> tuple[str, list[int]]:
+        """A completion's `prompt` field: a string, an array of token ids, or a one-element array of
+        either. Several prompts would be several choices, which only n=1 allows."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt, self.tokenize(prompt)
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            tokenizer = self.require_ready().tokenizer
+            if not all(0 <= t < tokenizer.vocab_size for t in prompt):
+                raise bad_field("prompt", f"token ids must be in [0, {tokenizer.vocab_size})")
+            return tokenizer.decode(prompt), list(prompt)
+        if isinstance(prompt, list) and len(prompt) > 1:
+            raise ApiError(
+                400,
+                "unsupported_n",
+                "prompt: one prompt per request (several would be n > 1)",
+                param="prompt",
+            )
+        raise bad_field("prompt", "is required: a string, or an array of token ids")
+
     def render(self, chat: ChatRequest) -> str:
         """The prompt text of a chat, exactly as generation uses it."""
         self.require_ready()
@@ -255,13 +280,16 @@ class ServerState:
         *,
         reasoning: bool = False,
         in_reasoning: bool = False,
+        logprobs: int | None = None,
     ) -> GenerationRequest:
         self.check_context(prompt_ids)
         assert self.guard is not None and self.slot is not None
         limit = params.token_limit
         total = len(prompt_ids) + (self.n_ctx if limit is None else limit)
         self.guard.check(len(prompt_ids), max(0, min(total, self.n_ctx) - self.slot.cached_tokens))
-        return GenerationRequest(new_id("req_"), prompt, prompt_ids, params, reasoning, in_reasoning)
+        return GenerationRequest(
+            new_id("req_"), prompt, prompt_ids, params, reasoning, in_reasoning, logprobs
+        )
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[OutputEvent]:
         """Run on the slot; closing this iterator (a client gone) stops the generation."""

@@ -3,6 +3,7 @@
 
 import asyncio
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -82,12 +83,14 @@ class _ScriptCache:
 class ScriptedModel:
     """A stand-in decoder whose next token follows a fixed script, whatever the prompt: the script
     restarts on every forward of more than one token (a prefill), so each request replays it (keep
-    prompts at two tokens or more past any cached prefix). After the script it emits `after`."""
+    prompts at two tokens or more past any cached prefix). After the script it emits `after`. Each
+    forward sleeps `delay` seconds, for tests that need a generation to be running."""
 
-    def __init__(self, config: Any, script: Sequence[int], after: int) -> None:
+    def __init__(self, config: Any, script: Sequence[int], after: int, delay: float = 0.0) -> None:
         self.config = config
         self.script = list(script)
         self.after = after
+        self.delay = delay
         self.device = torch.device("cpu")
         self.forwards = 0
 
@@ -96,6 +99,8 @@ class ScriptedModel:
 
     def __call__(self, tokens: torch.Tensor, cache: _ScriptCache, last_only: bool = False) -> torch.Tensor:
         self.forwards += 1
+        if self.delay:
+            time.sleep(self.delay)
         steps = tokens.shape[1]
         cache.length += steps
         if steps > 1 or cache.length == steps:
@@ -108,11 +113,34 @@ class ScriptedModel:
 
 
 def scripted(
-    loaded: LoadedModel, text: str, *, end: str = "<|im_end|>", special: bool = False
+    loaded: LoadedModel, text: str, *, end: str = "<|im_end|>", special: bool = False, delay: float = 0.0
 ) -> LoadedModel:
-    """`loaded` with its decoder replaced by one that writes `text` and then `end`."""
+    """`loaded` with its decoder replaced by one that writes `text` and then `end` (`delay` s per forward)."""
     tokenizer = loaded.tokenizer
     script = tokenizer.encode(text, add_bos=False, parse_special=special)
     end_id = tokenizer.token_to_id(end)
     assert end_id is not None
-    return replace(loaded, model=ScriptedModel(loaded.config, script, end_id))
+    return replace(loaded, model=ScriptedModel(loaded.config, script, end_id, delay))
+
+
+GATED_TEXT = "Hello world. Goodbye."
+
+
+class GatedModel:
+    """Wraps a decoder so that every one-token forward (a decode step) waits for `gate`: a request
+    that has sent its first piece of text then stays in progress until the test opens the gate."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = model.device
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None) -> Any:
+        return self.model.new_cache(batch, max_len)
+
+    def __call__(self, tokens: torch.Tensor, cache: Any, last_only: bool = False) -> torch.Tensor:
+        if tokens.shape[1] == 1:
+            assert self.gate.wait(30), "the test never opened the gate"
+        return self.model(tokens, cache, last_only)

@@ -1,0 +1,106 @@
+"""`bubo serve` as a user starts it: a real process, its port, its exit codes and one-line errors."""
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+BUBO = [sys.executable, "-m", "bubo"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*BUBO, "serve", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_a_missing_model_file_is_one_line(tmp_path: Path) -> None:
+    result = _run("--model", str(tmp_path / "absent.gguf"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"bubo: error: model file not found: {tmp_path / 'absent.gguf'}"
+    ]
+
+
+def test_a_file_that_is_not_gguf_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "notes.gguf"
+    path.write_text("just text, not a model")
+    result = _run("--model", str(path))
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bubo: error:") and "Traceback" not in result.stderr
+
+
+def test_debug_hooks_refuse_a_non_loopback_host(tiny_llama_path: Path) -> None:
+    result = _run("--model", str(tiny_llama_path), "--debug-hooks", "--host", "0.0.0.0")
+    assert result.returncode == 1
+    assert "--debug-hooks needs a loopback --host" in result.stderr
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--n-predict", "0"), ("--temp", "nan"), ("--port", "70000")])
+def test_bad_flags_are_one_line(tiny_llama_path: Path, flag: str, value: str) -> None:
+    result = _run("--model", str(tiny_llama_path), flag, value)
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_serve_answers_then_stops_cleanly(tiny_llama_path: Path) -> None:
+    port = _free_port()
+    process = subprocess.Popen(
+        [
+            *BUBO,
+            "serve",
+            "--model",
+            str(tiny_llama_path),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--temp",
+            "0",
+            "-n",
+            "3",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        assert httpx.get(url + "/ready").json() == {"status": "ready", "model": "tiny"}
+        reply = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hello"}).json()
+        assert reply["usage"]["completion_tokens"] == 3  # -n 3 is the default limit
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        process.kill()
+        stderr = process.stderr.read() if process.stderr else ""
+    assert f"listening on {url}" in stderr and "ready: serving 'tiny'" in stderr
+
+
+def test_a_port_in_use_is_one_line(tiny_llama_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _run("--model", str(tiny_llama_path), "--port", str(port))
+    assert result.returncode == 1
+    assert (
+        result.stderr.strip().splitlines()[-1].startswith(f"bubo: error: cannot listen on 127.0.0.1:{port}")
+    )

@@ -1,0 +1,341 @@
+"""What every route shares: errors in the documented shape, the API key, readiness, the memory guard,
+a lost device, and the session slot (queueing, cancellation on disconnect)."""
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from bubo.engine.loaded_model import LoadedModel
+from bubo.engine.sampler import SamplingParams
+from bubo.server.memory_guard import MemoryInfo
+from tests.server.live_server import LiveServer, ScriptedModel, scripted, serve_loaded
+
+CHAT = {"model": "bubo", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2}
+
+
+def assert_error(response: httpx.Response, status: int, type_: str, code: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == (type_, code)
+    assert error["message"]
+    return response.json()
+
+
+# Errors
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/nope"), ("POST", "/v1/nope"), ("GET", "/v1/chat")])
+def test_unknown_paths_are_404_not_found(tiny_server: LiveServer, method: str, path: str) -> None:
+    assert_error(httpx.request(method, tiny_server.url + path), 404, "invalid_request_error", "not_found")
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/embeddings"),
+        ("POST", "/v1/rerank"),
+        ("POST", "/v1/reranking"),
+        ("POST", "/rerank"),
+        ("POST", "/infill"),
+        ("GET", "/sdapi/v1/sd-models"),
+        ("POST", "/sdapi/v1/txt2img"),
+    ],
+)
+def test_paths_a_text_model_does_not_serve_are_501(tiny_server: LiveServer, method: str, path: str) -> None:
+    response = httpx.request(method, tiny_server.url + path, json={})
+    assert_error(response, 501, "server_error", "not_implemented")
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'"text"', b"\xff\xfe"])
+def test_a_body_that_is_not_a_json_object_is_parse_error(tiny_server: LiveServer, raw: bytes) -> None:
+    response = httpx.post(
+        tiny_server.url + "/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}
+    )
+    assert_error(response, 400, "invalid_request_error", "parse_error")
+
+
+def test_a_body_over_the_limit_is_413(tiny_llama: LoadedModel) -> None:
+    server = serve_loaded(tiny_llama, max_body_mb=0.01)
+    try:
+        big = {**CHAT, "messages": [{"role": "user", "content": "x" * 20_000}]}
+        response = httpx.post(server.url + "/v1/chat/completions", json=big)
+        assert_error(response, 413, "invalid_request_error", "request_too_large")
+        assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_a_prompt_longer_than_the_context_is_400(tiny_llama: LoadedModel) -> None:
+    server = serve_loaded(tiny_llama, ctx_size=24)
+    try:
+        body = {**CHAT, "messages": [{"role": "user", "content": "word " * 40}]}
+        response = httpx.post(server.url + "/v1/chat/completions", json=body)
+        body = assert_error(response, 400, "invalid_request_error", "context_length_exceeded")
+        assert "24" in body["error"]["message"]
+    finally:
+        server.stop()
+
+
+class _BrokenModel(ScriptedModel):
+    def __init__(self, config: object, error: Exception) -> None:
+        super().__init__(config, [0], 0)
+        self.error = error
+
+    def __call__(self, tokens: torch.Tensor, cache: object, last_only: bool = False) -> torch.Tensor:
+        raise self.error
+
+
+def test_a_server_fault_is_a_500_in_the_documented_shape_with_the_request_id(
+    tiny_llama: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = replace(tiny_llama, model=_BrokenModel(tiny_llama.config, ValueError("boom")))
+    server = serve_loaded(broken)
+    try:
+        response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+        assert_error(response, 500, "server_error", "internal_error")
+        request_id = response.headers["x-request-id"]
+        assert request_id in response.json()["error"]["message"]
+        assert any(request_id in r.getMessage() for r in caplog.records)
+        # The slot is free again: the next request is answered (by the same fault).
+        assert httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 500
+    finally:
+        server.stop()
+
+
+# API key
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_llama: LoadedModel) -> Iterator[LiveServer]:
+    server = serve_loaded(tiny_llama, api_key="s3cret", defaults=SamplingParams(max_tokens=1))
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready", "/v1/models", "/props", "/slots", "/metrics"])
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}, {"Authorization": "s3cret"}]
+)
+def test_every_route_needs_the_key(keyed_server: LiveServer, path: str, headers: dict) -> None:
+    response = httpx.get(keyed_server.url + path, headers=headers)
+    assert_error(response, 401, "authentication_error", "invalid_api_key")
+    assert response.headers["WWW-Authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize("headers", [{"Authorization": "Bearer s3cret"}, {"x-api-key": "s3cret"}])
+def test_the_key_opens_every_route(keyed_server: LiveServer, headers: dict) -> None:
+    assert httpx.get(keyed_server.url + "/health", headers=headers).json() == {"status": "ok"}
+    assert (
+        httpx.post(keyed_server.url + "/v1/chat/completions", json=CHAT, headers=headers).status_code == 200
+    )
+
+
+def test_the_sdk_sends_the_key(keyed_server: LiveServer) -> None:
+    good = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="s3cret", max_retries=0)
+    assert good.models.list().data[1].id == "bubo"
+    bad = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as error:
+        bad.models.list()
+    assert error.value.code == "invalid_api_key"
+
+
+def test_without_a_key_none_is_asked(tiny_server: LiveServer) -> None:
+    assert httpx.get(tiny_server.url + "/health").json() == {"status": "ok"}
+
+
+# Readiness
+
+
+def test_ready_is_503_while_the_model_loads(tiny_llama_path: Path) -> None:
+    server = serve_loaded(None, model_path=tiny_llama_path)
+    try:
+        assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+        response = httpx.get(server.url + "/ready")
+        assert_error(response, 503, "server_error", "not_ready")
+        assert response.json()["status"] == "not_ready"
+        assert_error(
+            httpx.post(server.url + "/v1/chat/completions", json=CHAT), 503, "server_error", "not_ready"
+        )
+        # Known before loading: the model list needs only the file name.
+        assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == [
+            "tiny-llama-01b",
+            "bubo",
+        ]
+    finally:
+        server.stop()
+
+
+def test_ready_names_the_model(tiny_server: LiveServer) -> None:
+    assert httpx.get(tiny_server.url + "/ready").json() == {"status": "ready", "model": "tiny-llama-01b"}
+    for alias in ("/v1/ready", "/readyz"):
+        assert httpx.get(tiny_server.url + alias).status_code == 200
+    for alias in ("/v1/health", "/healthz"):
+        assert httpx.get(tiny_server.url + alias).json() == {"status": "ok"}
+    assert httpx.get(tiny_server.url + "/models").json()["data"][0]["context_length"] == 512
+
+
+def test_served_model_name_replaces_the_file_name(tiny_llama: LoadedModel) -> None:
+    server = serve_loaded(tiny_llama, served_model_name="my-model")
+    try:
+        assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["my-model", "bubo"]
+        response = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "model": "tiny-llama-01b"})
+        body = assert_error(response, 404, "invalid_request_error", "model_not_found")
+        assert "my-model" in body["error"]["message"]
+    finally:
+        server.stop()
+
+
+# Memory guard
+
+
+class FakeProbe:
+    def __init__(self) -> None:
+        self.info = MemoryInfo(available=64 << 30, total=128 << 30)
+
+    def read(self) -> MemoryInfo:
+        return self.info
+
+
+def test_the_memory_guard_answers_503_or_507(tiny_llama: LoadedModel) -> None:
+    probe = FakeProbe()
+    server = serve_loaded(tiny_llama, memory_probe=probe)
+    url = server.url + "/v1/chat/completions"
+    try:
+        assert httpx.post(url, json=CHAT).status_code == 200
+
+        probe.info = MemoryInfo(available=1 << 20, total=128 << 30)
+        response = httpx.post(url, json=CHAT)
+        assert_error(response, 503, "server_error", "insufficient_memory")
+        assert response.headers["Retry-After"] == "5"
+
+        probe.info = MemoryInfo(available=64 << 30, total=128 << 30, under_pressure=True)
+        response = httpx.post(url, json=CHAT)
+        assert_error(response, 503, "server_error", "memory_pressure")
+        assert response.headers["Retry-After"] == "5"
+
+        probe.info = MemoryInfo(available=1 << 20, total=2 << 20)
+        response = httpx.post(url, json=CHAT)
+        assert_error(response, 507, "server_error", "insufficient_memory_permanent")
+        assert "Retry-After" not in response.headers
+
+        probe.info = MemoryInfo(available=64 << 30, total=128 << 30)
+        assert httpx.post(url, json=CHAT).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_the_estimate_grows_with_the_request(tiny_llama: LoadedModel) -> None:
+    server = serve_loaded(tiny_llama)
+    try:
+        guard = server.state.guard
+        assert guard is not None
+        assert guard.estimate(100, 200) > guard.estimate(10, 20) > 0
+    finally:
+        server.stop()
+
+
+# A lost device
+
+
+def test_after_a_device_loss_everything_answers_503_device_lost(tiny_llama: LoadedModel) -> None:
+    error = RuntimeError("CUDA error: an illegal memory access was encountered")
+    server = serve_loaded(replace(tiny_llama, model=_BrokenModel(tiny_llama.config, error)))
+    try:
+        response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+        assert_error(response, 503, "server_error", "device_lost")
+        assert response.json()["status"] == "device_lost"
+        for path in ("/health", "/ready"):
+            response = httpx.get(server.url + path)
+            assert response.status_code == 503 and response.json()["status"] == "device_lost"
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/completion"):
+            response = httpx.post(server.url + path, json={"model": "bubo", "prompt": "x"})
+            assert response.status_code == 503 and response.json()["status"] == "device_lost", path
+    finally:
+        server.stop()
+
+
+# The slot
+
+
+@pytest.fixture
+def slow_server(tiny_llama: LoadedModel) -> Iterator[LiveServer]:
+    """A model that writes a long text at 50 ms per token."""
+    loaded = scripted(tiny_llama, "word " * 200, delay=0.05)
+    server = serve_loaded(loaded, defaults=SamplingParams(temperature=0.0))
+    yield server
+    server.stop()
+
+
+def test_concurrent_requests_wait_their_turn_and_each_gets_its_own_output(tiny_llama: LoadedModel) -> None:
+    server = serve_loaded(scripted(tiny_llama, "Hello there, world!", delay=0.01))
+    slot = server.state.slot
+    assert slot is not None
+    results: dict[int, dict] = {}
+
+    def ask(i: int) -> None:
+        body = {
+            "model": "bubo",
+            "messages": [{"role": "user", "content": f"question {i}"}],
+            "max_tokens": 4 + i,
+        }
+        results[i] = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+
+    try:
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        tokenizer = tiny_llama.tokenizer
+        script = tokenizer.encode("Hello there, world!")
+        for i in range(4):
+            assert results[i]["usage"]["completion_tokens"] == 4 + i
+            assert results[i]["choices"][0]["message"]["content"] == tokenizer.decode(script[: 4 + i])
+        assert slot.stats.requests_deferred_total >= 1
+        assert slot.stats.requests_deferred == 0 and not slot.is_processing
+    finally:
+        server.stop()
+
+
+def test_a_client_that_disconnects_stops_its_generation(slow_server: LiveServer) -> None:
+    slot = slow_server.state.slot
+    assert slot is not None
+    model = slot.model
+    assert isinstance(model, ScriptedModel)
+    body = {**CHAT, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", slow_server.url + "/v1/chat/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: ")
+            if seen >= 4:
+                break
+    closed_at = model.forwards
+    deadline = time.monotonic() + 5
+    while slot.is_processing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not slot.is_processing
+    assert model.forwards <= closed_at + 2  # stopped within a token or two of the disconnect
+    # The slot is free: a new request runs at once.
+    started = time.monotonic()
+    reply = httpx.post(slow_server.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=30)
+    assert reply.status_code == 200 and time.monotonic() - started < 2
+
+
+def test_a_non_streaming_client_that_gives_up_frees_the_slot(slow_server: LiveServer) -> None:
+    slot = slow_server.state.slot
+    assert slot is not None
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(slow_server.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 200}, timeout=0.5)
+    deadline = time.monotonic() + 5
+    while slot.is_processing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not slot.is_processing
+    assert slot.model.forwards < 40  # 200 tokens would take 10 s
