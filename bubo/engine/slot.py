@@ -79,7 +79,9 @@ class SessionSlot:
         self.last_cache_report: CacheReport | None = None
         self.last_prompt_tokens = 0
         self.last_request_id: str | None = None
-        self._cache: Cache | None = None
+        # Allocated up front, as llama-server does: on a GPU the KV memory is taken at start-up, not
+        # halfway through a long request (on the CPU the zeroed pages are only touched as they fill).
+        self._cache: Cache = model.new_cache(max_len=n_ctx)
         self._cached_ids: list[int] = []
         self._lock = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bubo-slot")
@@ -90,7 +92,12 @@ class SessionSlot:
 
     @property
     def cached_tokens(self) -> int:
-        return self._cache.length if self._cache is not None else 0
+        return self._cache.length
+
+    @property
+    def can_rewind(self) -> bool:
+        """Whether the cache can be cut back to any prefix (False with a recurrent state)."""
+        return self._cache.can_rewind
 
     async def run(self, request: GenerationRequest) -> AsyncIterator[OutputEvent]:
         """Wait for the slot, then stream the request's events; closing the iterator cancels it."""
@@ -165,8 +172,6 @@ class SessionSlot:
 
     def _reuse(self, prompt: list[int]) -> CacheReport:
         """Cut the cache back to the longest prefix it shares with `prompt`, and say what was kept."""
-        if self._cache is None:
-            self._cache = self.model.new_cache(max_len=self.n_ctx)
         cache = self._cache
         common = 0
         for a, b in zip(self._cached_ids, prompt, strict=False):
@@ -190,7 +195,6 @@ class SessionSlot:
         self.last_cache_report = report
         self.last_prompt_tokens = len(prompt)
         self.last_request_id = request.request_id
-        assert self._cache is not None
         splitter = ReasoningSplitter(in_reasoning=request.in_reasoning) if request.reasoning else None
         reasoning: list[str] = []
         content: list[str] = []

@@ -40,7 +40,7 @@ async def prompt(request: web.Request) -> web.Response:
 async def cache(request: web.Request) -> web.Response:
     """The slot's prompt cache and how it served the last request (as that request's usage.gufo.options)."""
     state = request.app[STATE]
-    loaded = state.require_ready()
+    state.require_ready()
     slot = state.slot
     assert slot is not None
     report = slot.last_cache_report
@@ -48,8 +48,7 @@ async def cache(request: web.Request) -> web.Response:
         {
             "n_ctx": slot.n_ctx,
             "cached_tokens": slot.cached_tokens,
-            # A recurrent (hybrid) cache keeps its state whole or not at all; attention caches cut back.
-            "can_rewind": not loaded.config.is_hybrid,
+            "can_rewind": slot.can_rewind,
             "is_processing": slot.is_processing,
             "last_request_id": slot.last_request_id,
             "last_prompt_tokens": slot.last_prompt_tokens,

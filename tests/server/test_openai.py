@@ -361,3 +361,16 @@ def test_top_logprobs_without_logprobs_is_refused(tiny_server: LiveServer) -> No
     body = {"model": "bubo", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
     response = httpx.post(tiny_server.url + "/v1/chat/completions", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+
+
+def test_the_default_model_answers_through_the_sdk(smollm2_server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model="bubo",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.usage.prompt_tokens > 20  # SmolLM2's template adds its default system prompt
+    assert reply.model_extra["timings"]["predicted_n"] == reply.usage.completion_tokens
