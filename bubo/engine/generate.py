@@ -49,6 +49,19 @@ class Model(Protocol):
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> Cache: ...
 
 
+class TokenConstraint(Protocol):
+    """Narrows the next token's choices: a grammar (structured output, a forced tool call) or a forced
+    sequence (closing reasoning whose budget ran out). See bubo/engine/constraints.py."""
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with every token this constraint forbids now set to -inf."""
+        ...
+
+    def accept(self, token_id: int) -> None:
+        """Record the token that was chosen."""
+        ...
+
+
 class Tokenizer(Protocol):
     """What generate needs from bubo.model.tokenizer.Tokenizer."""
 
@@ -137,6 +150,7 @@ def generate(
     special: bool = False,
     cancelled: Callable[[], bool] | None = None,
     logprobs: int | None = None,
+    constraints: Sequence[TokenConstraint] = (),
 ) -> Iterator[GenerationEvent]:
     """Continue `prompt_ids`, yielding TextDelta pieces and then one GenerationResult.
 
@@ -146,6 +160,8 @@ def generate(
     tokens such as <|im_start|>; by default they generate no text, like llama-server. `cancelled` is
     asked before every forward pass; when it answers True generation ends there (a client went away).
     `logprobs` (None: off) attaches each token's log probability and that many top alternatives.
+    `constraints` mask the logits before each draw and see each chosen token (log probabilities stay
+    the model's own).
     """
     params.validate()
     prompt = list(prompt_ids)
@@ -194,12 +210,17 @@ def generate(
     stop_token: int | None = None
     reason: StopReason = "max_tokens"
     while limit is None or len(completion) < limit:
-        next_token = sampler.sample(logits)
+        allowed = logits
+        for constraint in constraints:
+            allowed = constraint.mask(allowed)
+        next_token = sampler.sample(allowed)
         token = int(next_token.item())  # the one host sync per token: stop checks need the id
         if not completion:
             first_token_at = time.perf_counter()
         completion.append(token)
         sampler.accept(token)
+        for constraint in constraints:
+            constraint.accept(token)
         if token in stop_ids:
             stop_token, reason = token, "eos"
             break

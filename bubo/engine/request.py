@@ -8,8 +8,9 @@ about any one API's field names.
 from dataclasses import dataclass, field
 from typing import Literal
 
-from bubo.engine.generate import GenerationResult, TokenLogprob
+from bubo.engine.generate import GenerationResult, TokenConstraint, TokenLogprob
 from bubo.engine.sampler import SamplingParams
+from bubo.templates.tool_calls import ToolCall, ToolCallArguments, ToolCallEnd, ToolCallParser, ToolCallStart
 
 Channel = Literal["reasoning", "content"]
 
@@ -20,7 +21,9 @@ class GenerationRequest:
 
     `reasoning` says whether the output may hold a `<think>` block to split off; `in_reasoning`
     whether the prompt already opened it (the generation prompt ends in `<think>\\n`). `logprobs`
-    (None: off) asks for each token's log probability and that many alternatives.
+    (None: off) asks for each token's log probability and that many alternatives. `constraints`
+    (a grammar, a reasoning budget) and `tool_parser` (which turns the answer's tool-call markup into
+    tool-call events) belong to this one request: they keep state as it runs.
     """
 
     request_id: str
@@ -30,6 +33,8 @@ class GenerationRequest:
     reasoning: bool = False
     in_reasoning: bool = False
     logprobs: int | None = None
+    constraints: tuple[TokenConstraint, ...] = ()
+    tool_parser: ToolCallParser | None = None
 
 
 @dataclass(frozen=True)
@@ -97,17 +102,22 @@ class Usage:
 
 @dataclass(frozen=True)
 class Finished:
-    """The last event. `finish_reason` is "stop" or "length"; `result` keeps the engine's detail."""
+    """The last event; `result` keeps the engine's detail."""
 
     result: GenerationResult
     usage: Usage
     reasoning_text: str
     content_text: str
     content_logprobs: tuple[TokenLogprob, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def finish_reason(self) -> str:
+        """ "stop", "length", or "tool_calls" when the answer ended with tool calls."""
+        if self.tool_calls and self.result.finish_reason == "stop":
+            return "tool_calls"
         return self.result.finish_reason
 
 
-OutputEvent = OutputDelta | Finished
+ToolCallEvent = ToolCallStart | ToolCallArguments | ToolCallEnd
+OutputEvent = OutputDelta | ToolCallEvent | Finished

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from bubo.engine.generate import Cache, GenerationResult, Model, Tokenizer, TokenLogprob, generate
-from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputDelta, OutputEvent, Usage
-from bubo.templates.reasoning import ReasoningSplitter
+from bubo.engine.generate import Cache, GenerationResult, Model, Tokenizer, generate
+from bubo.engine.output import OutputStream
+from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputEvent, Usage
 
 __all__ = ["DeviceLostError", "SessionSlot", "SlotStats"]
 
@@ -195,14 +195,10 @@ class SessionSlot:
         self.last_cache_report = report
         self.last_prompt_tokens = len(prompt)
         self.last_request_id = request.request_id
-        splitter = ReasoningSplitter(in_reasoning=request.in_reasoning) if request.reasoning else None
-        reasoning: list[str] = []
-        content: list[str] = []
-        reasoning_tokens = 0
+        output = OutputStream(
+            reasoning=request.reasoning, in_reasoning=request.in_reasoning, tool_parser=request.tool_parser
+        )
         result: GenerationResult | None = None
-        # Log probabilities waiting for a piece of text to ride on (the splitter may hold text back).
-        logprobs: tuple[TokenLogprob, ...] = ()
-        content_logprobs: list[TokenLogprob] = []
         try:
             for event in generate(
                 self.model,
@@ -212,22 +208,12 @@ class SessionSlot:
                 cache=self._cache,
                 cancelled=cancelled.is_set,
                 logprobs=request.logprobs,
+                constraints=request.constraints,
             ):
                 if isinstance(event, GenerationResult):
                     result = event
-                    continue
-                pieces = splitter.feed(event.text) if splitter else [("content", event.text)]
-                if any(channel == "reasoning" for channel, _ in pieces) or (
-                    splitter and splitter.in_reasoning
-                ):
-                    reasoning_tokens += len(event.token_ids)
-                logprobs += event.logprobs
-                for channel, text in pieces:
-                    (reasoning if channel == "reasoning" else content).append(text)
-                    if channel == "content":
-                        content_logprobs += logprobs
-                    yield OutputDelta(channel, text, logprobs)
-                    logprobs = ()
+                else:
+                    yield from output.feed(event)
         finally:
             # Whatever happened, the cache holds exactly the tokens that went through the model.
             done = result.token_ids if result is not None else []
@@ -235,20 +221,14 @@ class SessionSlot:
             if len(self._cached_ids) != self._cache.length:
                 self._cache.truncate(0)
                 self._cached_ids = []
-        if splitter:
-            for channel, text in splitter.flush():
-                (reasoning if channel == "reasoning" else content).append(text)
-                if channel == "content":
-                    content_logprobs += logprobs
-                yield OutputDelta(channel, text, logprobs)
-                logprobs = ()
+        yield from output.flush()
         assert result is not None
         timings = result.timings
         usage = Usage(
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
             cached_tokens=result.cached_tokens,
-            reasoning_tokens=reasoning_tokens,
+            reasoning_tokens=output.reasoning_tokens,
             prompt_ms=timings.prefill_seconds * 1000,
             predicted_ms=timings.decode_seconds * 1000,
             cache=report,
@@ -260,4 +240,11 @@ class SessionSlot:
         stats.tokens_predicted_total += result.completion_tokens
         stats.predicted_seconds_total += timings.decode_seconds
         stats.decode_calls_total += timings.decode_tokens
-        yield Finished(result, usage, "".join(reasoning), "".join(content), tuple(content_logprobs))
+        yield Finished(
+            result,
+            usage,
+            output.reasoning_text,
+            output.content_text,
+            tuple(output.content_logprobs),
+            output.tool_calls,
+        )

@@ -19,7 +19,14 @@ from aiohttp import web
 
 from bubo.engine.request import Finished, GenerationRequest, OutputDelta, OutputEvent, Usage
 from bubo.engine.sampler import SamplingParams
-from bubo.server.chat import ChatRequest, ThinkingChoice, chat_messages, thinking_choice, tool_list
+from bubo.server.chat import (
+    ChatRequest,
+    ThinkingChoice,
+    chat_messages,
+    output_schema,
+    thinking_choice,
+    tool_list,
+)
 from bubo.server.errors import ApiError, bad_field, error_body
 from bubo.server.fields import Body, read_json, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
@@ -233,8 +240,8 @@ def _thinking(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
     """Anthropic's `thinking` and `output_config.effort`, read by the shared thinking switch.
 
     The template has one switch, so "between_tools" (thinking only between tool calls) counts as
-    enabled, and an effort level is the reasoning effort unless thinking is disabled. The token budget
-    is checked but not enforced: generation has no separate limit for reasoning.
+    enabled, and an effort level is the reasoning effort unless thinking is disabled. `budget_tokens`
+    becomes the reasoning budget: when it runs out the server closes the reasoning block.
     """
     data = dict(body.data)
     thinking = body.object("thinking") or {}
@@ -246,20 +253,14 @@ def _thinking(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
     if thinking.get("type") == "between_tools":
         data["thinking"] = {**thinking, "type": "enabled"}
     output = body.object("output_config") or {}
-    if output.get("format") is not None:
-        raise ApiError(
-            400,
-            "unsupported_response_format",
-            "output_config.format: structured output is not supported yet",
-            param="output_config.format",
-        )
     effort = output.get("effort")
     if effort is not None:
         if effort not in _EFFORTS:
             raise bad_field("output_config.effort", f"must be one of {', '.join(_EFFORTS)}; got {effort!r}")
         if thinking.get("type") != "disabled" and "reasoning_effort" not in body:
             data["reasoning_effort"] = effort
-    return thinking_choice(Body(data))
+    choice, kwargs = thinking_choice(Body(data))
+    return replace(choice, budget_tokens=budget), kwargs
 
 
 def _chat_request(body: Body) -> ChatRequest:
@@ -338,8 +339,16 @@ async def messages(request: web.Request) -> web.StreamResponse:
     stream = body.boolean("stream")
     params = _sampling(body, state.settings.defaults, loaded.tokenizer.vocab_size)
     prompt = state.render_prompt(chat)
+    output = body.object("output_config") or {}
+    schema = output_schema(output.get("format") or {"type": "text"}, "output_config.format")
     generation = state.request(
-        prompt.text, prompt.ids, params, reasoning=prompt.reasoning, in_reasoning=prompt.in_reasoning
+        prompt.text,
+        prompt.ids,
+        params,
+        reasoning=prompt.reasoning,
+        in_reasoning=prompt.in_reasoning,
+        reasoning_budget=chat.thinking.budget,
+        grammar=state.compile_schema(schema, "output_config.format") if schema is not None else None,
     )
     message_id = new_id("msg_")
     omit = _omit_thinking(body)

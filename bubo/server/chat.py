@@ -8,34 +8,65 @@ with the model's template into the prompt text and tokens the engine runs.
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from bubo.server.errors import ApiError, bad_field
 from bubo.server.fields import Body
 
 __all__ = [
+    "REASONING_BUDGETS",
     "REASONING_EFFORTS",
     "ChatRequest",
     "ThinkingChoice",
+    "ToolChoice",
     "chat_messages",
     "chat_request",
-    "require_text_format",
+    "named_tool_choice",
+    "openai_tool_choice",
+    "output_schema",
     "text_content",
     "thinking_choice",
     "tool_list",
 ]
 
 REASONING_EFFORTS = ("off", "minimal", "low", "medium", "high", "xhigh", "max")
+# The reasoning token budget of each effort level (README, "Thinking"): when it runs out the server
+# closes the reasoning block and the model writes its answer. "max" and no level at all: no budget.
+REASONING_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
 class ThinkingChoice:
-    """`enabled` None leaves the template's default; `effort` is the requested level, if any."""
+    """`enabled` None leaves the template's default; `effort` is the requested level, if any;
+    `budget_tokens` an explicit reasoning budget (Anthropic's `thinking.budget_tokens`)."""
 
     enabled: bool | None = None
     effort: str | None = None
+    budget_tokens: int | None = None
+
+    @property
+    def budget(self) -> int | None:
+        """Reasoning tokens allowed before the server closes the block; None for no limit."""
+        if self.budget_tokens is not None:
+            return self.budget_tokens
+        return REASONING_BUDGETS.get(self.effort or "")
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """How the answer may use the tools: "auto" (the model decides), "required" (at least one call),
+    "none" (no calls; the tools are not shown), or `name` (exactly that function). `parallel` allows
+    several calls in one answer."""
+
+    mode: Literal["auto", "required", "none"] = "auto"
+    name: str | None = None
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.mode == "required" or self.name is not None
 
 
 @dataclass
@@ -47,6 +78,7 @@ class ChatRequest:
     thinking: ThinkingChoice = field(default_factory=ThinkingChoice)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
 
 
 def thinking_choice(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
@@ -195,20 +227,59 @@ def tool_list(tools: Any, field_name: str = "tools") -> list[dict[str, Any]] | N
     return [dict(t) for t in tools] or None
 
 
+def tool_names(tools: list[dict[str, Any]] | None) -> list[str]:
+    return [str(t.get("function", t).get("name")) for t in tools or []]
+
+
+def named_tool_choice(name: Any, tools: list[dict[str, Any]] | None, field_name: str) -> ToolChoice:
+    """A choice of one function, which must be among the tools."""
+    if not isinstance(name, str) or not name:
+        raise bad_field(field_name, "must name a function")
+    if name not in tool_names(tools):
+        raise bad_field(
+            field_name, f"{name!r} is not one of the tools ({', '.join(tool_names(tools)) or 'none given'})"
+        )
+    return ToolChoice(name=name)
+
+
+def openai_tool_choice(body: Body, tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """OpenAI chat's `tool_choice` ("none" / "auto" / "required" / {"type": "function", "function":
+    {"name"}}) and `parallel_tool_calls`."""
+    raw = body.raw("tool_choice", "auto")
+    parallel = body.boolean("parallel_tool_calls", True)
+    if isinstance(raw, Mapping):
+        function = raw.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else raw.get("name")
+        return replace(named_tool_choice(name, tools, "tool_choice.function.name"), parallel=False)
+    if raw not in ("none", "auto", "required"):
+        raise bad_field("tool_choice", 'must be "none", "auto", "required" or {"type": "function", ...}')
+    if raw == "required" and not tools:
+        raise bad_field("tool_choice", '"required" needs tools')
+    return ToolChoice(mode=raw, parallel=parallel)
+
+
 def chat_request(body: Body) -> ChatRequest:
     """The conversation of an OpenAI chat-completions body (also /apply-template's and /debug/prompt's)."""
     messages = chat_messages(body.raw("messages"))
     thinking, kwargs = thinking_choice(body)
-    return ChatRequest(messages, tool_list(body.raw("tools")), thinking, kwargs)
+    tools = tool_list(body.raw("tools"))
+    return ChatRequest(messages, tools, thinking, kwargs, tool_choice=openai_tool_choice(body, tools))
 
 
-def require_text_format(fmt: Any, field_name: str) -> None:
-    """An output format (`response_format`, `text.format`): only plain text is produced until
-    constrained decoding lands, so json_object / json_schema are refused rather than ignored."""
+def output_schema(fmt: Any, field_name: str) -> dict[str, Any] | None:
+    """The JSON schema an output format asks for: None for plain text, {"type": "object"} for
+    json_object, the given schema for json_schema (its `schema` member, or the object itself when the
+    dialect puts the schema there directly)."""
     kind = fmt.get("type") if isinstance(fmt, Mapping) else None
-    if kind not in ("text", "json_object", "json_schema"):
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
         raise bad_field(f"{field_name}.type", f"must be text, json_object or json_schema; got {kind!r}")
-    if kind != "text":
-        raise ApiError(
-            400, "unsupported_response_format", f"{field_name}: {kind} is not supported yet", param=field_name
-        )
+    assert isinstance(fmt, Mapping)
+    holder = fmt.get("json_schema", fmt)
+    schema = holder.get("schema") if isinstance(holder, Mapping) else None
+    if not isinstance(schema, Mapping):
+        raise bad_field(f"{field_name}.schema", "json_schema needs a `schema` object")
+    return dict(schema)

@@ -8,9 +8,17 @@ from typing import Any
 from aiohttp import web
 
 from bubo.engine.generate import TokenLogprob
-from bubo.engine.request import Finished, GenerationRequest, OutputDelta, OutputEvent
+from bubo.engine.request import (
+    Finished,
+    GenerationRequest,
+    OutputDelta,
+    OutputEvent,
+    ToolCallArguments,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from bubo.model.tokenizer import Tokenizer
-from bubo.server.chat import chat_request, require_text_format
+from bubo.server.chat import chat_request, output_schema
 from bubo.server.errors import ApiError, bad_field, error_body
 from bubo.server.fields import Body, read_json, reject_n, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
@@ -42,21 +50,6 @@ def _chat_logprobs(body: Body) -> int | None:
     return top or 0
 
 
-def _check_unsupported(body: Body) -> None:
-    """Fields whose meaning Bubo does not implement yet are refused, not silently ignored."""
-    response_format = body.object("response_format")
-    if response_format is not None:
-        require_text_format(response_format, "response_format")
-    tool_choice = body.raw("tool_choice")
-    if (
-        tool_choice is not None
-        and tool_choice not in ("none", "auto", "required")
-        and not isinstance(tool_choice, dict)
-    ):
-        raise bad_field("tool_choice", 'must be "none", "auto", "required" or a function choice object')
-    body.boolean("parallel_tool_calls", True)
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
@@ -66,7 +59,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     chat = chat_request(body)
     stream = body.boolean("stream")
     include_usage = _stream_options(body)
-    _check_unsupported(body)
     params = sampling_params(
         body,
         state.settings.defaults,
@@ -74,15 +66,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         limit_fields=("max_completion_tokens", "max_tokens"),
     )
     top_logprobs = _chat_logprobs(body)
-    prompt = state.render_prompt(chat)
-    generation = state.request(
-        prompt.text,
-        prompt.ids,
-        params,
-        reasoning=prompt.reasoning,
-        in_reasoning=prompt.in_reasoning,
-        logprobs=top_logprobs,
-    )
+    schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
+    generation = state.chat_generation(chat, params, logprobs=top_logprobs, schema=schema)
     reply = _Reply(new_id("chatcmpl-"), "chat.completion", model, loaded.tokenizer, top_logprobs)
     if stream:
         return await _stream(request, state, generation, reply, include_usage, _chat_chunk)
@@ -90,6 +75,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     message: dict[str, Any] = {"role": "assistant", "content": finished.content_text}
     if generation.reasoning:
         message["reasoning_content"] = finished.reasoning_text
+    if finished.tool_calls:
+        # OpenAI's shape: content is null when the answer is only calls.
+        message["content"] = finished.content_text or None
+        message["tool_calls"] = [
+            _tool_call(call.id, call.name, call.arguments) for call in finished.tool_calls
+        ]
     choice = {
         "index": 0,
         "message": message,
@@ -206,8 +197,27 @@ class _Reply:
         }
 
 
-def _chat_chunk(reply: _Reply, event: OutputDelta | Finished | None) -> dict[str, Any]:
-    """The chunk for one event; None is the opening chunk that carries the role."""
+def _tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _chat_chunk(reply: _Reply, event: OutputEvent | None) -> dict[str, Any] | None:
+    """The chunk for one event (None: not sent); `event` None is the opening chunk with the role.
+
+    A tool call streams as OpenAI's do: its first piece has the index, id, type and name with empty
+    arguments, the next pieces only the index and an arguments fragment."""
+    if isinstance(event, ToolCallStart):
+        piece = {"index": event.index, **_tool_call(event.id, event.name, "")}
+        return reply.chunk(
+            [{"index": 0, "delta": {"tool_calls": [piece]}, "logprobs": None, "finish_reason": None}]
+        )
+    if isinstance(event, ToolCallArguments):
+        piece = {"index": event.index, "function": {"arguments": event.fragment}}
+        return reply.chunk(
+            [{"index": 0, "delta": {"tool_calls": [piece]}, "logprobs": None, "finish_reason": None}]
+        )
+    if isinstance(event, ToolCallEnd):
+        return None
     if event is None:
         delta: dict[str, Any] = {"role": "assistant", "content": ""}
         return reply.chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
@@ -223,7 +233,7 @@ def _chat_chunk(reply: _Reply, event: OutputDelta | Finished | None) -> dict[str
     )
 
 
-def _text_chunk(reply: _Reply, event: OutputDelta | Finished | None) -> dict[str, Any] | None:
+def _text_chunk(reply: _Reply, event: OutputEvent | None) -> dict[str, Any] | None:
     if event is None:
         if not reply.prefix:
             return None
@@ -255,7 +265,9 @@ async def _stream(
                 await sse.send(opening)
             event: OutputEvent | None = first
             while event is not None:
-                await sse.send(chunk(reply, event))
+                data = chunk(reply, event)
+                if data is not None:
+                    await sse.send(data)
                 if isinstance(event, Finished):
                     if include_usage:
                         await sse.send(reply.chunk([], usage=openai_usage(event.usage)))

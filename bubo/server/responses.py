@@ -23,7 +23,7 @@ from bubo.server.chat import (
     REASONING_EFFORTS,
     ChatRequest,
     chat_messages,
-    require_text_format,
+    output_schema,
     text_content,
     thinking_choice,
 )
@@ -234,12 +234,11 @@ def _reasoning_effort(body: Body) -> str | None:
     return effort
 
 
-def _text_config(body: Body) -> dict[str, Any]:
-    """`text.format`: plain text only until constrained decoding lands."""
+def _text_config(body: Body) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """`text` as echoed back, and the JSON schema its `format` asks for (None for plain text)."""
     text = body.object("text") or {}
     fmt = text.get("format") or {"type": "text"}
-    require_text_format(fmt, "text.format")
-    return {**text, "format": {"type": "text"}}
+    return {**text, "format": fmt}, output_schema(fmt, "text.format")
 
 
 def _check_unsupported(body: Body) -> None:
@@ -363,14 +362,20 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     )
     tools = function_tools(body.raw("tools"))
     tool_choice = _tool_choice(body)
-    text = _text_config(body)
+    text, schema = _text_config(body)
     stream = body.boolean("stream")
     params = sampling_params(
         body, state.settings.defaults, loaded.tokenizer.vocab_size, limit_fields=("max_output_tokens",)
     )
     prompt = state.render_prompt(ChatRequest(messages, tools, thinking, kwargs))
     generation = state.request(
-        prompt.text, prompt.ids, params, reasoning=prompt.reasoning, in_reasoning=prompt.in_reasoning
+        prompt.text,
+        prompt.ids,
+        params,
+        reasoning=prompt.reasoning,
+        in_reasoning=prompt.in_reasoning,
+        reasoning_budget=thinking.budget,
+        grammar=state.compile_schema(schema, "text.format") if schema is not None else None,
     )
     reply = _Reply(model, _echo(body, params, instructions, tool_choice, text))
     if stream:

@@ -7,7 +7,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from bubo.engine.constraints import GrammarConstraint, ReasoningBudget, ReasoningTracker
+from bubo.engine.generate import TokenConstraint
+from bubo.engine.grammar import GrammarError, GrammarMatcher, json_schema_grammar, lark_grammar
 from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.request import Finished, GenerationRequest, OutputEvent
 from bubo.engine.sampler import SamplingParams
@@ -25,6 +28,9 @@ from bubo.server.chat import ChatRequest
 from bubo.server.errors import ApiError, bad_field
 from bubo.server.memory_guard import MemoryGuard, MemoryProbe, SystemMemoryProbe, request_cost
 from bubo.templates.chat_template import ChatTemplate, ChatTemplateError
+from bubo.templates.tool_calls import ToolCallParser, tool_call_format
+from bubo.templates.tool_grammar import tool_call_grammar
+from bubo.templates.tool_prompt import with_tools_in_messages
 
 __all__ = ["RenderedPrompt", "ServerSettings", "ServerState", "model_id_from_path", "new_id"]
 
@@ -244,12 +250,60 @@ class ServerState:
             kwargs["enable_thinking"] = chat.thinking.enabled
         if chat.thinking.effort is not None:
             kwargs["reasoning_effort"] = chat.thinking.effort
+        tools = chat.tools if chat.tool_choice.mode != "none" else None
+        messages = chat.messages
+        uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        if uses_tools and not self.template.supports_tools:
+            messages, tools = with_tools_in_messages(messages, tools), None
         try:
             return self.template.render(
-                chat.messages, tools=chat.tools, add_generation_prompt=chat.add_generation_prompt, **kwargs
+                messages, tools=tools, add_generation_prompt=chat.add_generation_prompt, **kwargs
             )
         except ChatTemplateError as error:
             raise ApiError(400, "template_error", str(error)) from None
+
+    def chat_generation(
+        self,
+        chat: ChatRequest,
+        params: SamplingParams,
+        *,
+        logprobs: int | None = None,
+        schema: Mapping[str, Any] | None = None,
+        schema_field: str = "response_format",
+    ) -> GenerationRequest:
+        """A chat's generation request: its prompt, its reasoning budget, the tool-call parser when tools
+        are offered (and the grammar that forces a call for tool_choice "required" or a named tool), or
+        the grammar of a JSON schema answer."""
+        prompt = self.render_prompt(chat)
+        assert self.template is not None
+        choice = chat.tool_choice
+        parser, grammar = None, None
+        if chat.tools and choice.mode != "none":
+            fmt = tool_call_format(self.template.source if self.template.supports_tools else "")
+            parser = ToolCallParser(fmt, chat.tools, parallel=choice.parallel)
+            if choice.forced:
+                source = tool_call_grammar(fmt, chat.tools, name=choice.name, parallel=choice.parallel)
+                grammar = lark_grammar(source)
+        if schema is not None:
+            if grammar is not None:
+                raise ApiError(
+                    400,
+                    "conflicting_fields",
+                    f"{schema_field}: a JSON answer and a forced tool call cannot both be asked for",
+                    param=schema_field,
+                )
+            grammar = self.compile_schema(schema, schema_field)
+        return self.request(
+            prompt.text,
+            prompt.ids,
+            params,
+            reasoning=prompt.reasoning,
+            in_reasoning=prompt.in_reasoning,
+            logprobs=logprobs,
+            reasoning_budget=chat.thinking.budget,
+            grammar=grammar,
+            tool_parser=parser,
+        )
 
     def render_prompt(self, chat: ChatRequest) -> RenderedPrompt:
         text = self.render(chat)
@@ -281,15 +335,50 @@ class ServerState:
         reasoning: bool = False,
         in_reasoning: bool = False,
         logprobs: int | None = None,
+        reasoning_budget: int | None = None,
+        grammar: str | None = None,
+        tool_parser: ToolCallParser | None = None,
     ) -> GenerationRequest:
+        """The neutral request, after the context check and the memory guard. A reasoning budget and a
+        grammar (from `compile_schema` or a tool-call grammar) become the request's constraints."""
+        loaded = self.require_ready()
         self.check_context(prompt_ids)
         assert self.guard is not None and self.slot is not None
         limit = params.token_limit
         total = len(prompt_ids) + (self.n_ctx if limit is None else limit)
         self.guard.check(len(prompt_ids), max(0, min(total, self.n_ctx) - self.slot.cached_tokens))
+        tokenizer = loaded.tokenizer
+        constraints: list[TokenConstraint] = []
+        if reasoning and reasoning_budget is not None:
+            tracker = ReasoningTracker(tokenizer, reasoning=reasoning, in_reasoning=in_reasoning)
+            constraints.append(ReasoningBudget(tokenizer, reasoning_budget, tracker))
+        if grammar is not None:
+            tracker = ReasoningTracker(tokenizer, reasoning=reasoning, in_reasoning=in_reasoning)
+            matcher = GrammarMatcher(grammar, tokenizer, loaded.config.vocab_size)
+            constraints.append(GrammarConstraint(matcher, tracker))
         return GenerationRequest(
-            new_id("req_"), prompt, prompt_ids, params, reasoning, in_reasoning, logprobs
+            new_id("req_"),
+            prompt,
+            prompt_ids,
+            params,
+            reasoning,
+            in_reasoning,
+            logprobs,
+            tuple(constraints),
+            tool_parser,
         )
+
+    def compile_schema(self, schema: Mapping[str, Any], field_name: str) -> str:
+        """The grammar for JSON valid against `schema`; 400 invalid_schema saying what is wrong."""
+        try:
+            return json_schema_grammar(schema)
+        except GrammarError as error:
+            raise ApiError(
+                400,
+                "invalid_schema",
+                f"{field_name}: the JSON schema is not usable: {error}",
+                param=field_name,
+            ) from None
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[OutputEvent]:
         """Run on the slot; closing this iterator (a client gone) stops the generation."""

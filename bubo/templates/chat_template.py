@@ -3,8 +3,10 @@
 A GGUF's `tokenizer.chat_template` is untrusted input, so it runs in Jinja2's immutable sandbox. The
 environment mirrors transformers 5.x (`utils/chat_template_utils.py`): `trim_blocks`/`lstrip_blocks`,
 the loop-controls extension, a `tojson` that is plain `json.dumps` (no key sorting, no HTML escaping,
-non-ASCII kept), the globals `raise_exception` and `strftime_now`, and the same message preprocessing
-(None-valued keys dropped; `reasoning_content` / `thinking` / `reasoning` aliased to one another).
+non-ASCII kept), the globals `raise_exception`, `strftime_now`, `dict` and a `namespace` that refuses
+`_`-prefixed attributes, the same message preprocessing (None-valued keys dropped; `reasoning_content` /
+`thinking` / `reasoning` aliased to one another) and the refusal of an empty conversation.
+tests/templates/test_transformers_parity.py checks this against transformers itself.
 """
 
 import json
@@ -17,6 +19,7 @@ from typing import Any
 import jinja2
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 __all__ = ["ChatTemplate", "ChatTemplateError"]
 
@@ -59,6 +62,40 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _Dict:
+    """transformers' `dict` global: callable like `dict`, with `fromkeys`, and no other attribute (the
+    builtin type would expose its unbound methods to the template)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Namespace(Namespace):
+    """transformers' `namespace`: it refuses `_`-prefixed attributes, at creation and on `set ns._x`, so a
+    template that stores one fails here as it fails there."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check_name(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check_name(name)
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes on a namespace: {name!r}"
+            )
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag]
@@ -66,16 +103,21 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
+    env.globals["dict"] = _Dict()
     return env
 
 
 def _preprocess(message: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop None-valued keys (so `content: null` reads as undefined) and alias the reasoning keys."""
+    """Drop None-valued keys (so `content: null` reads as undefined) and alias the reasoning keys.
+
+    As transformers does it, key order included (a template may `tojson` a whole message): the first of
+    `reasoning_content` / `thinking` / `reasoning` becomes `reasoning_content` (set last), and `thinking`
+    is added in front unless the message already has its own."""
     out = {key: value for key, value in message.items() if value is not None}
     reasoning = next((out[key] for key in _REASONING_KEYS if key in out), None)
     if reasoning is not None:
-        out["reasoning_content"] = reasoning
-        out["thinking"] = reasoning
+        out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
     return out
 
 
@@ -102,6 +144,11 @@ class ChatTemplate:
         """Whether the template knows reasoning blocks (Qwen3's `<think>` or an enable_thinking switch)."""
         return "<think>" in self.source or "enable_thinking" in self.source
 
+    @cached_property
+    def supports_tools(self) -> bool:
+        """Whether the template renders the `tools` it is given (else they go into the system prompt)."""
+        return "tools" in self.source
+
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -111,7 +158,11 @@ class ChatTemplate:
         documents: Sequence[Mapping[str, Any]] | None = None,
         **kwargs: Any,
     ) -> str:
-        """The prompt text for `messages`; extra kwargs (enable_thinking, …) become template variables."""
+        """The prompt text for `messages`; extra kwargs (enable_thinking, …) become template variables.
+
+        An empty conversation is refused, as transformers refuses it, whatever the template would do."""
+        if not messages:
+            raise ChatTemplateError("cannot apply the chat template to an empty conversation")
         variables = {
             **self.special_tokens,
             **kwargs,

@@ -404,11 +404,11 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
                 "model": "bubo",
                 "max_tokens": 4,
                 "messages": user("hi"),
-                "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+                "output_config": {"format": {"type": "json_schema", "schema": {"type": "bad"}}},
             },
             400,
             "invalid_request_error",
-            "unsupported_response_format",
+            "invalid_schema",
             "output_config.format",
         ),
         (

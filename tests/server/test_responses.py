@@ -225,9 +225,13 @@ def test_max_output_tokens_minus_one_keeps_the_default(plain_server: LiveServer)
             "previous_response_id",
         ),
         (
-            {"model": "bubo", "input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}},
+            {
+                "model": "bubo",
+                "input": "hi",
+                "text": {"format": {"type": "json_schema", "schema": {"type": "bad"}}},
+            },
             400,
-            "unsupported_response_format",
+            "invalid_schema",
             "text.format",
         ),
         (

@@ -1,0 +1,153 @@
+"""Token constraints applied during generation (see `TokenConstraint` in generate.py).
+
+Two kinds: a `GrammarConstraint` keeps the answer inside a grammar (JSON schema output, a forced tool
+call), and a `ReasoningBudget` closes a reasoning block whose token budget ran out by forcing the
+closing tag, so the answer can start. Both follow the reasoning block with a `ReasoningTracker`:
+the grammar applies to the answer only, so a thinking model still thinks freely first.
+"""
+
+from typing import Literal, Protocol
+
+import torch
+
+from bubo.engine.grammar import GrammarMatcher
+
+__all__ = ["GrammarConstraint", "ReasoningBudget", "ReasoningTracker"]
+
+Phase = Literal["undecided", "reasoning", "answer"]
+
+
+class _Tokens(Protocol):
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]: ...
+
+
+class ReasoningTracker:
+    """Where generated tokens stand relative to a `<think>…</think>` block.
+
+    "undecided": the model may still open a block (only whitespace and a prefix of the opening tag so
+    far); "reasoning": inside the block; "answer": after it, or there is none.
+    """
+
+    def __init__(
+        self,
+        tokenizer: _Tokens,
+        *,
+        reasoning: bool,
+        in_reasoning: bool,
+        open_tag: str = "<think>",
+        close_tag: str = "</think>",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.open_tag = open_tag.encode()
+        self.close_tag = close_tag.encode()
+        self.phase: Phase = "reasoning" if in_reasoning else "undecided" if reasoning else "answer"
+        self._text = b""
+
+    def accept(self, token_id: int) -> None:
+        if self.phase == "answer":
+            return
+        self._text += self.tokenizer.token_bytes(token_id)
+        if self.phase == "undecided":
+            head = self._text.lstrip()
+            if head.startswith(self.open_tag):
+                self.phase = "reasoning"
+                self._text = head[len(self.open_tag) :]
+            elif not self.open_tag.startswith(head):
+                self.phase = "answer"
+        if self.phase == "reasoning" and self.close_tag in self._text:
+            self.phase = "answer"
+
+    def opening_continues(self, token_id: int) -> bool:
+        """Whether `token_id` keeps an undecided output on its way to the opening tag."""
+        head = (self._text + self.tokenizer.token_bytes(token_id)).lstrip()
+        return bool(head) and (head.startswith(self.open_tag) or self.open_tag.startswith(head))
+
+
+class GrammarConstraint:
+    """Masks the answer to a grammar; reasoning before it is left free.
+
+    While the output is undecided the mask allows the grammar's tokens and the tokens that continue an
+    opening `<think>`; grammar tokens are consumed as they come and rolled back if the output turns
+    out to be a reasoning block after all.
+    """
+
+    def __init__(self, matcher: GrammarMatcher, tracker: ReasoningTracker) -> None:
+        self.matcher = matcher
+        self.tracker = tracker
+        self._tentative = 0
+        self._candidates: list[int] | None = None
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        phase = self.tracker.phase
+        if phase == "reasoning":
+            return logits
+        vocab = logits.shape[-1]
+        allowed = torch.zeros(vocab, dtype=torch.bool)
+        grammar = self.matcher.allowed()[:vocab]
+        allowed[: grammar.numel()] = grammar
+        if phase == "undecided":
+            for token in self._opening_candidates(vocab):
+                if self.tracker.opening_continues(token):
+                    allowed[token] = True
+        return logits.masked_fill(~allowed.to(logits.device), -torch.inf)
+
+    def _opening_candidates(self, vocab: int) -> list[int]:
+        """Tokens that could be part of an opening tag (whitespace, or a piece of the tag), found once."""
+        if self._candidates is None:
+            tag = self.tracker.open_tag
+            token_bytes = self.tracker.tokenizer.token_bytes
+            self._candidates = [
+                t
+                for t in range(min(vocab, self.matcher.vocab_size))
+                if (b := token_bytes(t).lstrip()) == b"" or tag.startswith(b) or b.startswith(tag)
+            ]
+        return self._candidates
+
+    def accept(self, token_id: int) -> None:
+        before = self.tracker.phase
+        self.tracker.accept(token_id)
+        after = self.tracker.phase
+        if before == "reasoning":
+            return
+        if before == "undecided" and after == "reasoning":
+            # It was the opening of a reasoning block, not the answer: forget what the grammar saw.
+            if self._tentative:
+                self.matcher.rollback(self._tentative)
+            self._tentative = 0
+            return
+        consumed = self.matcher.consume(token_id)
+        if after == "undecided" and consumed:
+            self._tentative += 1
+        elif after == "answer":
+            self._tentative = 0
+
+
+class ReasoningBudget:
+    """Ends reasoning after `budget` tokens by forcing the closing tag (and a blank line), as
+    `reasoning_effort` levels promise; the model then writes its answer."""
+
+    def __init__(self, tokenizer: _Tokens, budget: int, tracker: ReasoningTracker) -> None:
+        self.budget = budget
+        self.tracker = tracker
+        self.spent = 0
+        self._closing = tokenizer.encode("\n" + tracker.close_tag.decode() + "\n\n", add_bos=False)
+        self._forced: list[int] = []
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self._forced:
+            return logits
+        forced = torch.full_like(logits, -torch.inf)
+        forced[self._forced[0]] = 0.0
+        return forced
+
+    def accept(self, token_id: int) -> None:
+        if self._forced:
+            self._forced.pop(0)
+        was_reasoning = self.tracker.phase == "reasoning"
+        self.tracker.accept(token_id)
+        if was_reasoning and self.tracker.phase == "reasoning":
+            self.spent += 1
+            if self.spent >= self.budget and not self._forced:
+                self._forced = list(self._closing)
