@@ -1,4 +1,5 @@
-"""Shared fixtures: where the real GGUF files that PyPI packages carry live on this machine."""
+"""Shared fixtures: where the real GGUF files that PyPI packages carry live on this machine, and tiny
+random llama GGUF files (a real decoder, fast) with the fixture chat templates."""
 
 import os
 from collections.abc import Iterator
@@ -6,8 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from bubo.default_model import DefaultModelMissingError, default_model_path
+from bubo.engine.loaded_model import LoadedModel, load_model
+from tests.fixtures.gguf_writer import randomize_, write_gguf
 
 INSTALL_HINT = "run scripts/install_test_models.sh"
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -44,3 +48,61 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+CHAT_TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
+
+
+def _tiny_llama(path: Path, context: int, **metadata: str) -> Path:
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=context,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    randomize_(model, seed=3)
+    return write_gguf(model, path, metadata_overrides=metadata)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer llama with random weights, the fixture byte-level vocabulary and a ChatML template."""
+    return _tiny_llama(tmp_path_factory.mktemp("server") / "Tiny-Llama-0.1B.gguf", 512)
+
+
+@pytest.fixture(scope="session")
+def qwen3_template_llama(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny llama with Qwen3's chat template (thinking on by default; `<think>` blocks)."""
+    template = (CHAT_TEMPLATES / "Qwen3.jinja").read_text()
+    path = tmp_path_factory.mktemp("server") / "Tiny-Qwen3-Template.gguf"
+    return load_model(_tiny_llama(path, 2048, **{"tokenizer.chat_template": template}))
+
+
+@pytest.fixture(scope="session")
+def qwen35_template_llama(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny llama with Qwen3.5's chat template (XML-parameter tool calls, thinking opened by the prompt)."""
+    template = (CHAT_TEMPLATES / "Qwen3.5.jinja").read_text()
+    path = tmp_path_factory.mktemp("server") / "Tiny-Qwen35-Template.gguf"
+    return load_model(_tiny_llama(path, 2048, **{"tokenizer.chat_template": template}))
+
+
+@pytest.fixture(scope="session")
+def long_llama(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny llama (ChatML, no tool support in its template) with a 4096-token context: room for
+    the tools prompt, which the byte-level fixture vocabulary spells in many tokens."""
+    return load_model(_tiny_llama(tmp_path_factory.mktemp("server") / "Tiny-Llama-Long.gguf", 4096))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_llama_path: Path) -> LoadedModel:
+    return load_model(tiny_llama_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path: Path) -> LoadedModel:
+    return load_model(smollm2_path)

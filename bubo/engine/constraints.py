@@ -69,14 +69,16 @@ class GrammarConstraint:
     """Masks the answer to a grammar; reasoning before it is left free.
 
     While the output is undecided the mask allows the grammar's tokens and the tokens that continue an
-    opening `<think>`; grammar tokens are consumed as they come and rolled back if the output turns
-    out to be a reasoning block after all.
+    opening `<think>`. A token both could take is consumed by the grammar tentatively and rolled back
+    if the output turns out to be a reasoning block; a token only the tag could take commits the
+    output to the tag, so the grammar never misses a character of the answer.
     """
 
     def __init__(self, matcher: GrammarMatcher, tracker: ReasoningTracker) -> None:
         self.matcher = matcher
         self.tracker = tracker
         self._tentative = 0
+        self._committed_to_tag = False
         self._candidates: list[int] | None = None
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
@@ -85,8 +87,9 @@ class GrammarConstraint:
             return logits
         vocab = logits.shape[-1]
         allowed = torch.zeros(vocab, dtype=torch.bool)
-        grammar = self.matcher.allowed()[:vocab]
-        allowed[: grammar.numel()] = grammar
+        if not self._committed_to_tag:
+            grammar = self.matcher.allowed()[:vocab]
+            allowed[: grammar.numel()] = grammar
         if phase == "undecided":
             for token in self._opening_candidates(vocab):
                 if self.tracker.opening_continues(token):
@@ -94,34 +97,45 @@ class GrammarConstraint:
         return logits.masked_fill(~allowed.to(logits.device), -torch.inf)
 
     def _opening_candidates(self, vocab: int) -> list[int]:
-        """Tokens that could be part of an opening tag (whitespace, or a piece of the tag), found once."""
+        """Tokens that could be part of an opening tag, found once: leading whitespace, a piece from the
+        tag's start, its middle, or its end (possibly running on past it)."""
         if self._candidates is None:
             tag = self.tracker.open_tag
             token_bytes = self.tracker.tokenizer.token_bytes
+
+            def piece_of_tag(b: bytes) -> bool:
+                head = b.lstrip()
+                return (
+                    head == b""
+                    or tag.startswith(head)
+                    or b in tag
+                    or any(b.startswith(tag[k:]) for k in range(len(tag)))
+                )
+
             self._candidates = [
-                t
-                for t in range(min(vocab, self.matcher.vocab_size))
-                if (b := token_bytes(t).lstrip()) == b"" or tag.startswith(b) or b.startswith(tag)
+                t for t in range(min(vocab, self.matcher.vocab_size)) if piece_of_tag(token_bytes(t))
             ]
         return self._candidates
 
     def accept(self, token_id: int) -> None:
         before = self.tracker.phase
+        if before == "reasoning":
+            self.tracker.accept(token_id)
+            return
+        grammar_token = not self._committed_to_tag and self.matcher.accepts(token_id)
         self.tracker.accept(token_id)
         after = self.tracker.phase
-        if before == "reasoning":
-            return
         if before == "undecided" and after == "reasoning":
             # It was the opening of a reasoning block, not the answer: forget what the grammar saw.
             if self._tentative:
                 self.matcher.rollback(self._tentative)
-            self._tentative = 0
+            self._tentative, self._committed_to_tag = 0, False
             return
-        consumed = self.matcher.consume(token_id)
-        if after == "undecided" and consumed:
-            self._tentative += 1
-        elif after == "answer":
-            self._tentative = 0
+        if grammar_token:
+            self.matcher.consume(token_id)
+            self._tentative = self._tentative + 1 if after == "undecided" else 0
+        elif after == "undecided":
+            self._committed_to_tag = True
 
 
 class ReasoningBudget:
@@ -145,6 +159,8 @@ class ReasoningBudget:
     def accept(self, token_id: int) -> None:
         if self._forced:
             self._forced.pop(0)
+            self.tracker.accept(token_id)
+            return
         was_reasoning = self.tracker.phase == "reasoning"
         self.tracker.accept(token_id)
         if was_reasoning and self.tracker.phase == "reasoning":

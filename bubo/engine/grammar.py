@@ -16,8 +16,9 @@ from typing import Any, Protocol
 
 import llguidance
 import torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
-__all__ = ["GrammarError", "GrammarMatcher", "json_schema_grammar", "lark_grammar"]
+__all__ = ["GrammarError", "GrammarMatcher", "gbnf_grammar", "json_schema_grammar", "lark_grammar"]
 
 
 class GrammarError(ValueError):
@@ -92,6 +93,15 @@ def lark_grammar(source: str) -> str:
     return _checked(llguidance.LLMatcher.grammar_from_lark(source))
 
 
+def gbnf_grammar(source: str) -> str:
+    """A llama.cpp GBNF grammar (llama-server's `grammar` field), translated to Lark by llguidance."""
+    try:
+        lark = gbnf_to_lark(source)
+    except Exception as error:  # the translator raises bare Exceptions for syntax errors
+        raise GrammarError(f"not a GBNF grammar: {error}") from None
+    return lark_grammar(lark)
+
+
 def _checked(grammar: str) -> str:
     problem = llguidance.LLMatcher.validate_grammar(grammar)
     if problem:
@@ -114,6 +124,10 @@ class GrammarMatcher:
         grammar is complete)."""
         bias = self._matcher.compute_logit_bias()
         return torch.frombuffer(bytearray(bias), dtype=torch.uint8)[: self.n_vocab].bool()
+
+    def accepts(self, token_id: int) -> bool:
+        """Whether the grammar allows `token_id` next (without consuming it)."""
+        return self._matcher.validate_tokens([token_id]) == 1
 
     def consume(self, token_id: int) -> bool:
         """Advance past `token_id`; False if the grammar did not allow it."""

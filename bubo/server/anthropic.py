@@ -3,13 +3,18 @@
 Anthropic clients (the official SDK, agents) send content blocks: text, tool_use, tool_result,
 thinking. This adapter turns them into the OpenAI-style template messages `chat.py` checks (tool_use
 becomes assistant `tool_calls`, tool_result a `tool` message, thinking `reasoning_content`), runs the
-neutral request, and writes the answer as a `message` with thinking and text blocks, or as
+neutral request, and writes the answer as a `message` with thinking, text and tool_use blocks, or as
 Anthropic's named SSE events (message_start, content_block_*, message_delta, message_stop).
+
+Tool-call ids: the engine names a call "call_X" and the client sees "toolu_X"; ids coming back in the
+history ("toolu_X" on a tool_use and on its tool_result) are turned back into "call_X", so the
+template sees the same ids whichever dialect carried the conversation.
 
 Usage follows Anthropic's accounting: `input_tokens` are the prompt tokens that were computed, and
 `cache_read_input_tokens` those the prompt cache served, so their sum is the whole prompt.
 """
 
+import json
 from collections.abc import Mapping
 from contextlib import aclosing
 from dataclasses import replace
@@ -17,12 +22,23 @@ from typing import Any
 
 from aiohttp import web
 
-from bubo.engine.request import Finished, GenerationRequest, OutputDelta, OutputEvent, Usage
+from bubo.engine.request import (
+    Finished,
+    GenerationRequest,
+    OutputDelta,
+    OutputEvent,
+    ToolCallArguments,
+    ToolCallEvent,
+    ToolCallStart,
+    Usage,
+)
 from bubo.engine.sampler import SamplingParams
 from bubo.server.chat import (
     ChatRequest,
     ThinkingChoice,
+    ToolChoice,
     chat_messages,
+    named_tool_choice,
     output_schema,
     thinking_choice,
     tool_list,
@@ -49,6 +65,20 @@ _UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
 # The sampling fields Anthropic defines; other llama-server knobs are not part of this dialect.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens")
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
+_CALL_PREFIX = "call_"
+_TOOL_USE_PREFIX = "toolu_"
+
+
+def _tool_use_id(call_id: str) -> str:
+    """The Anthropic-style id of an engine call id ("call_X" becomes "toolu_X")."""
+    return _TOOL_USE_PREFIX + call_id.removeprefix(_CALL_PREFIX)
+
+
+def _call_id(tool_use_id: str) -> str:
+    """The engine-style id of a tool_use id from the history; ids of other origins pass unchanged."""
+    if tool_use_id.startswith(_TOOL_USE_PREFIX):
+        return _CALL_PREFIX + tool_use_id.removeprefix(_TOOL_USE_PREFIX)
+    return tool_use_id
 
 
 def _unsupported(kind: str, where: str) -> ApiError:
@@ -110,7 +140,7 @@ def _user_messages(content: list[Any], where: str) -> list[dict[str, Any]]:
             if not isinstance(call_id, str) or not call_id:
                 raise bad_field(f"{at}.tool_use_id", "must be a non-empty string")
             result = _text_blocks(block.get("content", ""), f"{at}.content")
-            out.append({"role": "tool", "tool_call_id": call_id, "content": result})
+            out.append({"role": "tool", "tool_call_id": _call_id(call_id), "content": result})
         else:
             raise bad_field(f"{at}.type", f"a user message takes text and tool_result blocks, not {kind!r}")
     if texts or not out:
@@ -146,9 +176,8 @@ def _assistant_message(content: list[Any], where: str) -> dict[str, Any]:
                 raise bad_field(f"{at}.id", "must be a non-empty string")
             if not isinstance(arguments, Mapping):
                 raise bad_field(f"{at}.input", "must be an object")
-            calls.append(
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": dict(arguments)}}
-            )
+            function = {"name": name, "arguments": dict(arguments)}
+            calls.append({"id": _call_id(call_id), "type": "function", "function": function})
         else:
             raise bad_field(
                 f"{at}.type", f"an assistant message takes text, thinking and tool_use blocks, not {kind!r}"
@@ -225,15 +254,26 @@ def _tools(body: Body) -> list[dict[str, Any]] | None:
     return out
 
 
-def _check_tool_choice(body: Body) -> None:
+def _tool_choice(body: Body, tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """Anthropic's `tool_choice`: auto, any (at least one call), tool (that one), none (no tools shown).
+
+    `disable_parallel_tool_use` allows at most one call (exactly one for any and tool).
+    """
     choice = body.object("tool_choice")
     if choice is None:
-        return
+        return ToolChoice()
     kind = choice.get("type")
     if kind not in ("auto", "any", "tool", "none"):
         raise bad_field("tool_choice.type", f"must be auto, any, tool or none; got {kind!r}")
-    if kind == "tool" and not isinstance(choice.get("name"), str):
-        raise bad_field("tool_choice.name", "is required when type is tool")
+    single = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(single, bool):
+        raise bad_field("tool_choice.disable_parallel_tool_use", "must be true or false")
+    if kind == "tool":
+        return replace(named_tool_choice(choice.get("name"), tools, "tool_choice.name"), parallel=not single)
+    if kind == "any" and not tools:
+        raise bad_field("tool_choice.type", '"any" needs tools')
+    mode = {"auto": "auto", "any": "required", "none": "none"}[kind]
+    return ToolChoice(mode=mode, parallel=not single)
 
 
 def _thinking(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
@@ -267,10 +307,10 @@ def _chat_request(body: Body) -> ChatRequest:
     """Everything that shapes the prompt, shared by messages and count_tokens."""
     messages = _template_messages(body)
     tools = _tools(body)
-    _check_tool_choice(body)
+    choice = _tool_choice(body, tools)
     thinking, kwargs = _thinking(body)
     body.object("metadata")
-    return ChatRequest(messages, tools, thinking, kwargs)
+    return ChatRequest(messages, tools, thinking, kwargs, tool_choice=choice)
 
 
 def _omit_thinking(body: Body) -> bool:
@@ -313,6 +353,8 @@ def _usage(usage: Usage) -> dict[str, Any]:
 
 def _stop(finished: Finished) -> tuple[str, str | None]:
     """stop_reason and stop_sequence for a finished generation."""
+    if finished.finish_reason == "tool_calls":
+        return "tool_use", None
     result = finished.result
     reason = _STOP_REASONS[result.stop_reason]
     return reason, result.stop_string if reason == "stop_sequence" else None
@@ -338,18 +380,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
     chat = _chat_request(body)
     stream = body.boolean("stream")
     params = _sampling(body, state.settings.defaults, loaded.tokenizer.vocab_size)
-    prompt = state.render_prompt(chat)
     output = body.object("output_config") or {}
     schema = output_schema(output.get("format") or {"type": "text"}, "output_config.format")
-    generation = state.request(
-        prompt.text,
-        prompt.ids,
-        params,
-        reasoning=prompt.reasoning,
-        in_reasoning=prompt.in_reasoning,
-        reasoning_budget=chat.thinking.budget,
-        grammar=state.compile_schema(schema, "output_config.format") if schema is not None else None,
-    )
+    generation = state.chat_generation(chat, params, schema=schema, schema_field="output_config.format")
     message_id = new_id("msg_")
     omit = _omit_thinking(body)
     if stream:
@@ -361,6 +394,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         content.append({"type": "thinking", "thinking": thinking, "signature": ""})
     if finished.content_text:
         content.append({"type": "text", "text": finished.content_text})
+    content += [_tool_use(call.id, call.name, json.loads(call.arguments)) for call in finished.tool_calls]
     stop_reason, stop_sequence = _stop(finished)
     answer = {
         **_message(message_id, model, content),
@@ -372,8 +406,16 @@ async def messages(request: web.Request) -> web.StreamResponse:
     return web.json_response(answer, headers={"x-request-id": request[REQUEST_ID]})
 
 
+def _tool_use(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "tool_use", "id": _tool_use_id(call_id), "name": name, "input": arguments}
+
+
 class _Blocks:
-    """Opens content blocks lazily as the channel changes, numbering them, and closes them."""
+    """Opens content blocks lazily as the channel changes, numbering them, and closes them.
+
+    A tool call is a block of its own: its start event opens it (closing any text block first), its
+    argument fragments are `input_json_delta`s, and its end closes it.
+    """
 
     def __init__(self, sse: EventStream, omit_thinking: bool) -> None:
         self.sse = sse
@@ -381,7 +423,10 @@ class _Blocks:
         self.index = -1
         self.kind: str | None = None
 
-    async def write(self, event: OutputDelta) -> None:
+    async def write(self, event: OutputDelta | ToolCallEvent) -> None:
+        if not isinstance(event, OutputDelta):
+            await self._tool(event)
+            return
         if not event.text:
             return
         kind = "thinking" if event.channel == "reasoning" else "text"
@@ -403,6 +448,19 @@ class _Blocks:
             else {"type": "text_delta", "text": event.text}
         )
         await self._send("content_block_delta", delta=delta)
+
+    async def _tool(self, event: ToolCallEvent) -> None:
+        if isinstance(event, ToolCallStart):
+            await self.close()
+            self.index += 1
+            self.kind = "tool_use"
+            await self._send("content_block_start", content_block=_tool_use(event.id, event.name, {}))
+        elif isinstance(event, ToolCallArguments):
+            await self._send(
+                "content_block_delta", delta={"type": "input_json_delta", "partial_json": event.fragment}
+            )
+        else:
+            await self.close()
 
     async def close(self) -> None:
         if self.kind is None:
@@ -443,11 +501,10 @@ async def _stream(
             await sse.send({"type": "ping"}, event="ping")
             blocks = _Blocks(sse, omit_thinking)
             event: OutputEvent | None = first
-            while event is not None:
-                if isinstance(event, OutputDelta):
-                    await blocks.write(event)
-                    event = await anext(events, None)
-                    continue
+            while event is not None and not isinstance(event, Finished):
+                await blocks.write(event)
+                event = await anext(events, None)
+            if event is not None:
                 await blocks.close()
                 stop_reason, stop_sequence = _stop(event)
                 await sse.send(
@@ -460,7 +517,6 @@ async def _stream(
                     event="message_delta",
                 )
                 await sse.send({"type": "message_stop"}, event="message_stop")
-                break
         except ApiError as error:
             # The same body the error middleware writes, so a stream fails as a request would.
             await sse.send(error_body(error, anthropic=True, request_id=request_id), event="error")

@@ -14,9 +14,9 @@ from aiohttp import web
 import bubo
 from bubo.engine.request import Finished, GenerationRequest, OutputDelta
 from bubo.engine.sampler import SamplingParams
-from bubo.server.chat import chat_request
+from bubo.server.chat import chat_request, output_schema
 from bubo.server.errors import ApiError, error_body
-from bubo.server.fields import read_json, sampling_params
+from bubo.server.fields import Body, read_json, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState
@@ -100,6 +100,22 @@ class _Completion:
         }
 
 
+def _grammar(state: ServerState, body: Body) -> str | None:
+    """llama-server's ways to constrain a completion: `json_schema`, `grammar` (GBNF) or an OpenAI-style
+    `response_format`; at most one."""
+    given = [name for name in ("json_schema", "grammar", "response_format") if name in body]
+    if len(given) > 1:
+        raise ApiError(
+            400, "conflicting_fields", f"{' and '.join(given)}: give one constraint", param=given[1]
+        )
+    if "json_schema" in body:
+        return state.compile_schema(body.object("json_schema") or {}, "json_schema")
+    if "grammar" in body:
+        return state.compile_gbnf(body.string("grammar") or "")
+    schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
+    return state.compile_schema(schema, "response_format") if schema is not None else None
+
+
 async def completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
@@ -110,7 +126,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     params = sampling_params(
         body, state.settings.defaults, loaded.tokenizer.vocab_size, limit_fields=("n_predict", "max_tokens")
     )
-    generation = state.request(text, ids, params)
+    generation = state.request(text, ids, params, grammar=_grammar(state, body))
     answer = _Completion(state, model, generation, stream)
     if stream:
         return await _stream(request, state, answer)

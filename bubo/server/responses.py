@@ -3,26 +3,52 @@
 A Responses body carries its conversation as `input` items (messages, function calls and their
 outputs, reasoning) and `instructions`; this module turns them into the template messages every
 dialect shares, runs them, and answers with a `response` object whose `output` holds a reasoning
-item (when the model reasoned) and one assistant message. The stream is the Responses event
-sequence (`event: NAME` plus `data: JSON`, each with a `sequence_number`). Nothing is stored, so
+item (when the model reasoned), an assistant message (left out when the answer is only function
+calls) and one `function_call` item per call. The stream is the Responses event sequence
+(`event: NAME` plus `data: JSON`, each with a `sequence_number`). Nothing is stored, so
 `previous_response_id`, `conversation` and `background` are refused rather than ignored.
+
+Function tools and `strict` (OpenAI's Responses API treats an absent `strict` as true; Bubo does not):
+
+- no `strict`, or `strict: null`, and `strict: false`: the parameters schema is used as sent, so
+  optional properties stay optional and extra properties are allowed where the schema allows them.
+- `strict: true`: the schema is first made strict the way OpenAI's strict mode defines it: every
+  object in it (nested ones too) requires all of its properties and, unless it says otherwise,
+  allows no others (`additionalProperties: false`). The template shows the model that schema.
+
+A schema is enforced only when the call is forced (tool_choice "required" or a named function):
+the grammar that forces the call then holds the arguments to it. With tool_choice "auto" the
+model's calls are parsed, not validated: a call to a known function whose arguments break its
+schema still comes back as a function_call; only malformed markup or an unknown name comes back as
+message text.
 """
 
 import json
 import time
 from collections.abc import Mapping
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
 
-from bubo.engine.request import Finished, GenerationRequest, OutputDelta, OutputEvent, Usage
+from bubo.engine.request import (
+    Finished,
+    GenerationRequest,
+    OutputDelta,
+    OutputEvent,
+    ToolCallArguments,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
 from bubo.engine.sampler import SamplingParams
 from bubo.server.chat import (
     REASONING_EFFORTS,
     ChatRequest,
+    ToolChoice,
     chat_messages,
+    named_tool_choice,
     output_schema,
     text_content,
     thinking_choice,
@@ -34,7 +60,7 @@ from bubo.server.sse import EventStream
 from bubo.server.state import ServerState, new_id
 from bubo.server.usage import gufo, timings
 
-__all__ = ["function_tools", "input_messages", "routes"]
+__all__ = ["function_tools", "input_messages", "routes", "strict_schema"]
 
 _MESSAGE_ROLES = ("system", "developer", "user", "assistant")
 # Stateful or hosted features: Bubo keeps no responses and runs no hosted tools.
@@ -168,10 +194,38 @@ def input_messages(raw: Any, instructions: str | None = None) -> list[dict[str, 
     return chat_messages(messages, "input")
 
 
+# Where strict_schema looks for nested schemas: maps of them, lists of them, and single ones.
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+
+
+def strict_schema(schema: Any) -> Any:
+    """`schema` as OpenAI's strict mode reads it: every object requires all of its properties and allows
+    no others unless it sets `additionalProperties` itself; nested objects (properties, items, anyOf,
+    $defs) too. A property that may be left out is spelled as a nullable type in strict mode."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: strict_schema(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(sub) for sub in out[key]]
+    if "items" in out:
+        out["items"] = strict_schema(out["items"])
+    types = out.get("type")
+    if types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out:
+        if "properties" in out:
+            out["required"] = list(out["properties"])
+        out.setdefault("additionalProperties", False)
+    return out
+
+
 def function_tools(raw: Any) -> list[dict[str, Any]] | None:
     """Responses function tools (flat: name, description, parameters, strict) in the OpenAI chat
     shape the templates know. `strict` is kept only when it is true or false: absent or null means
-    the schema is used as sent."""
+    the schema is used as sent; true makes it strict (`strict_schema`), false keeps it as sent."""
     if raw is None:
         return None
     if not isinstance(raw, list):
@@ -204,17 +258,26 @@ def function_tools(raw: Any) -> list[dict[str, Any]] | None:
             if not isinstance(strict, bool):
                 raise bad_field(f"{where}.strict", "must be true, false or null")
             function["strict"] = strict
+            if strict:
+                function["parameters"] = strict_schema(function.get("parameters", {"type": "object"}))
         tools.append({"type": "function", "function": function})
     return tools or None
 
 
-def _tool_choice(body: Body) -> Any:
+def _tool_choice(body: Body, tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """`tool_choice` ("none" / "auto" / "required" / {"type": "function", "name"}) and
+    `parallel_tool_calls`. A named function must be among the tools and is called once."""
     choice = body.raw("tool_choice", "auto")
-    if choice in ("none", "auto", "required"):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return choice
-    raise bad_field("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "name": ...}')
+    parallel = body.boolean("parallel_tool_calls", True)
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        return replace(named_tool_choice(choice.get("name"), tools, "tool_choice.name"), parallel=False)
+    if choice not in ("none", "auto", "required"):
+        raise bad_field(
+            "tool_choice", 'must be "none", "auto", "required" or {"type": "function", "name": ...}'
+        )
+    if choice == "required" and not tools:
+        raise bad_field("tool_choice", '"required" needs tools')
+    return ToolChoice(mode=choice, parallel=parallel)
 
 
 def _reasoning_effort(body: Body) -> str | None:
@@ -263,7 +326,6 @@ def _check_unsupported(body: Body) -> None:
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
         raise bad_field("metadata", "values must be strings")
     body.boolean("store")
-    body.boolean("parallel_tool_calls", True)
 
 
 def _usage(usage: Usage) -> dict[str, Any]:
@@ -331,14 +393,34 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
 def _output(finished: Finished) -> list[dict[str, Any]]:
-    """The output items of a finished answer; a cut answer marks the item it was cut in incomplete."""
+    """The output items of a finished answer; a cut answer marks the item it was cut in incomplete.
+
+    Calls come after the message, which is left out when the answer is only calls (as OpenAI does).
+    """
     cut = finished.finish_reason == "length"
     output = []
     if finished.reasoning_text:
         status = "incomplete" if cut and not finished.content_text else "completed"
         output.append(_reasoning_item(new_id("rs_"), finished.reasoning_text, status))
-    output.append(_message_item(new_id("msg_"), finished.content_text, "incomplete" if cut else "completed"))
+    if finished.content_text or not finished.tool_calls:
+        status = "incomplete" if cut else "completed"
+        output.append(_message_item(new_id("msg_"), finished.content_text, status))
+    output += [
+        _function_call_item(new_id("fc_"), call.id, call.name, call.arguments, "completed")
+        for call in finished.tool_calls
+    ]
     return output
 
 
@@ -361,23 +443,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         )
     )
     tools = function_tools(body.raw("tools"))
-    tool_choice = _tool_choice(body)
+    tool_choice = _tool_choice(body, tools)
     text, schema = _text_config(body)
     stream = body.boolean("stream")
     params = sampling_params(
         body, state.settings.defaults, loaded.tokenizer.vocab_size, limit_fields=("max_output_tokens",)
     )
-    prompt = state.render_prompt(ChatRequest(messages, tools, thinking, kwargs))
-    generation = state.request(
-        prompt.text,
-        prompt.ids,
-        params,
-        reasoning=prompt.reasoning,
-        in_reasoning=prompt.in_reasoning,
-        reasoning_budget=thinking.budget,
-        grammar=state.compile_schema(schema, "text.format") if schema is not None else None,
-    )
-    reply = _Reply(model, _echo(body, params, instructions, tool_choice, text))
+    chat = ChatRequest(messages, tools, thinking, kwargs, tool_choice=tool_choice)
+    generation = state.chat_generation(chat, params, schema=schema, schema_field="text.format")
+    reply = _Reply(model, _echo(body, params, instructions, text))
     if stream:
         return await _stream(request, state, generation, reply)
     finished = await state.complete(generation)
@@ -388,7 +462,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 def _echo(
-    body: Body, params: SamplingParams, instructions: str | None, tool_choice: Any, text: dict[str, Any]
+    body: Body, params: SamplingParams, instructions: str | None, text: dict[str, Any]
 ) -> dict[str, Any]:
     """The request settings a Response repeats back, with the values the generation really used."""
     reasoning = body.object("reasoning")
@@ -402,7 +476,7 @@ def _echo(
         "store": False,
         "temperature": params.temperature,
         "text": text,
-        "tool_choice": tool_choice,
+        "tool_choice": body.raw("tool_choice", "auto"),
         "tools": [dict(t) for t in body.array("tools", [])],
         "top_p": body.number("top_p", params.top_p),
         "truncation": "disabled",
@@ -412,7 +486,7 @@ def _echo(
 
 class _EventWriter:
     """Writes the Responses event sequence for one answer, opening and closing output items as the
-    reasoning and answer text arrive."""
+    reasoning, the answer text and the function calls arrive."""
 
     def __init__(self, sse: EventStream, reply: _Reply) -> None:
         self.sse = sse
@@ -422,6 +496,7 @@ class _EventWriter:
         self.open_kind: str | None = None
         self.open_id = ""
         self.open_text: list[str] = []
+        self.open_call = ("", "")  # the open function_call's call id and name
 
     async def send(self, kind: str, **fields: Any) -> None:
         await self.sse.send({"type": kind, "sequence_number": self.sequence, **fields}, event=kind)
@@ -479,14 +554,37 @@ class _EventWriter:
         else:
             await self.send("response.output_text.delta", **self._place(), delta=event.text, logprobs=[])
 
+    async def tool_call(self, event: ToolCallStart | ToolCallArguments | ToolCallEnd) -> None:
+        """A function_call item: added with empty arguments, then its argument fragments, then done.
+        The parser sends a call's events together once the whole call is in, so no text interleaves."""
+        if isinstance(event, ToolCallStart):
+            if self.open_kind is not None:
+                await self._close("completed")
+            self.open_kind = "function_call"
+            self.open_id = new_id("fc_")
+            self.open_call = (event.id, event.name)
+            item = _function_call_item(self.open_id, event.id, event.name, "", "in_progress")
+            await self.send("response.output_item.added", output_index=len(self.output), item=item)
+            return
+        place = {"item_id": self.open_id, "output_index": len(self.output)}
+        if isinstance(event, ToolCallArguments):
+            await self.send("response.function_call_arguments.delta", **place, delta=event.fragment)
+            return
+        await self.send("response.function_call_arguments.done", **place, arguments=event.arguments)
+        item = _function_call_item(self.open_id, *self.open_call, event.arguments, "completed")
+        await self.send("response.output_item.done", output_index=len(self.output), item=item)
+        self.output.append(item)
+        self.open_kind = None
+
     async def finish(self, finished: Finished) -> None:
         status = _status(finished)
         if self.open_kind == "reasoning":
             await self._close("incomplete" if status == "incomplete" else "completed")
-        if self.open_kind is None:
-            # Every answer has a message, even an empty one (all reasoning, or nothing at all).
+        if self.open_kind is None and not finished.tool_calls:
+            # Every answer without calls has a message, even an empty one (all reasoning, or nothing).
             await self._open("message")
-        await self._close(status)
+        if self.open_kind is not None:
+            await self._close(status)
         final = "response.incomplete" if status == "incomplete" else "response.completed"
         await self.send(final, response=self.reply.body(status, self.output, finished))
 
@@ -510,7 +608,10 @@ async def _stream(
                 if isinstance(event, Finished):
                     await writer.finish(event)
                     break
-                await writer.delta(event)
+                if isinstance(event, OutputDelta):
+                    await writer.delta(event)
+                else:
+                    await writer.tool_call(event)
                 event = await anext(events, None)
         except ApiError as error:
             await writer.error(error)

@@ -17,7 +17,7 @@ import torch
 
 from bubo.engine.constraints import GrammarConstraint, ReasoningBudget, ReasoningTracker
 from bubo.engine.generate import TokenConstraint
-from bubo.engine.grammar import GrammarError, GrammarMatcher, json_schema_grammar, lark_grammar
+from bubo.engine.grammar import GrammarError, GrammarMatcher, gbnf_grammar, json_schema_grammar, lark_grammar
 from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.request import Finished, GenerationRequest, OutputEvent
 from bubo.engine.sampler import SamplingParams
@@ -367,6 +367,13 @@ class ServerState:
             tuple(constraints),
             tool_parser,
         )
+
+    def compile_gbnf(self, source: str, field_name: str = "grammar") -> str:
+        """A GBNF grammar (llama-server's `grammar`); 400 invalid_grammar saying what is wrong."""
+        try:
+            return gbnf_grammar(source)
+        except GrammarError as error:
+            raise ApiError(400, "invalid_grammar", f"{field_name}: {error}", param=field_name) from None
 
     def compile_schema(self, schema: Mapping[str, Any], field_name: str) -> str:
         """The grammar for JSON valid against `schema`; 400 invalid_schema saying what is wrong."""

@@ -30,8 +30,14 @@ def _literal(text: str) -> str:
     return json.dumps(text)
 
 
+# llguidance reads compile options from the schema itself: conventional spacing and no free whitespace
+# (a model could otherwise pad the call with whitespace until max_tokens runs out).
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def _json_call(name: str, parameters: dict[str, Any]) -> str:
     schema = {
+        "x-guidance": _JSON_LAYOUT,
         "type": "object",
         "properties": {"name": {"const": name}, "arguments": parameters},
         "required": ["name", "arguments"],
@@ -47,11 +53,13 @@ def _xml_parameter(param: str, schema: Mapping[str, Any]) -> str:
     opening = _literal(f"<parameter={param}>\n")
     closing = _literal("\n</parameter>\n")
     if schema.get("type") == "string" and "enum" not in schema:
-        return f"{opening} /[^<]*\\n<\\/parameter>\\n/"
+        most = schema.get("maxLength")
+        length = "*" if not isinstance(most, int) else f"{{0,{most}}}"
+        return f"{opening} /[^<]{length}\\n<\\/parameter>\\n/"
     if schema.get("type") == "string":
         value = "(" + " | ".join(_literal(str(v)) for v in schema["enum"]) + ")"
     else:
-        value = f"%json {json.dumps(dict(schema))}"
+        value = f"%json {json.dumps({'x-guidance': _JSON_LAYOUT, **schema})}"
     return f"{opening} {value} {closing}"
 
 
@@ -86,5 +94,6 @@ def tool_call_grammar(
             lines.append(f"{rule}: {body}")
             lines += extra
         alternatives.append(rule)
-    start = "start: WS? call (WS call)*" if parallel else "start: WS? call"
-    return "\n".join([start, f"call: {' | '.join(alternatives)}", *lines, "WS: /[ \\t\\n]+/"]) + "\n"
+    # Calls follow each other on new lines, as the templates render them.
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return "\n".join([start, f"call: {' | '.join(alternatives)}", *lines]) + "\n"

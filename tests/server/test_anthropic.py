@@ -2,7 +2,10 @@
 
 Exact answers come from scripted models (a decoder that writes a fixed text), so content, stop
 reasons, token counts and the SSE event order can be asserted value for value; thinking blocks need a
-template that knows `<think>`, so one fixture serves a tiny model with Qwen3's template.
+template that knows `<think>`, so one fixture serves a tiny model with Qwen3's template. Tool calls are
+scripted on that template too: the tiny ChatML model's 512-token context cannot hold the tools prompt
+written for templates without tool support. Forced tool calls and JSON answers run on the real default
+model, whose output only the grammar constrains.
 """
 
 import json
@@ -12,12 +15,13 @@ from typing import Any
 
 import anthropic
 import httpx
+import jsonschema
 import pytest
 
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.request import GenerationRequest, OutputDelta, OutputEvent
 from bubo.engine.sampler import SamplingParams
-from bubo.server.anthropic import _template_messages
+from bubo.server.anthropic import _chat_request, _template_messages
 from bubo.server.errors import ApiError
 from bubo.server.fields import Body
 from tests.server.live_server import LiveServer, scripted, serve_loaded
@@ -25,6 +29,25 @@ from tests.server.live_server import LiveServer, scripted, serve_loaded
 SCRIPT = "Hello world. STOP here, then more."
 THINKING_SCRIPT = "<think>\nLet me see.\n</think>\n\nHello there."
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+ARGUMENTS = {"city": "Paris", "unit": "celsius"}
+CALL = f'<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(ARGUMENTS)}}}\n</tool_call>'
+# Reasoning, a sentence, then the call: one block of each kind, numbered in that order.
+TOOL_SCRIPT = "<think>\nI need the weather.\n</think>\n\nLet me check.\n" + CALL
+# The arguments' closing brace is missing: not a call, so the model's text comes back as is.
+MALFORMED_CALL = CALL.replace("}}", "}")
+WEATHER = {
+    "name": "get_weather",
+    "description": "The current weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "minLength": 1, "maxLength": 20},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +62,14 @@ def script_server(tiny_llama: LoadedModel) -> Iterator[LiveServer]:
 def thinking_server(qwen3_template_llama: LoadedModel) -> Iterator[LiveServer]:
     """Qwen3 template; the model writes a <think> block (its tags one byte-token at a time) and an answer."""
     server = serve_loaded(scripted(qwen3_template_llama, THINKING_SCRIPT), defaults=GREEDY)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tool_server(qwen3_template_llama: LoadedModel) -> Iterator[LiveServer]:
+    """Qwen3 template (JSON tool calls); the model thinks, says a sentence, then calls get_weather."""
+    server = serve_loaded(scripted(qwen3_template_llama, TOOL_SCRIPT), defaults=GREEDY)
     yield server
     server.stop()
 
@@ -317,6 +348,88 @@ def test_error_after_the_stream_started_is_an_error_event(tiny_llama: LoadedMode
     assert error["request_id"] == response.headers["x-request-id"]
 
 
+# Tool use
+
+
+def tool_call_request(text: str) -> dict[str, Any]:
+    return {"model": "bubo", "max_tokens": 200, "tools": [WEATHER], "messages": user(text)}
+
+
+def test_sdk_create_returns_a_tool_use_block(tool_server: LiveServer) -> None:
+    message = client(tool_server).messages.create(**tool_call_request("Weather in Paris?"))
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
+    assert message.content[0].thinking.strip() == "I need the weather."
+    assert message.content[1].text == "Let me check."
+    call = message.content[2]
+    assert call.name == "get_weather" and call.input == ARGUMENTS
+    assert re.fullmatch(r"toolu_[a-z0-9]{24}", call.id)
+    assert message.stop_reason == "tool_use" and message.stop_sequence is None
+
+
+def test_sdk_stream_helper_assembles_the_tool_use(tool_server: LiveServer) -> None:
+    with client(tool_server).messages.stream(**tool_call_request("Streamed weather, please.")) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
+    assert final.content[1].text == "Let me check."
+    call = final.content[2]
+    assert (call.name, call.input) == ("get_weather", ARGUMENTS)
+    assert call.id.startswith("toolu_")
+    assert final.stop_reason == "tool_use"
+
+
+def test_raw_sse_tool_use_block(tool_server: LiveServer) -> None:
+    response = post(
+        tool_server, "/v1/messages", json={**tool_call_request("Raw weather stream."), "stream": True}
+    )
+    events = sse_events(response.text)
+    starts = [p for n, p in events if n == "content_block_start"]
+    assert [(p["index"], p["content_block"]["type"]) for p in starts] == [
+        (0, "thinking"),
+        (1, "text"),
+        (2, "tool_use"),
+    ]
+    block = starts[2]["content_block"]
+    assert block["name"] == "get_weather" and block["input"] == {}
+    assert re.fullmatch(r"toolu_[a-z0-9]{24}", block["id"])
+    # The tool block's events, in order: its start, argument fragments, its stop; the text block closed
+    # before it opened.
+    at = events.index(("content_block_start", starts[2]))
+    assert events[at - 1] == ("content_block_stop", {"type": "content_block_stop", "index": 1})
+    tail = events[at + 1 :]
+    fragments = [p["delta"]["partial_json"] for n, p in tail if n == "content_block_delta"]
+    assert all(
+        p["index"] == 2 and p["delta"]["type"] == "input_json_delta" for _, p in tail[: len(fragments)]
+    )
+    # One fragment per argument, joining to the arguments' JSON.
+    assert len(fragments) == 2 and json.loads("".join(fragments)) == ARGUMENTS
+    assert tail[len(fragments)] == ("content_block_stop", {"type": "content_block_stop", "index": 2})
+    assert [n for n, _ in tail[len(fragments) + 1 :]] == ["message_delta", "message_stop"]
+    assert tail[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+
+
+def test_malformed_call_comes_back_as_text(qwen3_template_llama: LoadedModel) -> None:
+    server = serve_loaded(scripted(qwen3_template_llama, MALFORMED_CALL), defaults=GREEDY)
+    try:
+        message = client(server).messages.create(
+            thinking={"type": "disabled"}, **tool_call_request("Weather, badly.")
+        )
+    finally:
+        server.stop()
+    assert [(b.type, b.text) for b in message.content] == [("text", MALFORMED_CALL)]
+    assert message.stop_reason == "end_turn"
+
+
+def test_tool_choice_none_hides_the_tools(tool_server: LiveServer) -> None:
+    sdk = client(tool_server)
+    history = user("Weather in Paris?")
+    bare = sdk.messages.count_tokens(model="bubo", messages=history).input_tokens
+    offered = sdk.messages.count_tokens(model="bubo", messages=history, tools=[WEATHER]).input_tokens
+    hidden = sdk.messages.count_tokens(
+        model="bubo", messages=history, tools=[WEATHER], tool_choice={"type": "none"}
+    ).input_tokens
+    assert hidden == bare < offered
+
+
 # Errors, in Anthropic's shape
 
 
@@ -410,6 +523,26 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
             "invalid_request_error",
             "invalid_schema",
             "output_config.format",
+        ),
+        (
+            {
+                "model": "bubo",
+                "max_tokens": 4,
+                "messages": user("hi"),
+                "tools": [WEATHER],
+                "tool_choice": {"type": "tool", "name": "nope"},
+            },
+            400,
+            "invalid_request_error",
+            "invalid_value",
+            "tool_choice.name",
+        ),
+        (
+            {"model": "bubo", "max_tokens": 4, "messages": user("hi"), "tool_choice": {"type": "any"}},
+            400,
+            "invalid_request_error",
+            "invalid_value",
+            "tool_choice.type",
         ),
         (
             {"model": "bubo", "max_tokens": 4, "messages": user("hi"), "stop_sequences": [""]},
@@ -550,13 +683,13 @@ def test_tool_history_becomes_template_messages() -> None:
             "reasoning_content": "Call the tool.",
             "tool_calls": [
                 {
-                    "id": "toolu_1",
+                    "id": "call_1",
                     "type": "function",
                     "function": {"name": "weather", "arguments": {"city": "Paris"}},
                 }
             ],
         },
-        {"role": "tool", "tool_call_id": "toolu_1", "content": "18C"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
         {"role": "user", "content": "Thanks."},
     ]
 
@@ -595,6 +728,58 @@ def test_tools_and_tool_history_render_with_qwen3(thinking_server: LiveServer) -
     assert error_of(server_tool)["code"] == "unsupported_tool"
 
 
+def tool_round_trip(tool_use_id: str) -> dict[str, Any]:
+    """A conversation where the assistant called get_weather and the user sent back its result."""
+    return {
+        "model": "bubo",
+        "tools": [WEATHER],
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": tool_use_id, "name": "get_weather", "input": {"city": "Paris"}}
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": tool_use_id, "content": "18C and sunny"}],
+            },
+        ],
+    }
+
+
+@pytest.mark.parametrize("fixture", ["tool_server", "tiny_server"])
+def test_tool_round_trip_renders_the_result(fixture: str, request: pytest.FixtureRequest) -> None:
+    """Qwen3 renders the call and its result natively; the ChatML template gets them written as text."""
+    server: LiveServer = request.getfixturevalue(fixture)
+    chat = _chat_request(Body(tool_round_trip("toolu_abc123")))
+    call, result = chat.messages[1]["tool_calls"][0], chat.messages[2]
+    assert call["id"] == result["tool_call_id"] == "call_abc123"
+    prompt = server.state.render(chat)
+    assert "18C and sunny" in prompt
+    assert prompt.index('"city": "Paris"') < prompt.index("18C and sunny")
+
+
+def test_sdk_tool_round_trip(tool_server: LiveServer) -> None:
+    """The SDK's own tool_use block, sent back with a tool_result, makes a valid next request."""
+    sdk = client(tool_server)
+    first = sdk.messages.create(**tool_call_request("Weather in Paris?"))
+    call = first.content[-1]
+    assert call.type == "tool_use"
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18C"}]},
+    ]
+    counted = sdk.messages.count_tokens(model="bubo", tools=[WEATHER], messages=history).input_tokens
+    assert (
+        counted > sdk.messages.count_tokens(model="bubo", tools=[WEATHER], messages=history[:1]).input_tokens
+    )
+    follow_up = sdk.messages.create(model="bubo", max_tokens=200, tools=[WEATHER], messages=history)
+    assert follow_up.stop_reason == "tool_use"
+
+
 # The default model
 
 
@@ -610,3 +795,46 @@ def test_smollm2_answers_through_the_sdk(smollm2_server: LiveServer) -> None:
     assert message.stop_reason == "max_tokens"
     assert message.usage.output_tokens == 1
     assert message.content[0].type == "text" and message.content[0].text.strip()
+
+
+def test_smollm2_named_tool_choice_forces_a_valid_call(smollm2_server: LiveServer) -> None:
+    message = client(smollm2_server).messages.create(
+        model="bubo",
+        max_tokens=60,
+        extra_body={"temperature": 0.7},
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        messages=user("What is the weather like in Lisbon?"),
+    )
+    calls = [b for b in message.content if b.type == "tool_use"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    jsonschema.validate(calls[0].input, WEATHER["input_schema"])
+    assert message.stop_reason == "tool_use"
+
+
+def test_smollm2_json_schema_output(smollm2_server: LiveServer) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    response = post(
+        smollm2_server,
+        "/v1/messages",
+        json={
+            "model": "bubo",
+            "max_tokens": 60,
+            "temperature": 0.7,
+            "output_config": {"format": {"type": "json_schema", "schema": schema}},
+            "messages": user("Describe a person as JSON with a name and an age."),
+        },
+        timeout=120,
+    )
+    answer = response.json()
+    assert answer["stop_reason"] == "end_turn"
+    [block] = answer["content"]
+    jsonschema.validate(json.loads(block["text"]), schema)

@@ -268,3 +268,42 @@ def test_not_ready(tiny_llama: LoadedModel) -> None:
                 assert response.json()["error"]["code"] == "not_ready"
     finally:
         loading.stop()
+
+
+def test_completion_follows_a_gbnf_grammar(tiny_server: LiveServer) -> None:
+    """The tiny model writes noise; the grammar alone decides what can come out."""
+    grammar = 'root ::= answer " " number\nanswer ::= "yes" | "no"\nnumber ::= [1-9] [0-9]?'
+    for seed in range(3):
+        body = {"prompt": "Decide:", "grammar": grammar, "n_predict": 20, "temperature": 1.0, "seed": seed}
+        reply = httpx.post(tiny_server.url + "/completion", json=body).json()
+        answer, number = reply["content"].split(" ")
+        assert answer in ("yes", "no") and 1 <= int(number) <= 99
+        assert reply["stop_type"] == "eos"
+
+
+def test_completion_follows_a_json_schema(tiny_server: LiveServer) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    reply = httpx.post(
+        tiny_server.url + "/completion",
+        json={"prompt": "x", "json_schema": schema, "temperature": 1.0, "seed": 1},
+    ).json()
+    assert isinstance(json.loads(reply["content"])["ok"], bool)
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ({"grammar": "root ::= ("}, "invalid_grammar", "grammar"),
+        ({"json_schema": {"type": "nope"}}, "invalid_schema", "json_schema"),
+        ({"json_schema": {"type": "object"}, "grammar": 'root ::= "a"'}, "conflicting_fields", "grammar"),
+    ],
+)
+def test_completion_constraint_errors(tiny_server: LiveServer, body: dict, code: str, param: str) -> None:
+    response = httpx.post(tiny_server.url + "/completion", json={"prompt": "x", **body})
+    assert response.status_code == 400
+    assert (response.json()["error"]["code"], response.json()["error"]["param"]) == (code, param)

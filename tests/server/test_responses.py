@@ -8,17 +8,36 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
-from openai.types.responses import Response
+from openai.types.responses import (
+    Response,
+    ResponseFunctionCallArgumentsDeltaEvent,
+    ResponseFunctionCallArgumentsDoneEvent,
+    ResponseFunctionToolCall,
+    ResponseOutputItemAddedEvent,
+)
 
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.sampler import SamplingParams
 from bubo.server.chat import ChatRequest
-from bubo.server.responses import function_tools, input_messages
+from bubo.server.responses import function_tools, input_messages, strict_schema
 from tests.server.live_server import LiveServer, scripted, serve_loaded
 
 ANSWER = "Hello from Bubo."
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city"],
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather now.",
+    "parameters": WEATHER,
+}
 _prompts = itertools.count()
 
 
@@ -48,6 +67,22 @@ def thinking_server(qwen3_template_llama: LoadedModel) -> Iterator[LiveServer]:
 def direct_server(qwen3_template_llama: LoadedModel) -> Iterator[LiveServer]:
     """The Qwen3 template with a model that answers without reasoning, as one told not to think does."""
     server = serve_loaded(scripted(qwen3_template_llama, "plain answer"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def call_server(long_llama: LoadedModel) -> Iterator[LiveServer]:
+    """A model that always calls get_weather for Paris (city only, in the JSON `<tool_call>` format)."""
+    server = serve_loaded(scripted(long_llama, CALL), defaults=SamplingParams(temperature=0.0))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def real_server(smollm2: LoadedModel) -> Iterator[LiveServer]:
+    """The real default model (slow: keep max_output_tokens small)."""
+    server = serve_loaded(smollm2)
     yield server
     server.stop()
 
@@ -244,6 +279,31 @@ def test_max_output_tokens_minus_one_keeps_the_default(plain_server: LiveServer)
         (
             {
                 "model": "bubo",
+                "input": "hi",
+                "tools": [WEATHER_TOOL],
+                "tool_choice": {"type": "function", "name": "get_time"},
+            },
+            400,
+            "invalid_value",
+            "tool_choice.name",
+        ),
+        ({"model": "bubo", "input": "hi", "tool_choice": "required"}, 400, "invalid_value", "tool_choice"),
+        ({"model": "bubo", "input": "hi", "tool_choice": "any"}, 400, "invalid_value", "tool_choice"),
+        (
+            {
+                "model": "bubo",
+                "input": "hi",
+                "tools": [WEATHER_TOOL],
+                "tool_choice": "required",
+                "text": {"format": {"type": "json_object"}},
+            },
+            400,
+            "conflicting_fields",
+            "text.format",
+        ),
+        (
+            {
+                "model": "bubo",
                 "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
             },
             400,
@@ -426,7 +486,7 @@ def test_input_items_become_template_messages() -> None:
     assert messages[6] == {"role": "assistant", "content": "Sunny and rainy."}
 
 
-def test_function_tools_keep_strict_only_when_set() -> None:
+def test_function_tools_make_only_strict_true_strict() -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string"}}}
     tools = function_tools(
         [
@@ -441,7 +501,12 @@ def test_function_tools_keep_strict_only_when_set() -> None:
         {"type": "function", "function": {"name": "b", "parameters": schema}},
         {
             "type": "function",
-            "function": {"name": "c", "description": "C.", "parameters": schema, "strict": True},
+            "function": {
+                "name": "c",
+                "description": "C.",
+                "parameters": {**schema, "required": ["city"], "additionalProperties": False},
+                "strict": True,
+            },
         },
         {"type": "function", "function": {"name": "d", "parameters": schema, "strict": False}},
     ]
@@ -466,3 +531,217 @@ def test_tool_conversation_renders_with_qwen3(direct_server: LiveServer) -> None
     assert body["tools"] == tools
     assert body["tool_choice"] == "auto"
     assert body["usage"]["input_tokens"] == len(direct_server.state.tokenize(prompt))
+
+
+def test_strict_schema_requires_every_property_of_every_object() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "place": {"type": "object", "properties": {"city": {"type": "string"}}},
+            "days": {"type": "array", "items": {"type": ["object", "null"], "properties": {"n": {}}}},
+            "extra": {"type": "object", "additionalProperties": {"type": "integer"}},
+        },
+        "$defs": {"unit": {"anyOf": [{"type": "object", "properties": {"u": {}}}, {"type": "string"}]}},
+    }
+    strict = strict_schema(schema)
+    assert strict["required"] == ["place", "days", "extra"] and strict["additionalProperties"] is False
+    assert strict["properties"]["place"]["required"] == ["city"]
+    assert strict["properties"]["days"]["items"]["required"] == ["n"]
+    assert strict["properties"]["days"]["items"]["additionalProperties"] is False
+    # An object that sets additionalProperties keeps it.
+    assert strict["properties"]["extra"]["additionalProperties"] == {"type": "integer"}
+    assert strict["$defs"]["unit"]["anyOf"][0] == {
+        "type": "object",
+        "properties": {"u": {}},
+        "required": ["u"],
+        "additionalProperties": False,
+    }
+    assert schema["properties"]["place"] == {"type": "object", "properties": {"city": {"type": "string"}}}
+
+
+# Function calls
+
+
+def test_sdk_function_call_output_item(call_server: LiveServer) -> None:
+    response = sdk(call_server).responses.create(model="bubo", input=unique("Weather?"), tools=[WEATHER_TOOL])
+    assert response.status == "completed"
+    # The answer is only a call: no empty message item before it.
+    [call] = response.output
+    assert isinstance(call, ResponseFunctionToolCall)
+    assert call.id is not None and call.id.startswith("fc_")
+    assert call.call_id.startswith("call_")
+    assert (call.name, call.arguments, call.status) == ("get_weather", '{"city": "Paris"}', "completed")
+    assert response.output_text == ""
+    assert response.tool_choice == "auto" and response.parallel_tool_calls is True
+
+
+def test_function_call_stream_events(call_server: LiveServer) -> None:
+    events = list(
+        sdk(call_server).responses.create(
+            model="bubo", input=unique("Weather?"), tools=[WEATHER_TOOL], stream=True
+        )
+    )
+    kinds = [event.type for event in events]
+    deltas = [e for e in events if isinstance(e, ResponseFunctionCallArgumentsDeltaEvent)]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        *["response.function_call_arguments.delta"] * len(deltas),
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    added, done, item_done = events[2], events[-3], events[-2]
+    assert isinstance(added, ResponseOutputItemAddedEvent)
+    assert isinstance(done, ResponseFunctionCallArgumentsDoneEvent)
+    assert added.item.type == "function_call" and added.item.arguments == ""
+    assert added.item.name == "get_weather" and added.item.status == "in_progress"
+    assert {(e.item_id, e.output_index) for e in [*deltas, done]} == {(added.item.id, 0)}
+    assert "".join(e.delta for e in deltas) == done.arguments == '{"city": "Paris"}'
+    final = events[-1].response
+    assert [item.model_dump(exclude_none=True) for item in final.output] == [
+        item_done.item.model_dump(exclude_none=True)
+    ]
+    [call] = final.output
+    assert isinstance(call, ResponseFunctionToolCall)
+    assert (call.id, call.call_id, call.arguments) == (added.item.id, added.item.call_id, done.arguments)
+
+
+def test_sdk_stream_helper_accumulates_function_calls(call_server: LiveServer) -> None:
+    with sdk(call_server).responses.stream(model="bubo", input=unique("Weather?"), tools=[WEATHER_TOOL]) as s:
+        final = s.get_final_response()
+    [call] = final.output
+    assert isinstance(call, ResponseFunctionToolCall) and call.arguments == '{"city": "Paris"}'
+
+
+def test_function_call_output_round_trip(call_server: LiveServer) -> None:
+    """The call the server answered with, sent back with its output, renders as that call's result."""
+    client = sdk(call_server)
+    question = unique("Weather?")
+    first = client.responses.create(model="bubo", input=question, tools=[WEATHER_TOOL])
+    [call] = first.output
+    assert isinstance(call, ResponseFunctionToolCall)
+    items = [
+        {"role": "user", "content": question},
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+    ]
+    messages = input_messages(items)
+    assert messages[1]["tool_calls"][0]["id"] == call.call_id
+    assert (messages[2]["tool_call_id"], messages[2]["name"]) == (call.call_id, "get_weather")
+    prompt = call_server.state.render(ChatRequest(messages, function_tools([WEATHER_TOOL])))
+    assert prompt.index(CALL) < prompt.index("<tool_response>\nsunny\n</tool_response>")
+    second = client.responses.create(model="bubo", input=items, tools=[WEATHER_TOOL])
+    assert second.status == "completed"
+
+
+def test_reasoning_then_call_stream(qwen3_template_llama: LoadedModel) -> None:
+    """Items after the reasoning item take the next output_index; the Qwen3 template knows tools."""
+    model = scripted(qwen3_template_llama, f"<think>\nweather</think>\n\n{CALL}")
+    server = serve_loaded(model, defaults=SamplingParams(temperature=0.0))
+    try:
+        events = sse_events(server, {"model": "bubo", "input": unique(), "tools": [WEATHER_TOOL]})
+        body = post(server, {"model": "bubo", "input": unique(), "tools": [WEATHER_TOOL]}).json()
+    finally:
+        server.stop()
+    added = [data["item"] for name, data in events if name == "response.output_item.added"]
+    assert [(item["type"], item["status"]) for item in added] == [
+        ("reasoning", "in_progress"),
+        ("function_call", "in_progress"),
+    ]
+    call_events = [data for _, data in events if data.get("item_id") == added[1]["id"]]
+    assert {data["output_index"] for data in call_events} == {1}
+    final = events[-1][1]["response"]
+    for output in (final["output"], body["output"]):
+        assert [item["type"] for item in output] == ["reasoning", "function_call"]
+        assert output[1]["arguments"] == '{"city": "Paris"}'
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+
+
+def test_malformed_call_comes_back_as_text(long_llama: LoadedModel) -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    server = serve_loaded(scripted(long_llama, text), defaults=SamplingParams(temperature=0.0))
+    try:
+        body = post(server, {"model": "bubo", "input": unique(), "tools": [WEATHER_TOOL]}).json()
+    finally:
+        server.stop()
+    assert [item["type"] for item in body["output"]] == ["message"]
+    assert body["output"][0]["content"][0]["text"] == text
+
+
+def test_tool_choice_none_hides_the_tools(call_server: LiveServer) -> None:
+    body = {"model": "bubo", "input": unique("Weather?"), "tools": [WEATHER_TOOL], "tool_choice": "none"}
+    response = post(call_server, body).json()
+    # The tools are not offered, so the call markup is only text.
+    assert [item["type"] for item in response["output"]] == ["message"]
+    assert response["output"][0]["content"][0]["text"] == CALL
+    assert response["tool_choice"] == "none"
+
+
+@pytest.mark.parametrize("strict", ["absent", None, False, True])
+def test_strict_rule_for_a_forced_call(call_server: LiveServer, strict: Any) -> None:
+    """The model writes a call without the optional `unit`. As sent (no strict, null, false) the grammar
+    that forces the call accepts it; strict true requires every property, so the grammar makes the
+    model add a unit."""
+    tool = dict(WEATHER_TOOL) if strict == "absent" else {**WEATHER_TOOL, "strict": strict}
+    body = {
+        "model": "bubo",
+        "input": unique("Weather?"),
+        "tools": [tool],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        # The call is ~70 tokens in the tiny byte-level vocabulary.
+        "max_output_tokens": 120,
+    }
+    response = post(call_server, body).json()
+    [call] = response["output"]
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    arguments = json.loads(call["arguments"])
+    if strict is True:
+        assert arguments["city"] == "Paris" and arguments["unit"] in ("c", "f")
+        jsonschema.validate(arguments, strict_schema(WEATHER))
+    else:
+        assert arguments == {"city": "Paris"}
+    assert response["tool_choice"] == {"type": "function", "name": "get_weather"}
+
+
+# The real default model
+
+
+def test_real_model_required_tool_call_validates(real_server: LiveServer) -> None:
+    # No extra properties, so the forced call stays well inside max_output_tokens.
+    parameters = {**WEATHER, "additionalProperties": False}
+    response = sdk(real_server).responses.create(
+        model="bubo",
+        input="What is the weather in Paris?",
+        tools=[{**WEATHER_TOOL, "parameters": parameters}],
+        tool_choice="required",
+        # One call: with parallel calls allowed the model may go on calling until max_output_tokens.
+        parallel_tool_calls=False,
+        temperature=0.7,
+        max_output_tokens=60,
+    )
+    calls = [item for item in response.output if isinstance(item, ResponseFunctionToolCall)]
+    assert calls and response.status == "completed"
+    for call in calls:
+        assert call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), parameters)
+
+
+def test_real_model_json_schema_output_validates(real_server: LiveServer) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "sunny": {"type": "boolean"}},
+        "required": ["city", "sunny"],
+        "additionalProperties": False,
+    }
+    response = sdk(real_server).responses.create(
+        model="bubo",
+        input="Describe the weather in Paris as JSON.",
+        text={"format": {"type": "json_schema", "name": "weather", "schema": schema, "strict": True}},
+        temperature=0.7,
+        max_output_tokens=60,
+    )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), schema)

@@ -1,0 +1,306 @@
+"""Chat semantics through the OpenAI dialect: tool calls (both formats, streamed and not, forced by
+tool_choice), structured output, reasoning budgets and the tools prompt for templates without tools."""
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from bubo.engine.loaded_model import LoadedModel
+from bubo.engine.sampler import SamplingParams
+from tests.server.live_server import LiveServer, scripted, serve_loaded
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 12}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+
+
+def client_for(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def serve() -> Iterator:
+    servers: list[LiveServer] = []
+
+    def start(loaded: LoadedModel, text: str | None = None, **settings: object) -> LiveServer:
+        model = scripted(loaded, text) if text is not None else loaded
+        server = serve_loaded(model, **settings)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def test_a_json_tool_call_becomes_tool_calls(serve, long_llama: LoadedModel) -> None:
+    client = client_for(serve(long_llama, "Let me check.\n" + JSON_CALL))
+    reply = client.chat.completions.create(model="bubo", messages=ASK, tools=[WEATHER])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+
+
+def test_streamed_tool_calls_arrive_name_first_then_argument_fragments(
+    serve, long_llama: LoadedModel
+) -> None:
+    client = client_for(serve(long_llama, JSON_CALL + "\n" + JSON_CALL.replace("Paris", "Rome")))
+    chunks = list(client.chat.completions.create(model="bubo", messages=ASK, tools=[WEATHER], stream=True))
+    pieces = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    calls: dict[int, dict] = {}
+    for piece in pieces:
+        entry = calls.setdefault(piece.index, {"id": piece.id, "name": None, "arguments": "", "fragments": 0})
+        if piece.function.name:
+            assert entry["name"] is None and entry["arguments"] == ""  # the name comes first
+            entry["name"] = piece.function.name
+        if piece.function.arguments:
+            entry["arguments"] += piece.function.arguments
+            entry["fragments"] += 1
+    assert [calls[i]["name"] for i in sorted(calls)] == ["get_weather", "get_weather"]
+    assert [json.loads(calls[i]["arguments"])["city"] for i in sorted(calls)] == ["Paris", "Rome"]
+    assert all(c["fragments"] >= 2 for c in calls.values())
+    assert calls[0]["id"] != calls[1]["id"]
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "tool_calls"
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+
+
+def test_parallel_tool_calls_false_keeps_one_call(serve, long_llama: LoadedModel) -> None:
+    client = client_for(serve(long_llama, JSON_CALL + "\n" + JSON_CALL))
+    reply = client.chat.completions.create(
+        model="bubo", messages=ASK, tools=[WEATHER], parallel_tool_calls=False
+    )
+    assert len(reply.choices[0].message.tool_calls) == 1
+    assert "<tool_call>" in reply.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
+        '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "get_weather"',
+    ],
+)
+def test_a_malformed_call_is_returned_as_text(serve, long_llama: LoadedModel, bad: str) -> None:
+    client = client_for(serve(long_llama, bad))
+    reply = client.chat.completions.create(model="bubo", messages=ASK, tools=[WEATHER])
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].message.content == bad
+
+
+def test_xml_parameter_calls_are_typed_by_the_schema(serve, qwen35_template_llama: LoadedModel) -> None:
+    text = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    # Qwen3.5's generation prompt opens the reasoning block itself.
+    client = client_for(serve(qwen35_template_llama, "The user wants weather.\n</think>\n\n" + text))
+    reply = client.chat.completions.create(model="bubo", messages=ASK, tools=[WEATHER])
+    message = reply.choices[0].message
+    assert message.model_extra["reasoning_content"] == "The user wants weather.\n"
+    [call] = message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "New York", "days": 3}
+
+
+def test_tool_choice_none_hides_the_tools(serve, long_llama: LoadedModel) -> None:
+    server = serve(long_llama, JSON_CALL)
+    body = {"model": "bubo", "messages": ASK, "tools": [WEATHER]}
+    with_tools = httpx.post(server.url + "/apply-template", json=body).json()["prompt"]
+    without = httpx.post(server.url + "/apply-template", json={**body, "tool_choice": "none"}).json()[
+        "prompt"
+    ]
+    assert "get_weather" in with_tools and "get_weather" not in without
+    reply = httpx.post(server.url + "/v1/chat/completions", json={**body, "tool_choice": "none"}).json()
+    assert reply["choices"][0]["message"]["content"] == JSON_CALL  # not parsed: no tools were offered
+
+
+def test_a_template_without_tools_gets_them_in_the_system_prompt(serve, long_llama: LoadedModel) -> None:
+    server = serve(long_llama, "ok")
+    history = [
+        {"role": "system", "content": "Be brief."},
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
+    prompt = httpx.post(
+        server.url + "/apply-template", json={"messages": history, "tools": [WEATHER]}
+    ).json()["prompt"]
+    assert prompt.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert json.dumps(WEATHER) in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response><|im_end|>" in prompt
+
+
+def test_a_template_with_tools_renders_them_itself(serve, qwen3_template_llama: LoadedModel) -> None:
+    server = serve(qwen3_template_llama, "ok")
+    prompt = httpx.post(server.url + "/apply-template", json={"messages": ASK, "tools": [WEATHER]}).json()[
+        "prompt"
+    ]
+    assert "<tools>\n" + json.dumps(WEATHER) in prompt and "# Tools" in prompt
+
+
+@pytest.mark.parametrize(
+    ("choice", "status", "param"),
+    [
+        ({"type": "function", "function": {"name": "nope"}}, 400, "tool_choice.function.name"),
+        ("sometimes", 400, "tool_choice"),
+    ],
+)
+def test_bad_tool_choices(serve, long_llama: LoadedModel, choice: object, status: int, param: str) -> None:
+    server = serve(long_llama, "x")
+    body = {"model": "bubo", "messages": ASK, "tools": [WEATHER], "tool_choice": choice}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert response.status_code == status and response.json()["error"]["param"] == param
+
+
+def test_required_without_tools_is_refused(tiny_server: LiveServer) -> None:
+    body = {"model": "bubo", "messages": ASK, "tool_choice": "required"}
+    response = httpx.post(tiny_server.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+
+
+def test_an_invalid_schema_is_400_naming_the_problem(tiny_server: LiveServer) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}
+    response = httpx.post(
+        tiny_server.url + "/v1/chat/completions",
+        json={"model": "bubo", "messages": ASK, "response_format": fmt},
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (
+        error["code"] == "invalid_schema"
+        and error["param"] == "response_format"
+        and "objekt" in error["message"]
+    )
+
+
+def test_max_tokens_inside_the_reasoning_leaves_the_answer_empty(
+    serve, qwen3_template_llama: LoadedModel
+) -> None:
+    client = client_for(serve(qwen3_template_llama, "<think>\n" + "step " * 30 + "</think>\n\nanswer"))
+    reply = client.chat.completions.create(model="bubo", messages=ASK, max_tokens=12)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content == ""
+    assert reply.choices[0].message.model_extra["reasoning_content"].startswith("step")
+
+
+def test_a_reasoning_budget_closes_the_block_and_the_answer_starts(
+    serve, qwen3_template_llama: LoadedModel
+) -> None:
+    client = client_for(serve(qwen3_template_llama, "<think>\n" + "step " * 400 + "</think>\n\nanswer"))
+    reply = client.chat.completions.create(
+        model="bubo", messages=ASK, reasoning_effort="minimal", max_tokens=700
+    )
+    message = reply.choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert reasoning.count("step") <= 256 < 400
+    assert message.content  # the model went on writing after the forced </think>
+    assert reply.usage.completion_tokens_details.reasoning_tokens >= 256
+
+
+# The real default model: forced tool calls and JSON output that must validate, also when sampled.
+
+
+@pytest.fixture(scope="module")
+def smollm2_sampling(smollm2: LoadedModel) -> Iterator[LiveServer]:
+    server = serve_loaded(smollm2, defaults=SamplingParams(temperature=0.8, seed=7))
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_the_default_model_makes_a_valid_forced_call(smollm2_sampling: LiveServer, choice: object) -> None:
+    client = client_for(smollm2_sampling)
+    reply = client.chat.completions.create(
+        model="bubo", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=60
+    )
+    [call] = reply.choices[0].message.tool_calls[:1]
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    if isinstance(choice, dict):
+        assert call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert reply.choices[0].finish_reason == "tool_calls"
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_default_model_writes_json_that_validates(smollm2_sampling: LiveServer, stream: bool) -> None:
+    client = client_for(smollm2_sampling)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    messages = [{"role": "user", "content": "Invent a person."}]
+    if stream:
+        chunks = client.chat.completions.create(
+            model="bubo", messages=messages, response_format=fmt, max_tokens=80, stream=True
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        reply = client.chat.completions.create(
+            model="bubo", messages=messages, response_format=fmt, max_tokens=80
+        )
+        text = reply.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_json_object_mode_gives_an_object(smollm2_sampling: LiveServer) -> None:
+    reply = client_for(smollm2_sampling).chat.completions.create(
+        model="bubo",
+        messages=[{"role": "user", "content": "A JSON object with a colour."}],
+        response_format={"type": "json_object"},
+        max_tokens=60,
+        temperature=0,
+    )
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
