@@ -287,6 +287,10 @@ def _print_layer_plan(f: GGUFFile) -> None:
     mixer_width = max(len(r[1]) for r in rows)
     for span, mixer, mlp_kind in rows:
         print(f"  {span:<{width}}  {mixer:<{mixer_width}}  {mlp_kind}")
+    if config.mtp_layers:
+        print(
+            f"  + MTP block at blk.{config.num_layers} (gated full attention, {config.mlp_kind.value}): drafts the token after next"
+        )
 
 
 def _mixer_runs(config: ModelConfig) -> list[tuple[str, str]]:

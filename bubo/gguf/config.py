@@ -193,6 +193,9 @@ class ModelConfig:
     deltanet: DeltaNetSizes | None = None
     # Interleaved mRoPE [t, h, w] pair counts (qwen35); text positions reduce it to plain rope.
     mrope_sections: tuple[int, int, int] | None = None
+    # Multi-token prediction (Qwen3-Next / Qwen3.5 `nextn` layers): how many MTP blocks follow the
+    # num_layers decoder layers in the file (0: none, or the file dropped them).
+    mtp_layers: int = 0
     # qwen4exp only: residual streams (0 = a plain single residual) and their mixers' rank.
     hc_count: int = 0
     hc_low_rank: int = 0
@@ -321,7 +324,7 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         )
     num_kv_heads = meta.get_int("attention.head_count_kv", default=num_heads)
     rope_dim = meta.get_int("rope.dimension_count", default=head_dim)
-    num_layers = meta.get_int("block_count")
+    num_layers, mtp_layers = _layer_counts(f, meta, arch)
     mlp_kind = _MLP_KIND.get(arch, MlpKind.DENSE)
     hybrid = _hybrid_fields(f, meta, num_layers)
     # Which tensors a layer has says whether attention has biases and q/k norms; in a hybrid file
@@ -352,12 +355,39 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         attention_bias=p + "attn_q.bias" in f.tensors,
         qk_norm=p + "attn_q_norm.weight" in f.tensors,
         tie_word_embeddings="output.weight" not in f.tensors,
+        mtp_layers=mtp_layers,
         **_moe_fields(meta, mlp_kind),
         **hybrid,
         **(_qwen4exp_fields(f, meta, recurrent) if arch == "qwen4exp" else {}),
     )
     _validate(meta, config)
     return config
+
+
+# The architectures whose files may carry MTP blocks as `nextn` layers. qwen4exp's converter drops its
+# MTP block, and the open llama.cpp PRs that keep it give it its own hyper-connection mixer, not yet
+# settled (shared/spec/qwen4exp.md section 4.11): its nextn layer is left unloaded, as the spec advises.
+_MTP_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
+
+
+def _layer_counts(f: GGUFFile, meta: _Metadata, arch: str) -> tuple[int, int]:
+    """(decoder layers, MTP layers). llama.cpp counts `nextn_predict_layers` MTP blocks into
+    `block_count` and stores them last (as for GLM-4.5); a file whose MTP block sits just past
+    `block_count` is read too. Which one holds is told by where the `nextn.eh_proj` tensors are."""
+    blocks = meta.get_int("block_count")
+    nextn = meta.get_int("nextn_predict_layers", default=0)
+    if nextn < 0:
+        raise meta.error(f"'{meta.key('nextn_predict_layers')}' must be >= 0, got {nextn}")
+    if nextn == 0 or arch not in _MTP_ARCHITECTURES:
+        return blocks, 0
+    for first in (blocks - nextn, blocks):
+        if all(f"blk.{first + j}.nextn.eh_proj.weight" in f.tensors for j in range(nextn)):
+            if nextn != 1:
+                raise meta.error(f"'{meta.key('nextn_predict_layers')}' = {nextn}: Bubo runs one MTP block")
+            return first, nextn
+    raise meta.error(
+        f"'{meta.key('nextn_predict_layers')}' = {nextn} but the file has no blk.N.nextn.eh_proj tensors"
+    )
 
 
 def _hybrid_fields(f: GGUFFile, meta: _Metadata, num_layers: int) -> dict[str, Any]:

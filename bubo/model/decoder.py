@@ -29,6 +29,7 @@ from bubo.model.hyper_connections import HyperConnection, StreamMixer, expand_st
 from bubo.model.indexed_attention import IndexedAttention, QSAIndexer
 from bubo.model.layers import MLP, RMSNorm, RotaryEmbedding
 from bubo.model.moe import Experts, SparseMoE
+from bubo.model.mtp import MultiTokenPredictor
 from bubo.model.ngram_embedding import NGramEmbedding, NGramHash, PLELayer
 
 __all__ = [
@@ -53,6 +54,10 @@ class WeightSource(Protocol):
 
     def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A plain tensor in the compute dtype (norm weights)."""
+        ...
+
+    def has(self, name: str) -> bool:
+        """Whether the file holds tensor `name` (for tensors that come in more than one layout)."""
         ...
 
     def linear(self, name: str, shape: tuple[int, int], bias: str | None = None) -> nn.Module:
@@ -220,9 +225,21 @@ def _deltanet(config: ModelConfig, i: int, weights: WeightSource) -> DeltaNetMix
             "ssm_beta": weights.linear(p + "ssm_beta.weight", (hv, hidden)),
             "ssm_alpha": weights.linear(p + "ssm_alpha.weight", (hv, hidden)),
         }
+    if weights.has(p + "ssm_in.weight"):
+        # qwen3next files from llama.cpp's first converter keep the fused in_proj_qkvz as ssm_in.
+        fused = d.num_k_heads * 2 * d.head_k_dim + 2 * v_out
+        projections = {
+            "attn_qkv": None,
+            "attn_gate": None,
+            "ssm_in": weights.linear(p + "ssm_in.weight", (fused, hidden)),
+        }
+    else:
+        projections = {
+            "attn_qkv": weights.linear(p + "attn_qkv.weight", (channels, hidden)),
+            "attn_gate": weights.linear(p + "attn_gate.weight", (v_out, hidden)),
+        }
     deltanet = GatedDeltaNet(
-        attn_qkv=weights.linear(p + "attn_qkv.weight", (channels, hidden)),
-        attn_gate=weights.linear(p + "attn_gate.weight", (v_out, hidden)),
+        **projections,
         ssm_conv1d=weights.tensor(p + "ssm_conv1d.weight", (channels, d.conv_kernel)),
         ssm_a=weights.tensor(p + "ssm_a", (hv,)),
         ssm_dt=weights.tensor(p + "ssm_dt.bias", (hv,)),
@@ -341,10 +358,35 @@ def build_layer(config: ModelConfig, i: int, weights: WeightSource) -> DecoderLa
     )
 
 
+def _mtp(config: ModelConfig, weights: WeightSource) -> MultiTokenPredictor:
+    """The MTP block stored after the main layers (bubo/model/mtp.py). Its layer is a full-attention
+    layer of the model's kind whose keys and values go to slot 0 of the MTP's own cache."""
+    n, hidden, eps = config.num_layers, config.hidden_size, config.rms_norm_eps
+    p = f"blk.{n}."
+    attention = Attention(
+        config, **{**_attention_parts(config, n, weights), "layer_index": 0}, output_gate=config.is_hybrid
+    )
+    ffn_norm = "post_attention_norm.weight" if config.is_hybrid else "ffn_norm.weight"
+    layer = DecoderLayer(
+        attn_norm=RMSNorm(weights.tensor(p + "attn_norm.weight", (hidden,)), eps),
+        attention=attention,
+        ffn_norm=RMSNorm(weights.tensor(p + ffn_norm, (hidden,)), eps),
+        mlp=_FEED_FORWARD[config.mlp_kind](config, n, weights),
+    )
+    return MultiTokenPredictor(
+        enorm=RMSNorm(weights.tensor(p + "nextn.enorm.weight", (hidden,)), eps),
+        hnorm=RMSNorm(weights.tensor(p + "nextn.hnorm.weight", (hidden,)), eps),
+        eh_proj=weights.linear(p + "nextn.eh_proj.weight", (hidden, 2 * hidden)),
+        layer=layer,
+        shared_head_norm=RMSNorm(weights.tensor(p + "nextn.shared_head_norm.weight", (hidden,)), eps),
+    )
+
+
 class Decoder(nn.Module):
     """tokens [B, T] -> float32 logits [B, T, vocab], continuing at position `cache.length`.
 
-    The compute dtype is fixed at load time (`dtype`); the device is wherever the weights are.
+    The compute dtype is fixed at load time (`dtype`); the device is wherever the weights are. With
+    an MTP block (`mtp`), `draft_logits` proposes the token after the next from `hidden` states.
     """
 
     def __init__(self, config: ModelConfig, weights: WeightSource) -> None:
@@ -358,6 +400,7 @@ class Decoder(nn.Module):
         output_name = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
         self.output = weights.linear(output_name, vocab_shape)
         self.rotary = RotaryEmbedding(config, device=weights.device, mrope_sections=config.mrope_sections)
+        self.mtp = _mtp(config, weights) if config.mtp_layers else None
 
     @staticmethod
     def _final_norm(config: ModelConfig, weights: WeightSource) -> nn.Module:
@@ -380,6 +423,11 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Logits for every position, or with `last_only` just the last ([B, 1, vocab]): enough for
         generation, and a long prompt's full-vocabulary logits would be large."""
+        return self.output(self.hidden(tokens, cache, last_only)).float()
+
+    def hidden(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """The final hidden states [B, T or 1, hidden], after the output norm: what the head reads,
+        and what the MTP block continues from."""
         tokens = tokens.to(self.device)
         length = tokens.shape[1]
         positions = torch.arange(cache.length, cache.length + length, device=self.device)
@@ -392,7 +440,35 @@ class Decoder(nn.Module):
         cache.advance(length)
         if last_only:
             x = x[:, -1:]
-        return self.output(self.norm(x)).float()
+        return self.norm(x)
+
+    def draft_logits(
+        self, hidden: torch.Tensor, next_tokens: torch.Tensor, mtp_cache: KVCache
+    ) -> torch.Tensor:
+        """The MTP block's logits [B, T, vocab] for the tokens after `next_tokens`: row t pairs the main
+        model's hidden[:, t] (at position mtp_cache.length + t) with next_tokens[:, t], the token that
+        followed it."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP block")
+        next_tokens = next_tokens.to(self.device)
+        length = next_tokens.shape[1]
+        positions = torch.arange(mtp_cache.length, mtp_cache.length + length, device=self.device)
+        cos, sin = self.rotary(positions, self.dtype)
+        x = self.mtp(hidden, self.embedding(next_tokens), next_tokens, cos, sin, mtp_cache)
+        return self.output(x).float()
+
+    def new_mtp_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
+        """The MTP layer's own cache: one attention layer's keys and values."""
+        c = self.config
+        return KVCache(
+            num_layers=1,
+            batch=batch,
+            num_kv_heads=c.num_kv_heads,
+            max_len=c.context_length if max_len is None else max_len,
+            head_dim=c.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         """An empty cache for `batch` sequences of up to `max_len` positions (default: the model's context)."""

@@ -178,7 +178,10 @@ class GatedDeltaNet(nn.Module):
     Tensors in GGUF names, torch-shaped (GGUF ne reversed); projections are any module applying
     x Wᵀ (nn.Linear, QuantizedLinear):
         attn_qkv   [2·Hk·dk + Hv·dv, hidden]   rows: all q heads, all k heads, all v heads
-        attn_gate  [Hv·dv, hidden]             z, the output gate
+        attn_gate  [Hv·dv, hidden]             z, the output gate; or, in qwen3next files from
+        ssm_in     [Hk·(2dk + 2ρ·dv), hidden]  llama.cpp's first Qwen3Next converter, Hugging Face's
+                                               fused in_proj_qkvz as is: per key head q, k, its ρ v
+                                               heads, its ρ z heads (ρ = Hv / Hk)
         ssm_beta, ssm_alpha [Hv, hidden]       qwen35 family; or
         ssm_ba     [2·Hv, hidden]              qwen3next: per key head, ρ beta rows then ρ alpha rows
         ssm_conv1d [2·Hk·dk + Hv·dv, K]        depthwise kernel, tap K-1 = current token
@@ -194,8 +197,8 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(
         self,
-        attn_qkv: nn.Module,
-        attn_gate: nn.Module,
+        attn_qkv: nn.Module | None,
+        attn_gate: nn.Module | None,
         ssm_conv1d: torch.Tensor,
         ssm_a: torch.Tensor,
         ssm_dt: torch.Tensor,
@@ -211,12 +214,15 @@ class GatedDeltaNet(nn.Module):
         ssm_beta: nn.Module | None = None,
         ssm_alpha: nn.Module | None = None,
         ssm_ba: nn.Module | None = None,
+        ssm_in: nn.Module | None = None,
         gate_activation: GateActivation = "silu",
         chunk_size: int = CHUNK_SIZE,
     ) -> None:
         super().__init__()
         if (ssm_ba is None) == (ssm_beta is None or ssm_alpha is None):
             raise ValueError("give either ssm_ba, or ssm_beta and ssm_alpha")
+        if (ssm_in is None) == (attn_qkv is None or attn_gate is None):
+            raise ValueError("give either ssm_in, or attn_qkv and attn_gate")
         if num_v_heads % num_k_heads:
             raise ValueError(f"value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
@@ -230,7 +236,7 @@ class GatedDeltaNet(nn.Module):
         self.gate_activation = gate_activation
         self.chunk_size = chunk_size
 
-        self.attn_qkv, self.attn_gate, self.ssm_out = attn_qkv, attn_gate, ssm_out
+        self.attn_qkv, self.attn_gate, self.ssm_in, self.ssm_out = attn_qkv, attn_gate, ssm_in, ssm_out
         self.ssm_beta, self.ssm_alpha, self.ssm_ba = ssm_beta, ssm_alpha, ssm_ba
         self.conv_weight = nn.Parameter(ssm_conv1d, requires_grad=False)
         self.ssm_a = nn.Parameter(ssm_a, requires_grad=False)
@@ -257,9 +263,8 @@ class GatedDeltaNet(nn.Module):
         hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
 
         # Projections (transformers: in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, or the fused
-        # qkvz / ba of Qwen3Next, which the converter has already split into qkv and z).
-        qkv = self.attn_qkv(x)
-        z = self.attn_gate(x).view(batch, length, hv, dv)
+        # qkvz / ba of Qwen3Next).
+        qkv, z = self._qkv_z(x)
         b, a = self._beta_alpha(x)
 
         # Causal depthwise conv over time (transformers' causal_conv1d_fn / causal_conv1d_update):
@@ -300,6 +305,21 @@ class GatedDeltaNet(nn.Module):
         gate = F.silu(z.float()) if self.gate_activation == "silu" else torch.sigmoid(z.float())
         y = (self.ssm_norm * normed.to(x.dtype)) * gate
         return self.ssm_out(y.to(x.dtype).reshape(batch, length, hv * dv))
+
+    def _qkv_z(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv [B, T, conv channels] (all q heads, all k heads, all v heads) and z [B, T, Hv, dv]."""
+        batch, length, _ = x.shape
+        hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        if self.ssm_in is None:
+            assert self.attn_qkv is not None and self.attn_gate is not None
+            return self.attn_qkv(x), self.attn_gate(x).view(batch, length, hv, dv)
+        # The fused in_proj_qkvz, grouped by key head (Qwen3NextGatedDeltaNet.fix_query_key_value_ordering);
+        # the later converter splits it the same way into attn_qkv and attn_gate.
+        rho = hv // hk
+        fused = self.ssm_in(x).view(batch, length, hk, 2 * dk + 2 * rho * dv)
+        q, k, v, z = fused.split([dk, dk, rho * dv, rho * dv], dim=-1)
+        qkv = torch.cat([t.reshape(batch, length, -1) for t in (q, k, v)], dim=-1)
+        return qkv, z.reshape(batch, length, hv, dv)
 
     def _beta_alpha(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(b, a) [B, T, Hv], the pre-activation beta and alpha, in the value-head order of the tensors."""

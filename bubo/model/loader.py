@@ -56,6 +56,9 @@ class GGUFWeights:
         t = self._get(name, shape)
         return self._materialise(name, lambda: self._float(t))
 
+    def has(self, name: str) -> bool:
+        return name in self.file.tensors
+
     def _float(self, t: GGUFTensor) -> torch.Tensor:
         # A float tensor already in the compute dtype is used where it lies in the memory map: a
         # converted copy would cost its size again on top of the file's pages.
@@ -157,6 +160,15 @@ def load_decoder(
     ignored = tuple(
         f"blk.{i}.indexer." for i, ratio in enumerate(dense) if ratio == 0 and not config.recurrent_layers[i]
     )
+    if config.mtp_layers:
+        # Copies of the shared embedding and head that some converters write into the MTP block.
+        ignored += (
+            f"blk.{config.num_layers}.nextn.embed_tokens.",
+            f"blk.{config.num_layers}.nextn.shared_head_head.",
+        )
+    if config.architecture == "qwen4exp":
+        # An MTP block kept by a newer converter is left alone (shared/spec/qwen4exp.md section 4.11).
+        ignored += (f"blk.{config.num_layers}.", "mtp.")
     wanted = [n for n in f.tensors if not n.endswith(_NOT_LOADED) and not n.startswith(ignored)]
     with tqdm(total=len(wanted), desc="Loading weights", unit="tensor", disable=not progress) as bar:
         weights = GGUFWeights(f, dtype, torch.device(device), bar)

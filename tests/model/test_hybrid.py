@@ -162,6 +162,20 @@ def test_matches_transformers(arch: str, tmp_path: Path) -> None:
     assert d_prefill <= TOLERANCE and d_decode <= TOLERANCE
 
 
+def test_qwen3next_with_a_fused_ssm_in_matches_transformers(tmp_path: Path) -> None:
+    """Files from llama.cpp's first Qwen3Next converter keep in_proj_qkvz whole as `ssm_in`."""
+    reference = _reference("qwen3next")
+    path = write_gguf(reference, tmp_path / "fused.gguf", fused_qkvz=True)
+    assert (
+        "blk.0.ssm_in.weight" in GGUFFile(path).tensors
+        and "blk.0.attn_qkv.weight" not in GGUFFile(path).tensors
+    )
+    model = _load(path)
+    assert model.layers[0].attention.deltanet.ssm_in is not None
+    d_prefill, d_decode = prefill_and_decode_deltas(reference, model, _tokens(PREFILL + DECODE), PREFILL)
+    assert d_prefill <= TOLERANCE and d_decode <= TOLERANCE
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quantized_projections_match_transformers(arch: str, tmp_path: Path) -> None:
     reference = _reference(arch)

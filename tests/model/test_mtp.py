@@ -1,0 +1,209 @@
+"""The MTP block (multi-token prediction) of Qwen3.5, Qwen3.5-MoE and Qwen3-Next against a reference
+built from transformers' own modules.
+
+transformers has no MTP forward (it ignores `mtp.*` weights), so the reference composes one as vLLM's
+qwen3_next_mtp.py defines it, out of transformers' parts: the model's embedding, its zero-centred
+RMSNorm class (for pre_fc_norm_embedding / pre_fc_norm_hidden / norm), a Linear for `fc`, a
+full-attention decoder layer of the model's own class with its rotary embedding, and the model's
+lm_head. The tiny model is written with one more full-attention layer than the main stack; the
+fixture writer stores it as blk.N with `nextn_predict_layers` 1 and the `nextn.*` tensors (+1 folded
+into the norms as llama.cpp's converter does), as llama.cpp counts an MTP block into block_count.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    PreTrainedModel,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
+
+from bubo.gguf.config import config_from_gguf
+from bubo.gguf.reader import GGUFFile
+from bubo.model.loader import load_decoder
+from bubo.model.mtp import MultiTokenPredictor
+from tests.fixtures.gguf_writer import randomize_, write_gguf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOLERANCE = 1e-3
+MAIN = ["linear_attention", "full_attention"] * 2
+SIZES = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "vocab_size": 300,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+}
+ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+MROPE = {**ROPE, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+ARCH_KEYS = {"qwen35": "qwen35", "qwen35moe": "qwen35moe", "qwen3next": "qwen3next"}
+
+
+def _model(arch: str, layer_types: list[str]) -> PreTrainedModel:
+    common = {**SIZES, "num_hidden_layers": len(layer_types), "layer_types": layer_types}
+    if arch == "qwen35":
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common, intermediate_size=96, rope_parameters=MROPE))
+    if arch == "qwen35moe":
+        return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**common, **MOE, rope_parameters=MROPE))
+    config = Qwen3NextConfig(
+        **common,
+        **MOE,
+        intermediate_size=96,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        rope_parameters=ROPE,
+    )
+    return Qwen3NextForCausalLM(config)
+
+
+class ReferenceMTP(torch.nn.Module):
+    """The MTP forward (vLLM's definition) out of transformers' modules."""
+
+    def __init__(self, full: PreTrainedModel, main: PreTrainedModel, seed: int = 7) -> None:
+        super().__init__()
+        hidden, eps = SIZES["hidden_size"], SIZES["rms_norm_eps"]
+        norm_class = type(main.model.norm)
+        generator = torch.Generator().manual_seed(seed)
+        self.enorm, self.hnorm, self.norm = (norm_class(hidden, eps=eps) for _ in range(3))
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        with torch.no_grad():
+            for norm in (self.enorm, self.hnorm, self.norm):
+                norm.weight.copy_(0.1 * torch.randn(hidden, generator=generator))
+            self.fc.weight.copy_(0.1 * torch.randn(hidden, 2 * hidden, generator=generator))
+        self.layer = full.model.layers[len(MAIN)]
+        self.main = main
+
+    def nextn_tensors(self) -> dict[str, torch.Tensor]:
+        n = len(MAIN)
+        return {
+            f"blk.{n}.nextn.eh_proj.weight": self.fc.weight,
+            # zero-centred norms: the converter stores 1 + w
+            f"blk.{n}.nextn.enorm.weight": self.enorm.weight + 1,
+            f"blk.{n}.nextn.hnorm.weight": self.hnorm.weight + 1,
+            f"blk.{n}.nextn.shared_head_norm.weight": self.norm.weight + 1,
+        }
+
+    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        x = self.fc(
+            torch.cat([self.enorm(self.main.model.embed_tokens(next_tokens)), self.hnorm(hidden)], -1)
+        )
+        length = x.shape[1]
+        positions = torch.arange(length)[None].expand(x.shape[0], -1)
+        cos_sin = self.main.model.rotary_emb(x, positions)
+        mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
+        x = self.layer(x, position_embeddings=cos_sin, attention_mask=mask, position_ids=positions)
+        if isinstance(x, tuple):
+            x = x[0]
+        return self.main.lm_head(self.norm(x))
+
+
+def _setup(arch: str, tmp_path: Path) -> tuple[ReferenceMTP, torch.nn.Module]:
+    full = _model(arch, [*MAIN, "full_attention"])
+    full.config._attn_implementation = "eager"
+    randomize_(full)
+    main = _model(arch, MAIN)
+    main.config._attn_implementation = "eager"
+    missing, unexpected = main.load_state_dict(full.state_dict(), strict=False)
+    assert not missing and all(k.startswith(f"model.layers.{len(MAIN)}.") for k in unexpected)
+    reference = ReferenceMTP(full.eval(), main.eval())
+    key = ARCH_KEYS[arch]
+    path = write_gguf(
+        full,
+        tmp_path / "mtp.gguf",
+        extra_tensors=reference.nextn_tensors(),
+        metadata_overrides={
+            f"{key}.nextn_predict_layers": 1,
+            f"{key}.attention.recurrent_layers": None,
+            f"{key}.full_attention_interval": 2,
+        },
+    )
+    f = GGUFFile(path)
+    return reference, load_decoder(f, config_from_gguf(f))
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next"])
+def test_mtp_matches_the_reference(arch: str, tmp_path: Path) -> None:
+    reference, model = _setup(arch, tmp_path)
+    assert model.config.num_layers == len(MAIN) and model.config.mtp_layers == 1
+    assert isinstance(model.mtp, MultiTokenPredictor)
+    tokens = torch.randint(0, SIZES["vocab_size"], (2, 33), generator=torch.Generator().manual_seed(3))
+    inputs, following = tokens[:, :-1], tokens[:, 1:]
+    with torch.inference_mode():
+        expected_hidden = reference.main.model(inputs).last_hidden_state
+        expected = reference(expected_hidden, following)
+        hidden = model.hidden(inputs, model.new_cache(batch=2, max_len=40))
+        assert (hidden - expected_hidden).abs().max() <= TOLERANCE
+        draft = model.draft_logits(hidden, following, model.new_mtp_cache(batch=2, max_len=40))
+        # main logits are unchanged by the extra block
+        main_logits = model(inputs, model.new_cache(batch=2, max_len=40))
+        assert (main_logits - reference.main(inputs).logits).abs().max() <= TOLERANCE
+    delta = (draft - expected).abs().max().item()
+    print(f"{arch}: MTP max|Δlogit| {delta:.2e}")
+    assert delta <= TOLERANCE
+
+
+def test_mtp_in_pieces_equals_mtp_at_once(tmp_path: Path) -> None:
+    _, model = _setup("qwen35moe", tmp_path)
+    tokens = torch.randint(0, SIZES["vocab_size"], (1, 25), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        hidden = model.hidden(tokens[:, :-1], model.new_cache(max_len=32))
+        whole = model.draft_logits(hidden, tokens[:, 1:], model.new_mtp_cache(max_len=32))
+        cache = model.new_mtp_cache(max_len=32)
+        pieces = [model.draft_logits(hidden[:, :16], tokens[:, 1:17], cache)]
+        pieces += [
+            model.draft_logits(hidden[:, t : t + 1], tokens[:, t + 1 : t + 2], cache) for t in range(16, 24)
+        ]
+    assert (torch.cat(pieces, dim=1) - whole).abs().max() <= 1e-4
+
+
+def test_a_model_without_mtp_refuses_to_draft(tmp_path: Path) -> None:
+    main = _model("qwen35", MAIN)
+    randomize_(main)
+    f = GGUFFile(write_gguf(main, tmp_path / "plain.gguf"))
+    model = load_decoder(f, config_from_gguf(f))
+    assert model.mtp is None and model.config.mtp_layers == 0
+    with pytest.raises(ValueError, match="no MTP block"):
+        model.draft_logits(
+            torch.zeros(1, 1, 64), torch.zeros(1, 1, dtype=torch.long), model.new_mtp_cache(max_len=4)
+        )
+
+
+def test_nextn_layers_without_tensors_are_an_error(tmp_path: Path) -> None:
+    main = _model("qwen35", MAIN)
+    randomize_(main)
+    path = write_gguf(main, tmp_path / "liar.gguf", metadata_overrides={"qwen35.nextn_predict_layers": 1})
+    with pytest.raises(Exception, match="nextn"):
+        config_from_gguf(GGUFFile(path))
+
+
+def test_inspect_shows_the_mtp_block(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bubo import cli
+
+    _setup("qwen35", tmp_path)
+    assert cli.main(["inspect", str(tmp_path / "mtp.gguf")]) == 0
+    assert (
+        "  + MTP block at blk.4 (gated full attention, dense): drafts the token after next"
+        in capsys.readouterr().out
+    )
