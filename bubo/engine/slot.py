@@ -95,6 +95,11 @@ class SessionSlot:
         return self._cache.length
 
     @property
+    def cached_token_ids(self) -> tuple[int, ...]:
+        """The tokens whose state the cache holds, in order."""
+        return tuple(self._cached_ids)
+
+    @property
     def can_rewind(self) -> bool:
         """Whether the cache can be cut back to any prefix (False with a recurrent state)."""
         return self._cache.can_rewind
