@@ -304,3 +304,19 @@ def test_json_object_mode_gives_an_object(smollm2_sampling: LiveServer) -> None:
         temperature=0,
     )
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_xml_parameter_calls_stream_as_tool_call_deltas(serve, qwen35_template_llama: LoadedModel) -> None:
+    text = (
+        "Checking.</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+        "<parameter=days>\n1\n</parameter>\n</function>\n</tool_call>"
+    )
+    client = client_for(serve(qwen35_template_llama, text))
+    chunks = list(client.chat.completions.create(model="bubo", messages=ASK, tools=[WEATHER], stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+    pieces = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert reasoning == "Checking."
+    assert pieces[0].function.name == "get_weather" and pieces[0].id.startswith("call_")
+    assert json.loads("".join(p.function.arguments or "" for p in pieces)) == {"city": "Oslo", "days": 1}
+    assert not any(d.content for d in deltas)
