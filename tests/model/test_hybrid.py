@@ -19,12 +19,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from transformers import (
     PreTrainedModel,
-    Qwen3_5ForCausalLM,
-    Qwen3_5MoeForCausalLM,
-    Qwen3_5MoeTextConfig,
-    Qwen3_5TextConfig,
-    Qwen3NextConfig,
-    Qwen3NextForCausalLM,
 )
 
 from bubo.engine.generate import GenerationResult, generate
@@ -39,39 +33,16 @@ from bubo.model.moe import SparseMoE
 from bubo.model.quantized_linear import QuantizedLinear
 from tests.fixtures.compare import prefill_and_decode_deltas
 from tests.fixtures.gguf_writer import randomize_, write_gguf
+from tests.fixtures.hybrid_models import HYBRID_SIZES, tiny_hybrid
 
 TOLERANCE = 1e-3  # fp32 Bubo vs fp32 transformers (TESTING.md)
 PREFILL, DECODE, BATCH = 64, 32, 2
 ARCHS = ["qwen35", "qwen35moe", "qwen3next"]
 LAYER_TYPES = ["linear_attention", "full_attention"] * 2
 
-_COMMON = {
-    "hidden_size": 64,
-    "num_hidden_layers": len(LAYER_TYPES),
-    "layer_types": LAYER_TYPES,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,  # 2 value heads per key head: the head orders differ
-    "linear_key_head_dim": 16,
-    # 32 = one Q8_0 block, so the qwen35 value-head reorder of ssm_out's columns moves whole blocks
-    "linear_value_head_dim": 32,
-    "linear_conv_kernel_dim": 4,
-    "vocab_size": 300,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": PREFILL + DECODE,
-    "tie_word_embeddings": False,
-}
-_MOE = {
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 64,
-}
-# rope_dim = 16 * 0.5 = 8: 4 rotated pairs, split t/h/w by the mRoPE sections (Qwen3.5 only)
-_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
-_MROPE = {**_ROPE, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+# 32 = one Q8_0 block, so the qwen35 value-head reorder of ssm_out's columns moves whole blocks
+_SIZES = {"linear_value_head_dim": 32, "max_position_embeddings": PREFILL + DECODE}
+VOCAB, HIDDEN = HYBRID_SIZES["vocab_size"], HYBRID_SIZES["hidden_size"]
 
 _PROJECTIONS_Q8 = {
     pattern: Q.Q8_0
@@ -96,31 +67,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _reference(arch: str) -> PreTrainedModel:
-    model: PreTrainedModel
-    if arch == "qwen35":
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_COMMON, intermediate_size=96, rope_parameters=_MROPE))
-    elif arch == "qwen35moe":
-        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**_COMMON, **_MOE, rope_parameters=_MROPE))
-    else:
-        config = Qwen3NextConfig(
-            **_COMMON,
-            **_MOE,
-            intermediate_size=96,
-            norm_topk_prob=True,  # what llama.cpp's qwen3next always does
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            rope_parameters=_ROPE,
-        )
-        model = Qwen3NextForCausalLM(config)
-    model.config._attn_implementation = "eager"
+    model = tiny_hybrid(arch, LAYER_TYPES, **_SIZES)
     randomize_(model)
-    return model.eval()
+    return model
 
 
 def _tokens(length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(
-        0, _COMMON["vocab_size"], (BATCH, length), generator=torch.Generator().manual_seed(seed)
-    )
+    return torch.randint(0, VOCAB, (BATCH, length), generator=torch.Generator().manual_seed(seed))
 
 
 def _load(path: Path) -> Decoder:
@@ -195,7 +148,7 @@ def test_vector_shared_expert_gate(quantize: dict[str, Q] | None, tmp_path: Path
     gate = "blk.*.ffn_gate_inp_shexp.weight"
     matrix = write_gguf(reference, tmp_path / "matrix.gguf", quantize=quantize)
     vector = write_gguf(reference, tmp_path / "vector.gguf", quantize=quantize, vectors=(gate,))
-    assert GGUFFile(vector).tensors["blk.0.ffn_gate_inp_shexp.weight"].shape == (_COMMON["hidden_size"],)
+    assert GGUFFile(vector).tensors["blk.0.ffn_gate_inp_shexp.weight"].shape == (HIDDEN,)
     logits = []
     for path in (matrix, vector):
         model = _load(path)

@@ -14,68 +14,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    PreTrainedModel,
-    Qwen3_5ForCausalLM,
-    Qwen3_5MoeForCausalLM,
-    Qwen3_5MoeTextConfig,
-    Qwen3_5TextConfig,
-    Qwen3NextConfig,
-    Qwen3NextForCausalLM,
-)
+from transformers import PreTrainedModel
 
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.loader import load_decoder
 from bubo.model.mtp import MultiTokenPredictor
 from tests.fixtures.gguf_writer import randomize_, write_gguf
+from tests.fixtures.hybrid_models import HYBRID_SIZES, tiny_hybrid
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOLERANCE = 1e-3
 MAIN = ["linear_attention", "full_attention"] * 2
-SIZES = {
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4,
-    "vocab_size": 300,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
-MOE = {
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 64,
-}
-ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
-MROPE = {**ROPE, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
-ARCH_KEYS = {"qwen35": "qwen35", "qwen35moe": "qwen35moe", "qwen3next": "qwen3next"}
-
-
-def _model(arch: str, layer_types: list[str]) -> PreTrainedModel:
-    common = {**SIZES, "num_hidden_layers": len(layer_types), "layer_types": layer_types}
-    if arch == "qwen35":
-        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common, intermediate_size=96, rope_parameters=MROPE))
-    if arch == "qwen35moe":
-        return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**common, **MOE, rope_parameters=MROPE))
-    config = Qwen3NextConfig(
-        **common,
-        **MOE,
-        intermediate_size=96,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        rope_parameters=ROPE,
-    )
-    return Qwen3NextForCausalLM(config)
+SIZES = HYBRID_SIZES
+_model = tiny_hybrid
 
 
 class ReferenceMTP(torch.nn.Module):
@@ -121,14 +74,12 @@ class ReferenceMTP(torch.nn.Module):
 
 def _setup(arch: str, tmp_path: Path) -> tuple[ReferenceMTP, torch.nn.Module]:
     full = _model(arch, [*MAIN, "full_attention"])
-    full.config._attn_implementation = "eager"
     randomize_(full)
     main = _model(arch, MAIN)
-    main.config._attn_implementation = "eager"
     missing, unexpected = main.load_state_dict(full.state_dict(), strict=False)
     assert not missing and all(k.startswith(f"model.layers.{len(MAIN)}.") for k in unexpected)
     reference = ReferenceMTP(full.eval(), main.eval())
-    key = ARCH_KEYS[arch]
+    key = arch  # the GGUF metadata prefix is the architecture name
     path = write_gguf(
         full,
         tmp_path / "mtp.gguf",

@@ -8,47 +8,20 @@ from pathlib import Path
 
 import httpx
 import pytest
-from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from transformers.models.qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
 from bubo.engine.loaded_model import load_model
 from bubo.engine.sampler import SamplingParams
 from tests.fixtures.gguf_writer import randomize_, write_gguf
+from tests.fixtures.hybrid_models import tiny_hybrid
 from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG, write_qwen4exp_gguf
 from tests.server.live_server import LiveServer, serve_loaded
 
-QWEN35MOE = {
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "layer_types": ["linear_attention", "full_attention"] * 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4,
-    "vocab_size": 320,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 1024,
-    "tie_word_embeddings": False,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 64,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.5,
-        "mrope_section": [2, 1, 1],
-        "mrope_interleaved": True,
-    },
-}
-
 
 def _qwen35moe(path: Path) -> Path:
-    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**QWEN35MOE))
+    model = tiny_hybrid(
+        "qwen35moe", ["linear_attention", "full_attention"] * 2, vocab_size=320, max_position_embeddings=1024
+    )
     randomize_(model)
     return write_gguf(model, path)
 
