@@ -91,6 +91,21 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--max-body-mb", type=float, default=32.0, help="largest request body in MB (default 32)"
     )
+    srv.add_argument(
+        "--cache-snapshots",
+        type=int,
+        default=16,
+        help="recurrent-state snapshots a hybrid model's prompt cache keeps (default 16; 0 = off)",
+    )
+    srv.add_argument(
+        "--cache-ram", type=float, default=2048, help="MB those snapshots may take (default 2048)"
+    )
+    srv.add_argument(
+        "--cache-snapshot-interval",
+        type=int,
+        default=1024,
+        help="also snapshot every N prompt tokens (default 1024; 0 = at turn ends only)",
+    )
     srv.add_argument("--temp", "--temperature", type=float, default=0.8, help="default temperature (0.8)")
     srv.add_argument("--top-k", type=int, default=40, help="default top-k (40; 0 = off)")
     srv.add_argument("--top-p", type=float, default=0.95, help="default top-p (0.95; 1 = off)")
@@ -190,6 +205,7 @@ def _print_stats(result: Any, load_seconds: float) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    from bubo.engine.prompt_cache import SnapshotPolicy
     from bubo.engine.sampler import SamplingParams
     from bubo.server.app import is_loopback, serve
     from bubo.server.state import ServerSettings, ServerState
@@ -204,6 +220,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--ctx-size must be at least 2, got {args.ctx_size}")
     if args.max_body_mb <= 0:
         raise ValueError(f"--max-body-mb must be positive, got {args.max_body_mb}")
+    if args.cache_snapshots < 0 or args.cache_ram < 0 or args.cache_snapshot_interval < 0:
+        raise ValueError("--cache-snapshots, --cache-ram and --cache-snapshot-interval must be >= 0")
     if args.n_predict == 0 or args.n_predict < -1:
         raise ValueError(f"--n-predict must be -1 or a positive integer, got {args.n_predict}")
     defaults = SamplingParams(
@@ -229,6 +247,11 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device,
         threads=args.threads,
         defaults=defaults,
+        snapshots=SnapshotPolicy(
+            max_snapshots=args.cache_snapshots,
+            max_bytes=int(args.cache_ram * (1 << 20)),
+            interval=args.cache_snapshot_interval,
+        ),
     )
     ServerState(settings).preflight()
     logging.basicConfig(level=logging.INFO, format="bubo: %(levelname)s %(name)s: %(message)s")

@@ -3,7 +3,8 @@ fixed-size recurrent state of each Gated DeltaNet layer of a hybrid model, and q
 indexer states and PLE state."""
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,7 +14,20 @@ if TYPE_CHECKING:  # these modules import KVCache themselves
     from bubo.model.indexed_attention import IndexerState
     from bubo.model.ngram_embedding import PLEState
 
-__all__ = ["KVCache"]
+__all__ = ["CacheSnapshot", "KVCache"]
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """The states a cache holds at `length` positions that cannot be rewound (DeltaNet, QSA indexer
+    tails, the PLE history), copied. Keys and values need no copy: positions before `length` are never
+    rewritten while the cache only grows past them. `nbytes` is what the copies take."""
+
+    length: int
+    recurrent: tuple[Any, ...]
+    indexers: tuple[Any, ...]
+    ple: Any
+    nbytes: int
 
 
 class KVCache:
@@ -88,6 +102,33 @@ class KVCache:
                 "the state can't be rewound, only reset (truncate to 0) or kept whole"
             )
         self.length = n
+
+    def snapshot(self) -> CacheSnapshot:
+        """Copies of the states that cannot be rewound, to `restore` this length later."""
+        recurrent = tuple(state.snapshot() for state in self.recurrent)
+        indexers = tuple(indexer.snapshot() for indexer in self.indexers)
+        ple = self.ple.snapshot() if self.ple is not None else None
+        tensors = [t for r in recurrent for t in (r.conv_state, r.recurrent_state)]
+        tensors += [t for i in indexers for t in i[2:]]
+        if ple is not None:
+            tensors += [ple.tokens, ple.conv_state]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return CacheSnapshot(self.length, recurrent, indexers, ple, nbytes)
+
+    def restore(self, snapshot: CacheSnapshot) -> None:
+        """Back to the length and states of `snapshot`, taken from this cache while it held the same
+        first `snapshot.length` positions it holds now (or more of the same)."""
+        if snapshot.length > self.length:
+            raise ValueError(
+                f"cannot restore a snapshot at {snapshot.length} into a cache of length {self.length}"
+            )
+        for state, saved in zip(self.recurrent, snapshot.recurrent, strict=True):
+            state.restore(saved)
+        for indexer, saved in zip(self.indexers, snapshot.indexers, strict=True):
+            indexer.restore(saved)
+        if self.ple is not None:
+            self.ple.restore(snapshot.ple)
+        self.length = snapshot.length
 
     def reset(self) -> None:
         """Back to an empty sequence."""

@@ -35,6 +35,7 @@ class GenerationRequest:
     logprobs: int | None = None
     constraints: tuple[TokenConstraint, ...] = ()
     tool_parser: ToolCallParser | None = None
+    cache_prompt: bool = True
 
 
 @dataclass(frozen=True)
@@ -48,18 +49,16 @@ class OutputDelta:
 
 @dataclass(frozen=True)
 class CacheReport:
-    """How the prompt cache served one request (the same values /debug/cache shows).
-
-    `cache_miss_reason` is None on a hit, else why the prompt was computed from the start:
-    "empty" (nothing cached), "prefix_mismatch" (the cached tokens diverge before the prompt does),
-    "no_snapshot" (a recurrent state can only be kept whole and the prompt does not extend it).
-    """
+    """How the prompt cache served one request (the same values /debug/cache shows); the reasons are
+    documented in bubo/engine/prompt_cache.py."""
 
     cache_hit: bool
     cached_tokens: int
     cache_miss_reason: str | None
-    cache_snapshots_skipped: int = 0
     cache_snapshots: int = 0
+    cache_snapshots_skipped: int = 0
+    cache_diverged_at: int | None = None
+    cache_history_rewritten: bool = False
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -68,6 +67,8 @@ class CacheReport:
             "cache_miss_reason": self.cache_miss_reason,
             "cache_snapshots": self.cache_snapshots,
             "cache_snapshots_skipped": self.cache_snapshots_skipped,
+            "cache_diverged_at": self.cache_diverged_at,
+            "cache_history_rewritten": self.cache_history_rewritten,
         }
 
 

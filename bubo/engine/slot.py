@@ -14,12 +14,16 @@ cannot be cut back, so it is reused only when the new prompt extends everything 
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from bubo.engine.generate import Cache, GenerationResult, Model, Tokenizer, generate
+import torch
+
+from bubo.engine.generate import GenerationResult, Model, Tokenizer, generate
 from bubo.engine.output import OutputStream
+from bubo.engine.prompt_cache import PromptCache, SnapshotPolicy
 from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputEvent, Usage
 
 __all__ = ["DeviceLostError", "SessionSlot", "SlotStats"]
@@ -70,7 +74,9 @@ class SessionSlot:
 
     id = 0
 
-    def __init__(self, model: Model, tokenizer: Tokenizer, n_ctx: int) -> None:
+    def __init__(
+        self, model: Model, tokenizer: Tokenizer, n_ctx: int, snapshot_policy: SnapshotPolicy | None = None
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
@@ -81,8 +87,7 @@ class SessionSlot:
         self.last_request_id: str | None = None
         # Allocated up front, as llama-server does: on a GPU the KV memory is taken at start-up, not
         # halfway through a long request (on the CPU the zeroed pages are only touched as they fill).
-        self._cache: Cache = model.new_cache(max_len=n_ctx)
-        self._cached_ids: list[int] = []
+        self.prompt_cache = PromptCache(model.new_cache(max_len=n_ctx), tokenizer.stop_ids, snapshot_policy)
         self._lock = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bubo-slot")
 
@@ -92,17 +97,17 @@ class SessionSlot:
 
     @property
     def cached_tokens(self) -> int:
-        return self._cache.length
+        return self.prompt_cache.cache.length
 
     @property
     def cached_token_ids(self) -> tuple[int, ...]:
         """The tokens whose state the cache holds, in order."""
-        return tuple(self._cached_ids)
+        return tuple(self.prompt_cache.tokens)
 
     @property
     def can_rewind(self) -> bool:
         """Whether the cache can be cut back to any prefix (False with a recurrent state)."""
-        return self._cache.can_rewind
+        return self.prompt_cache.cache.can_rewind
 
     async def run(self, request: GenerationRequest) -> AsyncIterator[OutputEvent]:
         """Wait for the slot, then stream the request's events; closing the iterator cancels it."""
@@ -175,28 +180,19 @@ class SessionSlot:
                 error = DeviceLostError(str(error))
             put(error)
 
-    def _reuse(self, prompt: list[int]) -> CacheReport:
-        """Cut the cache back to the longest prefix it shares with `prompt`, and say what was kept."""
-        cache = self._cache
-        common = 0
-        for a, b in zip(self._cached_ids, prompt, strict=False):
-            if a != b:
-                break
-            common += 1
-        # The last prompt token always goes through the model: its logits give the first new token.
-        keep = min(common, len(prompt) - 1)
-        reason: str | None = None
-        if keep == 0:
-            reason = "empty" if not self._cached_ids else "prefix_mismatch"
-        elif keep < cache.length and not cache.can_rewind:
-            keep, reason = 0, "no_snapshot"
-        cache.truncate(keep)
-        self._cached_ids = self._cached_ids[:keep]
-        return CacheReport(cache_hit=keep > 0, cached_tokens=keep, cache_miss_reason=reason)
-
     def _generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[OutputEvent]:
         prompt = request.prompt_ids
-        report = self._reuse(prompt)
+        pc = self.prompt_cache
+        report = pc.prepare(prompt, enabled=request.cache_prompt)
+        # A hybrid cache: compute the prompt in segments, snapshotting the recurrent state at turn ends.
+        started = time.perf_counter()
+        with torch.inference_mode():
+            pc.prefill(
+                prompt,
+                lambda tokens: self.model(torch.tensor([list(tokens)], device=self.model.device), pc.cache),
+            )
+        segments_seconds = time.perf_counter() - started
+        report = replace(report, cache_snapshots=len(pc.snapshots), cache_snapshots_skipped=pc.skipped)
         self.last_cache_report = report
         self.last_prompt_tokens = len(prompt)
         self.last_request_id = request.request_id
@@ -210,7 +206,7 @@ class SessionSlot:
                 self.tokenizer,
                 prompt,
                 request.params,
-                cache=self._cache,
+                cache=pc.cache,
                 cancelled=cancelled.is_set,
                 logprobs=request.logprobs,
                 constraints=request.constraints,
@@ -221,27 +217,23 @@ class SessionSlot:
                     yield from output.feed(event)
         finally:
             # Whatever happened, the cache holds exactly the tokens that went through the model.
-            done = result.token_ids if result is not None else []
-            self._cached_ids = (prompt + done)[: self._cache.length]
-            if len(self._cached_ids) != self._cache.length:
-                self._cache.truncate(0)
-                self._cached_ids = []
+            pc.finish(prompt, result.token_ids if result is not None else [])
         yield from output.flush()
         assert result is not None
         timings = result.timings
         usage = Usage(
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
-            cached_tokens=result.cached_tokens,
+            cached_tokens=report.cached_tokens,
             reasoning_tokens=output.reasoning_tokens,
-            prompt_ms=timings.prefill_seconds * 1000,
+            prompt_ms=(segments_seconds + timings.prefill_seconds) * 1000,
             predicted_ms=timings.decode_seconds * 1000,
             cache=report,
         )
         stats = self.stats
         stats.requests_total += 1
-        stats.prompt_tokens_total += timings.prefill_tokens
-        stats.prompt_seconds_total += timings.prefill_seconds
+        stats.prompt_tokens_total += len(prompt) - report.cached_tokens
+        stats.prompt_seconds_total += segments_seconds + timings.prefill_seconds
         stats.tokens_predicted_total += result.completion_tokens
         stats.predicted_seconds_total += timings.decode_seconds
         stats.decode_calls_total += timings.decode_tokens

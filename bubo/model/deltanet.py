@@ -79,6 +79,14 @@ class DeltaNetState:
         self.conv_state.zero_()
         self.recurrent_state.zero_()
 
+    def snapshot(self) -> "DeltaNetState":
+        """A copy to come back to: the state cannot be rewound, only restored."""
+        return DeltaNetState(self.conv_state.clone(), self.recurrent_state.clone())
+
+    def restore(self, snapshot: "DeltaNetState") -> None:
+        self.conv_state.copy_(snapshot.conv_state)
+        self.recurrent_state.copy_(snapshot.recurrent_state)
+
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)

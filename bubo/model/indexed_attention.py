@@ -81,6 +81,23 @@ class IndexerState:
         self.num_blocks = 0
         self.tail_len = 0
 
+    def snapshot(self) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What restoring needs: complete blocks never change, so their count is enough; the tail is
+        copied."""
+        return (
+            self.num_blocks,
+            self.tail_len,
+            self.tail_keys.clone(),
+            self.tail_cos.clone(),
+            self.tail_sin.clone(),
+        )
+
+    def restore(self, snapshot: tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        self.num_blocks, self.tail_len, keys, cos, sin = snapshot
+        self.tail_keys.copy_(keys)
+        self.tail_cos.copy_(cos)
+        self.tail_sin.copy_(sin)
+
 
 class QSAIndexer(nn.Module):
     """Picks, for every query, the key blocks its attention may use (see the module docstring).

@@ -236,6 +236,13 @@ class PLEState:
         self.tokens.fill_(self.eos_token_id)
         self.conv_state.zero_()
 
+    def snapshot(self) -> "PLEState":
+        return PLEState(self.tokens.clone(), self.conv_state.clone(), self.eos_token_id)
+
+    def restore(self, snapshot: "PLEState") -> None:
+        self.tokens.copy_(snapshot.tokens)
+        self.conv_state.copy_(snapshot.conv_state)
+
 
 class PLELayer(nn.Module):
     """streams [B, T, hc·hidden], token_ids [B, T] -> the PLE term to add to the streams [B, T, hc·hidden].

@@ -126,7 +126,9 @@ async def completion(request: web.Request) -> web.StreamResponse:
     params = sampling_params(
         body, state.settings.defaults, loaded.tokenizer.vocab_size, limit_fields=("n_predict", "max_tokens")
     )
-    generation = state.request(text, ids, params, grammar=_grammar(state, body))
+    generation = state.request(
+        text, ids, params, grammar=_grammar(state, body), cache_prompt=body.boolean("cache_prompt", True)
+    )
     answer = _Completion(state, model, generation, stream)
     if stream:
         return await _stream(request, state, answer)

@@ -67,7 +67,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     )
     top_logprobs = _chat_logprobs(body)
     schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
-    generation = state.chat_generation(chat, params, logprobs=top_logprobs, schema=schema)
+    generation = state.chat_generation(
+        chat, params, logprobs=top_logprobs, schema=schema, cache_prompt=body.boolean("cache_prompt", True)
+    )
     reply = _Reply(new_id("chatcmpl-"), "chat.completion", model, loaded.tokenizer, top_logprobs)
     if stream:
         return await _stream(request, state, generation, reply, include_usage, _chat_chunk)
@@ -107,7 +109,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     # The legacy API's `logprobs` is the number of alternatives (0-5 there; up to 20 here).
     top_logprobs = body.integer("logprobs", minimum=0, maximum=20)
     params = sampling_params(body, state.settings.defaults, loaded.tokenizer.vocab_size)
-    generation = state.request(text, ids, params, logprobs=top_logprobs)
+    generation = state.request(
+        text, ids, params, logprobs=top_logprobs, cache_prompt=body.boolean("cache_prompt", True)
+    )
     prefix = text if echo else ""
     reply = _Reply(new_id("cmpl-"), "text_completion", model, loaded.tokenizer, top_logprobs, prefix)
     if stream:

@@ -19,6 +19,7 @@ from bubo.engine.constraints import GrammarConstraint, ReasoningBudget, Reasonin
 from bubo.engine.generate import TokenConstraint
 from bubo.engine.grammar import GrammarError, GrammarMatcher, gbnf_grammar, json_schema_grammar, lark_grammar
 from bubo.engine.loaded_model import LoadedModel, load_model
+from bubo.engine.prompt_cache import SnapshotPolicy
 from bubo.engine.request import Finished, GenerationRequest, OutputEvent
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import DeviceLostError, SessionSlot
@@ -66,6 +67,7 @@ class ServerSettings:
     device: str = "cpu"
     threads: int | None = None
     defaults: SamplingParams = field(default_factory=SamplingParams)
+    snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ class ServerState:
             self._memory_probe or SystemMemoryProbe(loaded.model.device),
             request_cost(config, self.settings.dtype),
         )
-        self.slot = SessionSlot(loaded.model, tokenizer, n_ctx)
+        self.slot = SessionSlot(loaded.model, tokenizer, n_ctx, self.settings.snapshots)
         self.loaded = loaded
         self._ready.set()
 
@@ -270,6 +272,7 @@ class ServerState:
         logprobs: int | None = None,
         schema: Mapping[str, Any] | None = None,
         schema_field: str = "response_format",
+        cache_prompt: bool = True,
     ) -> GenerationRequest:
         """A chat's generation request: its prompt, its reasoning budget, the tool-call parser when tools
         are offered (and the grammar that forces a call for tool_choice "required" or a named tool), or
@@ -303,6 +306,7 @@ class ServerState:
             reasoning_budget=chat.thinking.budget,
             grammar=grammar,
             tool_parser=parser,
+            cache_prompt=cache_prompt,
         )
 
     def render_prompt(self, chat: ChatRequest) -> RenderedPrompt:
@@ -338,6 +342,7 @@ class ServerState:
         reasoning_budget: int | None = None,
         grammar: str | None = None,
         tool_parser: ToolCallParser | None = None,
+        cache_prompt: bool = True,
     ) -> GenerationRequest:
         """The neutral request, after the context check and the memory guard. A reasoning budget and a
         grammar (from `compile_schema` or a tool-call grammar) become the request's constraints."""
@@ -366,6 +371,7 @@ class ServerState:
             logprobs,
             tuple(constraints),
             tool_parser,
+            cache_prompt,
         )
 
     def compile_gbnf(self, source: str, field_name: str = "grammar") -> str:

@@ -1,7 +1,8 @@
 """The hybrid architectures served over HTTP: a tiny qwen35moe and a tiny qwen4exp answer chat
-requests, and the slot's cache handles their recurrent state honestly — a prompt that does not
-extend everything the cache holds cannot rewind a DeltaNet state, so it is recomputed from the start
-(`cache_miss_reason` "no_snapshot") and gives the same greedy answer as the first time."""
+requests, and the prompt cache handles their recurrent state: a prompt that extends the cache
+continues it, one that diverges resumes from the latest state snapshot inside the shared prefix
+(taken at turn ends), and without one it is recomputed ("no_snapshot", "evicted"); every path gives
+the same greedy answer as computing from scratch."""
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +11,8 @@ import httpx
 import pytest
 from transformers.models.qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
-from bubo.engine.loaded_model import load_model
+from bubo.engine.loaded_model import LoadedModel, load_model
+from bubo.engine.prompt_cache import SnapshotPolicy
 from bubo.engine.sampler import SamplingParams
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.fixtures.hybrid_models import tiny_hybrid
@@ -33,33 +35,114 @@ def _qwen4exp(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module", params=["qwen35moe", "qwen4exp"])
-def hybrid_server(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LiveServer]:
+def hybrid_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     writer = _qwen35moe if request.param == "qwen35moe" else _qwen4exp
-    loaded = load_model(writer(tmp_path_factory.mktemp("hybrid") / f"tiny-{request.param}.gguf"))
-    server = serve_loaded(loaded, defaults=SamplingParams(temperature=0.0, max_tokens=6))
-    yield server
-    server.stop()
+    return load_model(writer(tmp_path_factory.mktemp("hybrid") / f"tiny-{request.param}.gguf"))
 
 
-def test_a_hybrid_model_answers_and_resets_its_recurrent_state(hybrid_server: LiveServer) -> None:
-    assert not hybrid_server.state.slot.can_rewind
-    body = {"model": "bubo", "messages": [{"role": "user", "content": "hello hybrid"}]}
-    first = httpx.post(hybrid_server.url + "/v1/chat/completions", json=body, timeout=60).json()
+@pytest.fixture
+def serve(hybrid_model: LoadedModel) -> Iterator:
+    servers: list[LiveServer] = []
+
+    def start(policy: SnapshotPolicy | None = None) -> LiveServer:
+        server = serve_loaded(
+            hybrid_model,
+            defaults=SamplingParams(temperature=0.0, max_tokens=6),
+            snapshots=policy or SnapshotPolicy(),
+        )
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def chat(server: LiveServer, messages: list[dict]) -> dict:
+    body = {"model": "bubo", "messages": messages}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+
+
+HELLO = [{"role": "user", "content": "hello hybrid"}]
+
+
+def _after_last_turn_end(server: LiveServer, messages: list[dict]) -> int:
+    """The prompt position just after its last end-of-turn token: where a snapshot is taken."""
+    from bubo.server.chat import ChatRequest
+
+    ids = server.state.render_prompt(ChatRequest(messages)).ids
+    stops = server.state.loaded.tokenizer.stop_ids
+    return max(i + 1 for i, token in enumerate(ids) if token in stops)
+
+
+def test_a_repeated_prompt_resumes_from_the_turn_end_snapshot(serve) -> None:
+    server = serve()
+    assert not server.state.slot.can_rewind
+    first = chat(server, HELLO)
     assert first["usage"]["completion_tokens"] == 6
-    again = httpx.post(hybrid_server.url + "/v1/chat/completions", json=body, timeout=60).json()
-    # The cache holds the first prompt and its answer; the same prompt again is shorter, and the
-    # recurrent state cannot be cut back to it.
-    assert again["usage"]["gufo"]["options"]["cache_hit"] is False
-    assert again["usage"]["gufo"]["options"]["cache_miss_reason"] == "no_snapshot"
+    again = chat(server, HELLO)
+    options = again["usage"]["gufo"]["options"]
+    # The cache holds the first prompt and its answer; the state can't be cut back to the shorter
+    # prompt, but a snapshot at the end of the user's turn can be restored.
+    assert options["cache_hit"] is True and options["cache_miss_reason"] is None
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == _after_last_turn_end(server, HELLO)
+    assert options["cache_snapshots"] >= 1
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+def test_without_snapshots_the_state_is_recomputed(serve) -> None:
+    server = serve(SnapshotPolicy(max_snapshots=0))
+    first = chat(server, HELLO)
+    again = chat(server, HELLO)
+    options = again["usage"]["gufo"]["options"]
+    assert options["cache_hit"] is False and options["cache_miss_reason"] == "no_snapshot"
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
 
 
-def test_a_prompt_that_extends_the_cache_reuses_it(hybrid_server: LiveServer) -> None:
+def test_a_rewritten_answer_is_reported_and_the_user_turn_snapshot_used(serve) -> None:
+    """Templates that drop past reasoning re-render the previous answer differently: the prompt
+    diverges inside what was generated; the snapshot at the end of the user's turn still serves."""
+    server = serve()
+    first = chat(server, HELLO)
+    history = [
+        *HELLO,
+        {"role": "assistant", "content": "something else entirely"},
+        {"role": "user", "content": "more"},
+    ]
+    second = chat(server, history)
+    options = second["usage"]["gufo"]["options"]
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert options["cache_history_rewritten"] is True and options["cache_diverged_at"] >= prompt_tokens
+    assert options["cache_hit"] is True
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == _after_last_turn_end(server, HELLO)
+    cold = serve(SnapshotPolicy(max_snapshots=0))
+    assert (
+        chat(cold, history)["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+    )
+
+
+def test_the_budget_evicts_the_oldest_snapshots(serve) -> None:
+    server = serve(SnapshotPolicy(max_snapshots=1))
+    history = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "two"},
+        {"role": "user", "content": "three"},
+    ]
+    first = chat(server, history)
+    assert first["usage"]["gufo"]["options"]["cache_snapshots"] == 1
+    assert first["usage"]["gufo"]["options"]["cache_snapshots_skipped"] >= 2
+    # Diverge in the first user turn's text: only an evicted snapshot lay before that point.
+    changed = [history[0], {"role": "user", "content": "ONE"}, *history[2:]]
+    second = chat(server, changed)
+    assert second["usage"]["gufo"]["options"]["cache_miss_reason"] == "evicted"
+
+
+def test_a_prompt_that_extends_the_cache_reuses_it(serve) -> None:
     """The second prompt is everything the cache holds (the first prompt and the answer's tokens that
     went through the model) plus more: the recurrent state is continued, not recomputed."""
+    hybrid_server = serve()
     slot = hybrid_server.state.slot
     tokenizer = hybrid_server.state.loaded.tokenizer
     ids = tokenizer.encode("once upon a time", add_bos=False)

@@ -1,0 +1,145 @@
+"""The slot's prompt cache: which tokens its KV/state cache holds, how much of a new prompt can be
+reused, and snapshots of the states that cannot be rewound.
+
+Attention KV can be cut back to any prefix. A Gated DeltaNet state (and qwen4exp's indexer tails and
+n-gram history) folds every position into a fixed-size memory, so a hybrid model's cache can only be
+kept whole or restored to a snapshot taken at that position. Snapshots are taken while a prompt's
+prefill runs, at the end of every message turn (after each end-of-turn token: an agent's next request
+resends the same history plus a new turn, and templates that drop past reasoning rewrite the history
+only after the last user turn) and every `interval` tokens, within a count and byte budget; a new
+prompt resumes from the longest snapshot that lies inside the prefix it shares with the cache.
+
+The report says what happened (the same fields /debug/cache shows): `cache_miss_reason` is "empty"
+(nothing cached), "prefix_mismatch" (the prompt differs from the cache before any reusable point),
+"no_snapshot" (a recurrent state, and no snapshot inside the shared prefix), "evicted" (there was one,
+but the budget dropped it) or "disabled"; `cache_diverged_at` is the first token where prompt and cache
+differ; `cache_history_rewritten` is true when that token lies in what the previous request generated
+(the template re-rendered the previous answer, e.g. without its reasoning).
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from bubo.engine.kv_cache import CacheSnapshot, KVCache
+from bubo.engine.request import CacheReport
+
+__all__ = ["PromptCache", "SnapshotPolicy"]
+
+
+@dataclass(frozen=True)
+class SnapshotPolicy:
+    """How many state snapshots a hybrid cache keeps and where it takes them (README, prompt cache):
+    `max_snapshots` and `max_bytes` bound them (the oldest go first), `interval` adds one every that
+    many tokens besides the turn ends; 0 snapshots turns them off."""
+
+    max_snapshots: int = 16
+    max_bytes: int = 2 << 30
+    interval: int = 1024
+
+
+class PromptCache:
+    """A cache and the token ids it holds."""
+
+    def __init__(
+        self, cache: KVCache, turn_end_ids: frozenset[int], policy: SnapshotPolicy | None = None
+    ) -> None:
+        self.cache = cache
+        self.turn_end_ids = turn_end_ids
+        self.policy = policy or SnapshotPolicy()
+        self.tokens: list[int] = []
+        self.snapshots: list[CacheSnapshot] = []
+        self.skipped = 0
+        self._evicted_at: list[int] = []
+        self._generated_from = 0
+
+    @property
+    def needs_snapshots(self) -> bool:
+        return not self.cache.can_rewind and self.policy.max_snapshots > 0
+
+    def prepare(self, prompt: Sequence[int], enabled: bool = True) -> CacheReport:
+        """Cut the cache back to the longest reusable prefix of `prompt` and report it."""
+        cache, held = self.cache, self.tokens
+        self.skipped = 0
+        diverged = next((i for i, (a, b) in enumerate(zip(held, prompt, strict=False)) if a != b), None)
+        common = min(len(held), len(prompt)) if diverged is None else diverged
+        # The last prompt token always goes through the model: its logits give the first new token.
+        limit = min(common, len(prompt) - 1)
+        reason: str | None = None
+        if not enabled:
+            keep, reason = 0, "disabled"
+        elif cache.can_rewind or limit == cache.length:
+            keep = limit
+        else:
+            usable = [s for s in self.snapshots if s.length <= limit]
+            keep = max((s.length for s in usable), default=0)
+            if keep == 0:
+                reason = "evicted" if any(0 < p <= limit for p in self._evicted_at) else "no_snapshot"
+        if keep == 0 and reason is None:
+            reason = "empty" if not held else "prefix_mismatch"
+        self._cut(keep)
+        rewritten = diverged is not None and diverged >= self._generated_from > 0
+        return CacheReport(
+            cache_hit=keep > 0,
+            cached_tokens=keep,
+            cache_miss_reason=reason,
+            cache_snapshots=len(self.snapshots),
+            cache_diverged_at=diverged,
+            cache_history_rewritten=rewritten,
+        )
+
+    def _cut(self, keep: int) -> None:
+        cache = self.cache
+        if keep == cache.length:
+            pass
+        elif keep == 0 or cache.can_rewind:
+            cache.truncate(keep)
+        else:
+            cache.restore(next(s for s in self.snapshots if s.length == keep))
+        # Snapshots past the cut would describe positions about to be overwritten.
+        self.snapshots = [s for s in self.snapshots if s.length <= keep]
+        self._evicted_at = [p for p in self._evicted_at if p <= keep]
+        self.tokens = self.tokens[:keep]
+
+    def snapshot_points(self, prompt: Sequence[int]) -> list[int]:
+        """Where to stop the prefill of `prompt` (past what the cache holds) to take snapshots."""
+        if not self.needs_snapshots:
+            return []
+        start, end = self.cache.length, len(prompt) - 1
+        points = {i + 1 for i in range(start, end) if prompt[i] in self.turn_end_ids}
+        interval = self.policy.interval
+        if interval > 0:
+            points |= set(range((start // interval + 1) * interval, end, interval))
+        return sorted(p for p in points if start < p < end)
+
+    def prefill(self, prompt: Sequence[int], run: Callable[[Sequence[int]], None]) -> None:
+        """Compute `prompt` up to each snapshot point with `run` (a forward over the given tokens into
+        the cache), taking a snapshot at each."""
+        for point in self.snapshot_points(prompt):
+            run(prompt[self.cache.length : point])
+            self.tokens = list(prompt[:point])
+            self._take()
+
+    def _take(self) -> None:
+        snapshot = self.cache.snapshot()
+        policy = self.policy
+        if snapshot.nbytes > policy.max_bytes:
+            self.skipped += 1
+            return
+        self.snapshots.append(snapshot)
+        while (
+            len(self.snapshots) > policy.max_snapshots
+            or sum(s.nbytes for s in self.snapshots) > policy.max_bytes
+        ):
+            evicted = self.snapshots.pop(0)
+            self._evicted_at.append(evicted.length)
+            self.skipped += 1
+
+    def finish(self, prompt: Sequence[int], generated: Sequence[int]) -> None:
+        """After a generation: the cache holds the prompt and the generated tokens that went through
+        the model (all but the last)."""
+        self._generated_from = len(prompt)
+        held = (list(prompt) + list(generated))[: self.cache.length]
+        if len(held) != self.cache.length:
+            self.cache.truncate(0)
+            self.snapshots, held = [], []
+        self.tokens = held
