@@ -66,6 +66,10 @@ class KVCache:
         self.ple = ple
         self.max_len = max_len
         self.length = 0
+        # Positions at which the recurrent states are to be copied during the next forward pass (set by
+        # the prompt cache), and the copies made: position -> {recurrent state index: copy}.
+        self.snapshot_at: tuple[int, ...] = ()
+        self.taken: dict[int, dict[int, DeltaNetState]] = {}
 
     @property
     def can_rewind(self) -> bool:
@@ -102,6 +106,29 @@ class KVCache:
                 "the state can't be rewound, only reset (truncate to 0) or kept whole"
             )
         self.length = n
+
+    @property
+    def snapshots_in_forward(self) -> bool:
+        """Whether snapshots can be taken inside a forward pass (`snapshot_at`): true when the only
+        states that can't be rewound are DeltaNet ones, which their layers copy at the given
+        positions; the QSA indexer tails and the PLE history have no such hook."""
+        return not (self.indexers or self.ple)
+
+    def taken_snapshots(self) -> list[CacheSnapshot]:
+        """The snapshots the last forward passes took at `snapshot_at`, complete for every layer."""
+        out = []
+        for position in sorted(self.taken):
+            states = self.taken[position]
+            if len(states) != len(self.recurrent):
+                continue
+            recurrent = tuple(states[i] for i in range(len(self.recurrent)))
+            nbytes = sum(
+                t.numel() * t.element_size() for r in recurrent for t in (r.conv_state, r.recurrent_state)
+            )
+            out.append(CacheSnapshot(position, recurrent, (), None, nbytes))
+        self.taken = {}
+        self.snapshot_at = ()
+        return out
 
     def snapshot(self) -> CacheSnapshot:
         """Copies of the states that cannot be rewound, to `restore` this length later."""

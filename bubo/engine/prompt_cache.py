@@ -29,12 +29,17 @@ __all__ = ["PromptCache", "SnapshotPolicy"]
 @dataclass(frozen=True)
 class SnapshotPolicy:
     """How many state snapshots a hybrid cache keeps and where it takes them (README, prompt cache):
-    `max_snapshots` and `max_bytes` bound them (the oldest go first), `interval` adds one every that
-    many tokens besides the turn ends; 0 snapshots turns them off."""
+    `max_snapshots` and `max_bytes` bound them (the oldest go first); a prompt snapshots its last
+    `turn_ends` turn ends and every `interval` tokens; 0 snapshots turns them off."""
 
     max_snapshots: int = 16
     max_bytes: int = 2 << 30
     interval: int = 1024
+    # Every stop in a prefill costs a forward pass (whose fixed cost, reading all weights, dominates
+    # short segments), so a prompt snapshots only its last few turn ends: in a growing chat the
+    # earlier ones were taken by earlier requests, and a history rewritten by the template diverges
+    # after the last user turn.
+    turn_ends: int = 2
 
 
 class PromptCache:
@@ -105,22 +110,35 @@ class PromptCache:
         if not self.needs_snapshots:
             return []
         start, end = self.cache.length, len(prompt) - 1
-        points = {i + 1 for i in range(start, end) if prompt[i] in self.turn_end_ids}
+        turn_ends = sorted(i + 1 for i in range(start, end) if prompt[i] in self.turn_end_ids)
+        points = set(turn_ends[-self.policy.turn_ends :] if self.policy.turn_ends > 0 else [])
         interval = self.policy.interval
         if interval > 0:
             points |= set(range((start // interval + 1) * interval, end, interval))
         return sorted(p for p in points if start < p < end)
 
-    def prefill(self, prompt: Sequence[int], run: Callable[[Sequence[int]], None]) -> None:
-        """Compute `prompt` up to each snapshot point with `run` (a forward over the given tokens into
-        the cache), taking a snapshot at each."""
-        for point in self.snapshot_points(prompt):
+    def prefill(
+        self, prompt: Sequence[int], run: Callable[[Sequence[int]], None], enabled: bool = True
+    ) -> None:
+        """Arrange the snapshots of `prompt`'s prefill; nothing when the request turned caching off.
+
+        A cache whose only unrewindable states are DeltaNet's takes them inside the prefill's one
+        forward pass (`KVCache.snapshot_at`; `finish` collects them). Otherwise the prompt is computed
+        up to each point with `run` (a forward over the given tokens into the cache), a snapshot taken
+        at each: every stop then costs a pass over all the weights.
+        """
+        if not enabled:
+            return
+        points = self.snapshot_points(prompt)
+        if self.cache.snapshots_in_forward:
+            self.cache.snapshot_at = tuple(points)
+            return
+        for point in points:
             run(prompt[self.cache.length : point])
             self.tokens = list(prompt[:point])
-            self._take()
+            self._keep(self.cache.snapshot())
 
-    def _take(self) -> None:
-        snapshot = self.cache.snapshot()
+    def _keep(self, snapshot: CacheSnapshot) -> None:
         policy = self.policy
         if snapshot.nbytes > policy.max_bytes:
             self.skipped += 1
@@ -138,6 +156,9 @@ class PromptCache:
         """After a generation: the cache holds the prompt and the generated tokens that went through
         the model (all but the last)."""
         self._generated_from = len(prompt)
+        for snapshot in self.cache.taken_snapshots():
+            if snapshot.length <= self.cache.length:
+                self._keep(snapshot)
         held = (list(prompt) + list(generated))[: self.cache.length]
         if len(held) != self.cache.length:
             self.cache.truncate(0)

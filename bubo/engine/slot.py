@@ -184,15 +184,15 @@ class SessionSlot:
         prompt = request.prompt_ids
         pc = self.prompt_cache
         report = pc.prepare(prompt, enabled=request.cache_prompt)
-        # A hybrid cache: compute the prompt in segments, snapshotting the recurrent state at turn ends.
+        # A hybrid cache snapshots its recurrent states at the prompt's last turn ends (prompt_cache.py).
         started = time.perf_counter()
         with torch.inference_mode():
             pc.prefill(
                 prompt,
                 lambda tokens: self.model(torch.tensor([list(tokens)], device=self.model.device), pc.cache),
+                enabled=request.cache_prompt,
             )
         segments_seconds = time.perf_counter() - started
-        report = replace(report, cache_snapshots=len(pc.snapshots), cache_snapshots_skipped=pc.skipped)
         self.last_cache_report = report
         self.last_prompt_tokens = len(prompt)
         self.last_request_id = request.request_id
@@ -218,6 +218,8 @@ class SessionSlot:
         finally:
             # Whatever happened, the cache holds exactly the tokens that went through the model.
             pc.finish(prompt, result.token_ids if result is not None else [])
+            report = replace(report, cache_snapshots=len(pc.snapshots), cache_snapshots_skipped=pc.skipped)
+            self.last_cache_report = report
         yield from output.flush()
         assert result is not None
         timings = result.timings

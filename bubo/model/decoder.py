@@ -89,7 +89,22 @@ class DeltaNetMixer(nn.Module):
         self.state_index = state_index
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        return self.deltanet(x, cache.recurrent[self.state_index])
+        state = cache.recurrent[self.state_index]
+        start, length = cache.length, x.shape[1]
+        cuts = [p - start for p in cache.snapshot_at if start < p < start + length]
+        if not cuts:
+            return self.deltanet(x, state)
+        # The prompt cache wants this layer's state at some positions inside this pass: run the
+        # sequence in pieces cut there (exact: the state carries the conv window and the memory) and
+        # copy the state at each cut. Only this layer's projections run per piece; the rest of the
+        # model still sees one pass.
+        pieces, begin = [], 0
+        for cut in [*cuts, length]:
+            pieces.append(self.deltanet(x[:, begin:cut], state))
+            if cut < length:
+                cache.taken.setdefault(start + cut, {})[self.state_index] = state.snapshot()
+            begin = cut
+        return torch.cat(pieces, dim=1)
 
 
 class IndexedAttentionMixer(nn.Module):
