@@ -127,7 +127,7 @@ class PromptCache:
         up to each point with `run` (a forward over the given tokens into the cache), a snapshot taken
         at each: every stop then costs a pass over all the weights.
         """
-        if not enabled:
+        if not enabled or not self.needs_snapshots:
             return
         points = self.snapshot_points(prompt)
         if self.cache.snapshots_in_forward:
@@ -156,9 +156,10 @@ class PromptCache:
         """After a generation: the cache holds the prompt and the generated tokens that went through
         the model (all but the last)."""
         self._generated_from = len(prompt)
-        for snapshot in self.cache.taken_snapshots():
-            if snapshot.length <= self.cache.length:
-                self._keep(snapshot)
+        if self.needs_snapshots:
+            for snapshot in self.cache.taken_snapshots():
+                if snapshot.length <= self.cache.length:
+                    self._keep(snapshot)
         held = (list(prompt) + list(generated))[: self.cache.length]
         if len(held) != self.cache.length:
             self.cache.truncate(0)
