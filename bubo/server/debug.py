@@ -53,6 +53,9 @@ async def cache(request: web.Request) -> web.Response:
             "last_request_id": slot.last_request_id,
             "last_prompt_tokens": slot.last_prompt_tokens,
             "last_cache_report": report.as_dict() if report is not None else None,
+            # A hybrid model's recurrent-state snapshots: the positions it can resume from.
+            "snapshots": [{"position": s.length, "bytes": s.nbytes} for s in slot.prompt_cache.snapshots],
+            "snapshot_policy": asdict(slot.prompt_cache.policy),
         }
     )
 

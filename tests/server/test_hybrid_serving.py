@@ -90,6 +90,22 @@ def test_a_repeated_prompt_resumes_from_the_turn_end_snapshot(serve) -> None:
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
 
 
+def test_debug_cache_lists_the_snapshots(hybrid_model: LoadedModel) -> None:
+    server = serve_loaded(
+        hybrid_model, defaults=SamplingParams(temperature=0.0, max_tokens=2), debug_hooks=True
+    )
+    try:
+        reply = chat(server, HELLO)
+        held = httpx.get(server.url + "/debug/cache").json()
+        positions = [s["position"] for s in held["snapshots"]]
+        assert positions and _after_last_turn_end(server, HELLO) in positions
+        assert all(s["bytes"] > 0 for s in held["snapshots"])
+        assert held["snapshot_policy"]["max_snapshots"] == 16 and held["can_rewind"] is False
+        assert held["last_cache_report"] == reply["usage"]["gufo"]["options"]
+    finally:
+        server.stop()
+
+
 def test_without_snapshots_the_state_is_recomputed(serve) -> None:
     server = serve(SnapshotPolicy(max_snapshots=0))
     first = chat(server, HELLO)
