@@ -18,7 +18,14 @@ import llguidance
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-__all__ = ["GrammarError", "GrammarMatcher", "gbnf_grammar", "json_schema_grammar", "lark_grammar"]
+__all__ = [
+    "JSON_LAYOUT",
+    "GrammarError",
+    "GrammarMatcher",
+    "gbnf_grammar",
+    "json_schema_grammar",
+    "lark_grammar",
+]
 
 
 class GrammarError(ValueError):
@@ -76,14 +83,16 @@ def _ll_tokenizer(tokenizer: Vocabulary, n_vocab: int) -> llguidance.LLTokenizer
     return per_size[n_vocab]
 
 
-# Conventional spacing and no free whitespace: small models otherwise fill the slack with newlines.
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Conventional spacing and no free whitespace: small models otherwise fill the slack with newlines (or,
+# in a forced tool call, pad it with whitespace until max_tokens runs out). Also read from a schema's
+# own "x-guidance" key, which is how tool_grammar.py applies it to the JSON inside its Lark grammars.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def json_schema_grammar(schema: Mapping[str, Any]) -> str:
     """A grammar for JSON text valid against `schema`; GrammarError when the schema is not one."""
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_LAYOUT)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
     except ValueError as error:
         raise GrammarError(str(error)) from None
     return _checked(grammar)

@@ -21,13 +21,21 @@ __all__ = ["CacheSnapshot", "KVCache"]
 class CacheSnapshot:
     """The states a cache holds at `length` positions that cannot be rewound (DeltaNet, QSA indexer
     tails, the PLE history), copied. Keys and values need no copy: positions before `length` are never
-    rewritten while the cache only grows past them. `nbytes` is what the copies take."""
+    rewritten while the cache only grows past them."""
 
     length: int
     recurrent: tuple[Any, ...]
     indexers: tuple[Any, ...]
     ple: Any
-    nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """What the copies take."""
+        tensors = [t for r in self.recurrent for t in (r.conv_state, r.recurrent_state)]
+        tensors += [t for i in self.indexers for t in i[2:]]
+        if self.ple is not None:
+            tensors += [self.ple.tokens, self.ple.conv_state]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class KVCache:
@@ -122,10 +130,7 @@ class KVCache:
             if len(states) != len(self.recurrent):
                 continue
             recurrent = tuple(states[i] for i in range(len(self.recurrent)))
-            nbytes = sum(
-                t.numel() * t.element_size() for r in recurrent for t in (r.conv_state, r.recurrent_state)
-            )
-            out.append(CacheSnapshot(position, recurrent, (), None, nbytes))
+            out.append(CacheSnapshot(position, recurrent, (), None))
         self.taken = {}
         self.snapshot_at = ()
         return out
@@ -135,12 +140,7 @@ class KVCache:
         recurrent = tuple(state.snapshot() for state in self.recurrent)
         indexers = tuple(indexer.snapshot() for indexer in self.indexers)
         ple = self.ple.snapshot() if self.ple is not None else None
-        tensors = [t for r in recurrent for t in (r.conv_state, r.recurrent_state)]
-        tensors += [t for i in indexers for t in i[2:]]
-        if ple is not None:
-            tensors += [ple.tokens, ple.conv_state]
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        return CacheSnapshot(self.length, recurrent, indexers, ple, nbytes)
+        return CacheSnapshot(self.length, recurrent, indexers, ple)
 
     def restore(self, snapshot: CacheSnapshot) -> None:
         """Back to the length and states of `snapshot`, taken from this cache while it held the same

@@ -6,13 +6,11 @@ about any one API's field names.
 """
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from bubo.engine.generate import GenerationResult, TokenConstraint, TokenLogprob
 from bubo.engine.sampler import SamplingParams
+from bubo.templates.reasoning import Channel
 from bubo.templates.tool_calls import ToolCall, ToolCallArguments, ToolCallEnd, ToolCallParser, ToolCallStart
-
-Channel = Literal["reasoning", "content"]
 
 
 @dataclass(frozen=True)

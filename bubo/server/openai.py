@@ -188,6 +188,17 @@ class _Reply:
             "timings": timings(finished.usage),
         }
 
+    def choice_chunk(
+        self,
+        part: dict[str, Any],
+        logprobs: dict[str, Any] | None = None,
+        finish_reason: str | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """A chunk of the one choice: `part` is its delta (chat) or text (completions)."""
+        choice = {"index": 0, **part, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self.chunk([choice], **extra)
+
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.kind == "chat.completion" else self.kind
         return {
@@ -212,43 +223,27 @@ def _chat_chunk(reply: _Reply, event: OutputEvent | None) -> dict[str, Any] | No
     arguments, the next pieces only the index and an arguments fragment."""
     if isinstance(event, ToolCallStart):
         piece = {"index": event.index, **_tool_call(event.id, event.name, "")}
-        return reply.chunk(
-            [{"index": 0, "delta": {"tool_calls": [piece]}, "logprobs": None, "finish_reason": None}]
-        )
+        return reply.choice_chunk({"delta": {"tool_calls": [piece]}})
     if isinstance(event, ToolCallArguments):
         piece = {"index": event.index, "function": {"arguments": event.fragment}}
-        return reply.chunk(
-            [{"index": 0, "delta": {"tool_calls": [piece]}, "logprobs": None, "finish_reason": None}]
-        )
+        return reply.choice_chunk({"delta": {"tool_calls": [piece]}})
     if isinstance(event, ToolCallEnd):
         return None
     if event is None:
-        delta: dict[str, Any] = {"role": "assistant", "content": ""}
-        return reply.chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        return reply.choice_chunk({"delta": {"role": "assistant", "content": ""}})
     if isinstance(event, OutputDelta):
         key = "reasoning_content" if event.channel == "reasoning" else "content"
         logprobs = reply.chat_logprobs(event.logprobs) if event.channel == "content" else None
-        return reply.chunk(
-            [{"index": 0, "delta": {key: event.text}, "logprobs": logprobs, "finish_reason": None}]
-        )
-    return reply.chunk(
-        [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}],
-        timings=timings(event.usage),
-    )
+        return reply.choice_chunk({"delta": {key: event.text}}, logprobs)
+    return reply.choice_chunk({"delta": {}}, finish_reason=event.finish_reason, timings=timings(event.usage))
 
 
 def _text_chunk(reply: _Reply, event: OutputEvent | None) -> dict[str, Any] | None:
     if event is None:
-        if not reply.prefix:
-            return None
-        return reply.chunk([{"index": 0, "text": reply.prefix, "logprobs": None, "finish_reason": None}])
+        return reply.choice_chunk({"text": reply.prefix}) if reply.prefix else None
     if isinstance(event, OutputDelta):
-        logprobs = reply.text_logprobs(event.logprobs)
-        return reply.chunk([{"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": None}])
-    return reply.chunk(
-        [{"index": 0, "text": "", "logprobs": None, "finish_reason": event.finish_reason}],
-        timings=timings(event.usage),
-    )
+        return reply.choice_chunk({"text": event.text}, reply.text_logprobs(event.logprobs))
+    return reply.choice_chunk({"text": ""}, finish_reason=event.finish_reason, timings=timings(event.usage))
 
 
 async def _stream(

@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from bubo.engine.grammar import JSON_LAYOUT
 from bubo.templates.tool_calls import ToolCallFormat
 
 __all__ = ["tool_call_grammar"]
@@ -30,14 +31,9 @@ def _literal(text: str) -> str:
     return json.dumps(text)
 
 
-# llguidance reads compile options from the schema itself: conventional spacing and no free whitespace
-# (a model could otherwise pad the call with whitespace until max_tokens runs out).
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
 def _json_call(name: str, parameters: dict[str, Any]) -> str:
     schema = {
-        "x-guidance": _JSON_LAYOUT,
+        "x-guidance": JSON_LAYOUT,
         "type": "object",
         "properties": {"name": {"const": name}, "arguments": parameters},
         "required": ["name", "arguments"],
@@ -59,7 +55,7 @@ def _xml_parameter(param: str, schema: Mapping[str, Any]) -> str:
     if schema.get("type") == "string":
         value = "(" + " | ".join(_literal(str(v)) for v in schema["enum"]) + ")"
     else:
-        value = f"%json {json.dumps({'x-guidance': _JSON_LAYOUT, **schema})}"
+        value = f"%json {json.dumps({'x-guidance': JSON_LAYOUT, **schema})}"
     return f"{opening} {value} {closing}"
 
 
