@@ -92,6 +92,19 @@ def _parser() -> argparse.ArgumentParser:
         "--max-body-mb", type=float, default=32.0, help="largest request body in MB (default 32)"
     )
     srv.add_argument(
+        "-np",
+        "--parallel",
+        type=int,
+        default=1,
+        help="slots: requests served at once, their decode steps batched (default 1)",
+    )
+    srv.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help="KV cache positions the slots share, in blocks (default ctx-size x parallel; fewer overcommits)",
+    )
+    srv.add_argument(
         "--cache-snapshots",
         type=int,
         default=16,
@@ -218,6 +231,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.ctx_size is not None and args.ctx_size < 2:
         raise ValueError(f"--ctx-size must be at least 2, got {args.ctx_size}")
+    if args.parallel < 1:
+        raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
+    if args.kv_tokens is not None and args.kv_tokens < 1:
+        raise ValueError(f"--kv-tokens must be positive, got {args.kv_tokens}")
     if args.max_body_mb <= 0:
         raise ValueError(f"--max-body-mb must be positive, got {args.max_body_mb}")
     if args.cache_snapshots < 0 or args.cache_ram < 0 or args.cache_snapshot_interval < 0:
@@ -247,6 +264,8 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device,
         threads=args.threads,
         defaults=defaults,
+        parallel=args.parallel,
+        kv_tokens=args.kv_tokens,
         snapshots=SnapshotPolicy(
             max_snapshots=args.cache_snapshots,
             max_bytes=int(args.cache_ram * (1 << 20)),

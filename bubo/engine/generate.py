@@ -32,6 +32,10 @@ class Cache(Protocol):
 
     def truncate(self, n: int) -> None: ...
 
+    def reserve(self, n: int) -> bool:
+        """Make room for n more positions; False when there is none (max_len, or no KV block left)."""
+        ...
+
 
 class ModelConfig(Protocol):
     vocab_size: int
@@ -237,8 +241,8 @@ def generate(
             break
         if limit is not None and len(completion) >= limit:
             break
-        if cache.length >= cache.max_len:
-            reason = "context"
+        if not cache.reserve(1):
+            reason = "context"  # the context is full, or the KV blocks the slots share are
             break
         if cancelled is not None and cancelled():
             reason = "cancelled"

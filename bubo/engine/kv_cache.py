@@ -1,20 +1,22 @@
-"""A preallocated decode state: keys and values for max_len positions per attention layer, the
+"""A decode state: keys and values of each attention layer in the blocks of a paged pool, the
 fixed-size recurrent state of each Gated DeltaNet layer of a hybrid model, and qwen4exp's QSA
 indexer states and PLE state."""
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bubo.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool, KVPoolExhaustedError
 from bubo.model.deltanet import DeltaNetState
 
 if TYPE_CHECKING:  # these modules import KVCache themselves
     from bubo.model.indexed_attention import IndexerState
     from bubo.model.ngram_embedding import PLEState
 
-__all__ = ["CacheSnapshot", "KVCache"]
+__all__ = ["CacheBatch", "CacheSnapshot", "KVCache"]
 
 
 @dataclass(frozen=True)
@@ -39,14 +41,17 @@ class CacheSnapshot:
 
 
 class KVCache:
-    """Keys and values of `num_layers` attention layers, each [batch, num_kv_heads, max_len, head_dim],
-    and `recurrent` DeltaNet states (one per recurrent layer, empty for a plain transformer); for
-    qwen4exp also `indexers` (one per QSA layer, the compressed block keys) and `ple` (the PLE layer's
-    token and conv history). Everything is sized up front and reset together.
+    """The decode state of `batch` sequences that advance together: keys and values of `num_layers`
+    attention layers in blocks of a `BlockPool` (one block table per sequence), and `recurrent`
+    DeltaNet states (one per recurrent layer, empty for a plain transformer); for qwen4exp also
+    `indexers` (one per QSA layer, the compressed block keys) and `ple` (the PLE layer's token and conv
+    history). Without a `pool` the cache makes its own, big enough for `max_len` positions per sequence;
+    the server's slots share one (bubo/engine/block_pool.py).
 
     `length` positions are filled. During a forward pass every layer writes its T new positions
     at `length` (`update`) or advances its recurrent state; the model then calls `advance(T)` once,
-    so all layers of one step see the same offset.
+    so all layers of one step see the same offset. Blocks are taken as positions are written and given
+    back when the cache is cut.
 
     A recurrent state folds every position into a fixed-size memory, so it cannot forget the last
     few: a cache holding one can only be truncated to 0 or kept whole (`can_rewind` is False). The
@@ -65,10 +70,21 @@ class KVCache:
         recurrent: Sequence[DeltaNetState] = (),
         indexers: Sequence["IndexerState"] = (),
         ple: "PLEState | None" = None,
+        pool: BlockPool | None = None,
     ) -> None:
-        shape = (batch, num_kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if pool is None:
+            block_size = min(DEFAULT_BLOCK_SIZE, max(max_len, 1))
+            blocks = batch * -(-max(max_len, 1) // block_size)
+            pool = BlockPool(num_layers, num_kv_heads, head_dim, blocks, block_size, dtype, device)
+        elif pool.num_layers != num_layers:
+            raise ValueError(f"a block pool of {pool.num_layers} layers can't hold {num_layers} layers")
+        self.pool = pool
+        self.batch = batch
+        self.device = torch.device(device)
+        self.tables: list[list[int]] = [[] for _ in range(batch)]
+        # Per row, where its positions lie in the pool: the first one's pool position when the row's blocks
+        # form one run, else every position's (an index to gather with); None until asked after a change.
+        self._layout: list[int | torch.Tensor | None] = [None] * batch
         self.recurrent = list(recurrent)
         self.indexers = list(indexers)
         self.ple = ple
@@ -80,21 +96,106 @@ class KVCache:
         self.taken: dict[int, dict[int, DeltaNetState]] = {}
 
     @property
+    def num_layers(self) -> int:
+        return self.pool.num_layers
+
+    @property
+    def blocks(self) -> int:
+        """Blocks this cache holds (shared ones included)."""
+        return sum(len(table) for table in self.tables)
+
+    @property
     def can_rewind(self) -> bool:
         """Whether `truncate` accepts any length up to `length`, not only 0 and `length`."""
         return not (self.recurrent or self.indexers or self.ple)
 
+    def reserve(self, n: int) -> bool:
+        """Make room for `n` more positions (take blocks, copy a shared block about to be written); False
+        when they would pass `max_len` or the pool has no free block."""
+        end = self.length + n
+        if end > self.max_len:
+            return False
+        try:
+            self._reserve(end)
+        except KVPoolExhaustedError:
+            return False
+        return True
+
+    def _reserve(self, end: int) -> None:
+        pool, size = self.pool, self.pool.block_size
+        first = self.length // size  # the block the next write lands in
+        for row, table in enumerate(self.tables):
+            if first < len(table) and pool.is_shared(table[first]):
+                # Copy on write: another sequence holds this block's earlier positions.
+                copy = pool.take()
+                pool.copy(table[first], copy, self.length - first * size)
+                pool.release([table[first]])
+                table[first] = copy
+                self._layout[row] = None
+            while len(table) * size < end:
+                table.append(pool.take(after=table[-1] if table else None))
+                self._layout[row] = None
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [batch, kv_heads, T, head_dim] at positions length..length+T-1 of `layer`;
-        return that layer's keys and values for positions 0..length+T-1 (views, no copy)."""
-        end = self.length + k.shape[2]
+        return that layer's keys and values for positions 0..length+T-1 (views of the pool when each
+        sequence's blocks form one run, gathered copies otherwise)."""
+        start, end = self.length, self.length + k.shape[2]
         if end > self.max_len:
-            raise ValueError(
-                f"KV cache full: {self.length} + {k.shape[2]} positions exceed max_len {self.max_len}"
-            )
-        self.keys[layer][:, :, self.length : end] = k
-        self.values[layer][:, :, self.length : end] = v
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+            raise ValueError(f"KV cache full: {start} + {k.shape[2]} positions exceed max_len {self.max_len}")
+        self._reserve(end)
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        out_k, out_v = [], []
+        for row in range(self.batch):
+            layout = self._row_layout(row)
+            if isinstance(layout, int):
+                keys[:, layout + start : layout + end] = k[row]
+                values[:, layout + start : layout + end] = v[row]
+                out_k.append(keys[:, layout : layout + end])
+                out_v.append(values[:, layout : layout + end])
+            else:
+                keys.index_copy_(1, layout[start:end], k[row])
+                values.index_copy_(1, layout[start:end], v[row])
+                out_k.append(keys.index_select(1, layout[:end]))
+                out_v.append(values.index_select(1, layout[:end]))
+        if self.batch == 1:
+            return out_k[0].unsqueeze(0), out_v[0].unsqueeze(0)
+        return torch.stack(out_k), torch.stack(out_v)
+
+    def _row_layout(self, row: int) -> int | torch.Tensor:
+        layout = self._layout[row]
+        if layout is None:
+            table, size = self.tables[row], self.pool.block_size
+            if all(b + 1 == c for b, c in itertools.pairwise(table)):
+                layout = table[0] * size if table else 0
+            else:
+                blocks = torch.tensor(table, dtype=torch.long, device=self.device)
+                offsets = torch.arange(size, device=self.device)
+                layout = (blocks[:, None] * size + offsets[None, :]).reshape(-1)
+            self._layout[row] = layout
+        return layout
+
+    def share_prefix(self, source: "KVCache", n: int) -> None:
+        """Start from the first `n` positions of `source` (same pool, one sequence each, empty now) by
+        holding its blocks rather than copying them; a later write into a shared block copies it."""
+        if source.pool is not self.pool or self.batch != 1 or source.batch != 1:
+            raise ValueError("only single-sequence caches of one block pool can share blocks")
+        if self.length or not self.can_rewind or not 0 <= n <= source.length:
+            raise ValueError(f"cannot share {n} positions of a cache of length {source.length} into this one")
+        blocks = source.tables[0][: self.pool.blocks_for(n)]
+        self.pool.hold(blocks)
+        self.tables[0] = list(blocks)
+        self._layout[0] = None
+        self.length = n
+
+    def _release_beyond(self, n: int) -> None:
+        """Give back the blocks past position n."""
+        keep = self.pool.blocks_for(n)
+        for row, table in enumerate(self.tables):
+            if len(table) > keep:
+                self.pool.release(table[keep:])
+                del table[keep:]
+                self._layout[row] = None
 
     def advance(self, n: int) -> None:
         """Mark n more positions filled (after every layer has written them)."""
@@ -114,6 +215,7 @@ class KVCache:
                 "the state can't be rewound, only reset (truncate to 0) or kept whole"
             )
         self.length = n
+        self._release_beyond(n)
 
     @property
     def snapshots_in_forward(self) -> bool:
@@ -156,13 +258,30 @@ class KVCache:
         if self.ple is not None:
             self.ple.restore(snapshot.ple)
         self.length = snapshot.length
+        self._release_beyond(self.length)
 
     def reset(self) -> None:
-        """Back to an empty sequence."""
+        """Back to an empty sequence, every block given back."""
         self.length = 0
+        self._release_beyond(0)
         for state in self.recurrent:
             state.reset()
         for indexer in self.indexers:
             indexer.reset()
         if self.ple is not None:
             self.ple.reset()
+
+
+class CacheBatch:
+    """Independent single-sequence caches whose next tokens run as one batch: the decode steps of
+    several slots (bubo/engine/batcher.py). Row i of the batch continues caches[i] at its own length.
+    Weights are read once for every row; attention and recurrent steps run per row's cache."""
+
+    def __init__(self, caches: Sequence[KVCache]) -> None:
+        if not caches or any(c.batch != 1 for c in caches):
+            raise ValueError("a cache batch is one or more single-sequence caches")
+        self.caches = list(caches)
+
+    def advance(self, n: int) -> None:
+        for cache in self.caches:
+            cache.advance(n)

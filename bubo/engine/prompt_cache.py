@@ -12,7 +12,7 @@ prompt resumes from the longest snapshot that lies inside the prefix it shares w
 The report says what happened (the same fields /debug/cache shows): `cache_miss_reason` is "empty"
 (nothing cached), "prefix_mismatch" (the prompt differs from the cache before any reusable point),
 "no_snapshot" (a recurrent state, and no snapshot inside the shared prefix), "evicted" (there was one,
-but the budget dropped it) or "disabled"; `cache_diverged_at` is the first token where prompt and cache
+but the budget dropped it, or another slot took the KV blocks) or "disabled"; `cache_diverged_at` is the first token where prompt and cache
 differ; `cache_history_rewritten` is true when that token lies in what the previous request generated
 (the template re-rendered the previous answer, e.g. without its reasoning).
 """
@@ -56,6 +56,7 @@ class PromptCache:
         self.skipped = 0
         self._evicted_at: list[int] = []
         self._generated_from = 0
+        self._evicted = False
 
     @property
     def needs_snapshots(self) -> bool:
@@ -80,7 +81,8 @@ class PromptCache:
             if keep == 0:
                 reason = "evicted" if any(0 < p <= limit for p in self._evicted_at) else "no_snapshot"
         if keep == 0 and reason is None:
-            reason = "empty" if not held else "prefix_mismatch"
+            reason = "evicted" if self._evicted else "empty" if not held else "prefix_mismatch"
+        self._evicted = False
         self._cut(keep)
         rewritten = diverged is not None and diverged >= self._generated_from > 0
         return CacheReport(
@@ -91,6 +93,19 @@ class PromptCache:
             cache_diverged_at=diverged,
             cache_history_rewritten=rewritten,
         )
+
+    def evict(self) -> None:
+        """Give everything back (another slot needs the KV blocks); the next request reports "evicted"."""
+        self.cache.reset()
+        self.tokens, self.snapshots, self._evicted_at = [], [], []
+        self._evicted = True
+
+    def adopt_prefix(self, other: "PromptCache", n: int) -> None:
+        """Start from the first `n` tokens `other` holds, sharing its KV blocks (caches that can rewind)."""
+        self.cache.reset()
+        self.cache.share_prefix(other.cache, n)
+        self.tokens, self.snapshots, self._evicted_at = list(other.tokens[:n]), [], []
+        self._evicted = False
 
     def _cut(self, keep: int) -> None:
         cache = self.cache

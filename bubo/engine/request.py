@@ -109,6 +109,7 @@ class Finished:
     content_text: str
     content_logprobs: tuple[TokenLogprob, ...] = ()
     tool_calls: tuple[ToolCall, ...] = ()
+    slot_id: int = 0
 
     @property
     def finish_reason(self) -> str:

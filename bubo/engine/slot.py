@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from bubo.engine.batcher import BatchedModel, DecodeBatcher
+from bubo.engine.block_pool import BlockPool
 from bubo.engine.generate import GenerationResult, Model, Tokenizer, generate
 from bubo.engine.output import OutputStream
 from bubo.engine.prompt_cache import PromptCache, SnapshotPolicy
@@ -70,13 +72,24 @@ class SlotStats:
 
 
 class SessionSlot:
-    """Slot 0: the model, its one cache of `n_ctx` positions, and the queue of requests waiting for it."""
+    """One slot: the model, its cache of up to `n_ctx` positions, and the queue of requests waiting for it.
 
-    id = 0
+    Several slots (`--parallel`, bubo/engine/slot_pool.py) share one block pool for their KV (`pool`) and
+    one DecodeBatcher (`batcher`) that runs their decode steps as one batch.
+    """
 
     def __init__(
-        self, model: Model, tokenizer: Tokenizer, n_ctx: int, snapshot_policy: SnapshotPolicy | None = None
+        self,
+        model: Model,
+        tokenizer: Tokenizer,
+        n_ctx: int,
+        snapshot_policy: SnapshotPolicy | None = None,
+        *,
+        slot_id: int = 0,
+        pool: BlockPool | None = None,
+        batcher: DecodeBatcher | None = None,
     ) -> None:
+        self.id = slot_id
         self.model = model
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
@@ -87,7 +100,13 @@ class SessionSlot:
         self.last_request_id: str | None = None
         # Allocated up front, as llama-server does: on a GPU the KV memory is taken at start-up, not
         # halfway through a long request (on the CPU the zeroed pages are only touched as they fill).
-        self.prompt_cache = PromptCache(model.new_cache(max_len=n_ctx), tokenizer.stop_ids, snapshot_policy)
+        cache = model.new_cache(max_len=n_ctx) if pool is None else model.new_cache(max_len=n_ctx, pool=pool)
+        self.prompt_cache = PromptCache(cache, tokenizer.stop_ids, snapshot_policy)
+        self.batcher = batcher
+        self.last_used = 0.0
+        # Held by the worker thread while it uses the cache, so another slot that needs blocks evicts this
+        # slot's cache only while nobody is using it (SlotPool.reclaim).
+        self.cache_lock = threading.Lock()
         self._lock = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bubo-slot")
 
@@ -181,6 +200,19 @@ class SessionSlot:
             put(error)
 
     def _generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[OutputEvent]:
+        with self.cache_lock:
+            try:
+                if self.batcher is None:
+                    yield from self._generate_with(self.model, request, cancelled)
+                    return
+                with self.batcher.member():
+                    yield from self._generate_with(BatchedModel(self.model, self.batcher), request, cancelled)
+            finally:
+                self.last_used = time.monotonic()
+
+    def _generate_with(
+        self, model: Model, request: GenerationRequest, cancelled: threading.Event
+    ) -> Iterator[OutputEvent]:
         prompt = request.prompt_ids
         pc = self.prompt_cache
         report = pc.prepare(prompt, enabled=request.cache_prompt)
@@ -189,7 +221,7 @@ class SessionSlot:
         with torch.inference_mode():
             pc.prefill(
                 prompt,
-                lambda tokens: self.model(torch.tensor([list(tokens)], device=self.model.device), pc.cache),
+                lambda tokens: model(torch.tensor([list(tokens)], device=model.device), pc.cache),
                 enabled=request.cache_prompt,
             )
         segments_seconds = time.perf_counter() - started
@@ -202,7 +234,7 @@ class SessionSlot:
         result: GenerationResult | None = None
         try:
             for event in generate(
-                self.model,
+                model,
                 self.tokenizer,
                 prompt,
                 request.params,
@@ -246,4 +278,5 @@ class SessionSlot:
             output.content_text,
             tuple(output.content_logprobs),
             output.tool_calls,
+            self.id,
         )

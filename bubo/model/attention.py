@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bubo.engine.kv_cache import KVCache
+from bubo.engine.kv_cache import CacheBatch, KVCache
 from bubo.gguf.config import ModelConfig
 from bubo.model.layers import RMSNorm, apply_rotary
 
@@ -49,17 +49,24 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
         self.output_gate = output_gate
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """x [B, T, hidden] at positions cache.length .. cache.length + T - 1 -> [B, T, hidden]."""
-        start, length = cache.length, x.shape[1]
-        if start == 0:
-            mask, is_causal = None, length > 1  # plain prefill: SDPA's own (top-left aligned) causal mask
-        elif length == 1:
-            mask, is_causal = None, False  # one new token sees the whole cache
-        else:
-            mask, is_causal = causal_mask(start, length, x.device), False
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | CacheBatch
+    ) -> torch.Tensor:
+        """x [B, T, hidden] at positions cache.length .. cache.length + T - 1 -> [B, T, hidden].
+
+        With a CacheBatch, row i continues caches[i] (at its own length): the projections run on the
+        whole batch, attention row by row over each row's cache.
+        """
         q, k, v, gate = self.project(x, cos, sin)
-        return self.attend(q, k, v, gate, cache, mask, is_causal)
+        if isinstance(cache, CacheBatch):
+            rows = [
+                self.attend(
+                    q[i : i + 1], k[i : i + 1], v[i : i + 1], None, row, *_mask(row, x), project=False
+                )
+                for i, row in enumerate(cache.caches)
+            ]
+            return self.output(torch.cat(rows), gate)
+        return self.attend(q, k, v, gate, cache, *_mask(cache, x))
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -92,12 +99,28 @@ class Attention(nn.Module):
         cache: KVCache,
         mask: torch.Tensor | None,
         is_causal: bool = False,
+        project: bool = True,
     ) -> torch.Tensor:
-        """Store k, v in the cache, attend over everything cached (under `mask`), gate, project out."""
-        batch, _, length, _ = q.shape
+        """Store k, v in the cache, attend over everything cached (under `mask`), then gate and project
+        out — or, with `project` False, return the heads' outputs [B, T, heads, head_dim] as they are."""
         k, v = cache.update(self.layer_index, k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
         out = out.transpose(1, 2)
+        return self.output(out, gate) if project else out
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The heads' outputs [B, T, heads, head_dim], gated, through o_proj -> [B, T, hidden]."""
+        batch, length = out.shape[:2]
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
+
+
+def _mask(cache: KVCache, x: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """SDPA's attn_mask and is_causal for x's T new positions after the cache's `length`."""
+    start, length = cache.length, x.shape[1]
+    if start == 0:
+        return None, length > 1  # plain prefill: SDPA's own (top-left aligned) causal mask
+    if length == 1:
+        return None, False  # one new token sees the whole cache
+    return causal_mask(start, length, x.device), False

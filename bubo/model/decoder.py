@@ -21,10 +21,11 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from bubo.engine.kv_cache import KVCache
+from bubo.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
+from bubo.engine.kv_cache import CacheBatch, KVCache
 from bubo.gguf.config import MlpKind, ModelConfig
 from bubo.model.attention import Attention
-from bubo.model.deltanet import GatedDeltaNet
+from bubo.model.deltanet import DeltaNetState, GatedDeltaNet
 from bubo.model.hyper_connections import HyperConnection, StreamMixer, expand_streams
 from bubo.model.indexed_attention import IndexedAttention, QSAIndexer
 from bubo.model.layers import MLP, RMSNorm, RotaryEmbedding
@@ -88,7 +89,11 @@ class DeltaNetMixer(nn.Module):
         self.deltanet = deltanet
         self.state_index = state_index
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | CacheBatch
+    ) -> torch.Tensor:
+        if isinstance(cache, CacheBatch):
+            return self._forward_rows(x, cache)
         state = cache.recurrent[self.state_index]
         start, length = cache.length, x.shape[1]
         cuts = [p - start for p in cache.snapshot_at if start < p < start + length]
@@ -105,6 +110,19 @@ class DeltaNetMixer(nn.Module):
                 cache.taken.setdefault(start + cut, {})[self.state_index] = state.snapshot()
             begin = cut
         return torch.cat(pieces, dim=1)
+
+    def _forward_rows(self, x: torch.Tensor, batch: CacheBatch) -> torch.Tensor:
+        """Row i continues the state of batch.caches[i]: the rows' states are stacked into one batch
+        state for the step and copied back after."""
+        rows = [c.recurrent[self.state_index] for c in batch.caches]
+        state = DeltaNetState(
+            torch.cat([r.conv_state for r in rows]), torch.cat([r.recurrent_state for r in rows])
+        )
+        out = self.deltanet(x, state)
+        for i, row in enumerate(rows):
+            row.conv_state.copy_(state.conv_state[i : i + 1])
+            row.recurrent_state.copy_(state.recurrent_state[i : i + 1])
+        return out
 
 
 class IndexedAttentionMixer(nn.Module):
@@ -138,7 +156,12 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, tokens: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | CacheBatch,
+        tokens: torch.Tensor,
     ) -> torch.Tensor:
         x = x + self.attention(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.ffn_norm(x))
@@ -435,18 +458,33 @@ class Decoder(nn.Module):
     def device(self) -> torch.device:
         return self.rotary.inv_freq.device
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    @property
+    def supports_cache_batch(self) -> bool:
+        """Whether `forward` takes a CacheBatch (several sequences' decode steps at once): every layer
+        kind but qwen4exp's (its indexer and n-gram states are per call) can."""
+        return not (self.config.hc_count or self.config.indexer or self.config.ple)
+
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache | CacheBatch, last_only: bool = False
+    ) -> torch.Tensor:
         """Logits for every position, or with `last_only` just the last ([B, 1, vocab]): enough for
         generation, and a long prompt's full-vocabulary logits would be large."""
         return self.output(self.hidden(tokens, cache, last_only)).float()
 
-    def hidden(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    def hidden(
+        self, tokens: torch.Tensor, cache: KVCache | CacheBatch, last_only: bool = False
+    ) -> torch.Tensor:
         """The final hidden states [B, T or 1, hidden], after the output norm: what the head reads,
-        and what the MTP block continues from."""
+        and what the MTP block continues from. With a CacheBatch row i continues caches[i]."""
         tokens = tokens.to(self.device)
         length = tokens.shape[1]
-        positions = torch.arange(cache.length, cache.length + length, device=self.device)
-        cos, sin = self.rotary(positions, self.dtype)
+        if isinstance(cache, CacheBatch):
+            if not self.supports_cache_batch:
+                raise ValueError(f"{self.config.architecture} can't run several caches as one batch")
+            angles = [self._rotary_at(c.length, length) for c in cache.caches]
+            cos, sin = torch.stack([a[0] for a in angles]), torch.stack([a[1] for a in angles])
+        else:
+            cos, sin = self._rotary_at(cache.length, length)
         x = self.embedding(tokens)
         if self.config.hc_count:
             x = expand_streams(x, self.config.hc_count)
@@ -456,6 +494,9 @@ class Decoder(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.norm(x)
+
+    def _rotary_at(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(torch.arange(start, start + length, device=self.device), self.dtype)
 
     def draft_logits(
         self, hidden: torch.Tensor, next_tokens: torch.Tensor, mtp_cache: KVCache
@@ -485,8 +526,19 @@ class Decoder(nn.Module):
             device=self.device,
         )
 
-    def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
-        """An empty cache for `batch` sequences of up to `max_len` positions (default: the model's context)."""
+    def new_block_pool(self, positions: int, block_size: int = DEFAULT_BLOCK_SIZE) -> BlockPool:
+        """A pool of KV blocks for `positions` positions in all (rounded up to whole blocks), to share
+        between the caches of several slots."""
+        c = self.config
+        blocks = -(-positions // block_size)
+        attention_layers = c.num_layers - sum(c.recurrent_layers)
+        return BlockPool(
+            attention_layers, c.num_kv_heads, c.head_dim, blocks, block_size, self.dtype, self.device
+        )
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None, pool: BlockPool | None = None) -> KVCache:
+        """An empty cache for `batch` sequences of up to `max_len` positions (default: the model's context),
+        its KV in `pool`'s blocks (default: a pool of its own)."""
         c = self.config
         max_len = c.context_length if max_len is None else max_len
         mixers = [layer.attention for layer in self.layers]
@@ -514,4 +566,5 @@ class Decoder(nn.Module):
             recurrent=recurrent,
             indexers=indexers,
             ple=None if ple is None else ple.new_state(batch, self.dtype, self.device),
+            pool=pool,
         )

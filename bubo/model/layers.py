@@ -135,7 +135,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle) -> torch.Tensor:
-    """Rotate the first rope_dim dimensions of x [B, H, T, head_dim] pairwise; cos/sin are [T, rope_dim / 2]."""
+    """Rotate the first rope_dim dimensions of x [B, H, T, head_dim] pairwise; cos/sin are [T, rope_dim / 2],
+    or [B, T, rope_dim / 2] when the rows of the batch are at different positions."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
     rope_dim = 2 * cos.shape[-1]
     rotated, passed = x[..., :rope_dim], x[..., rope_dim:]
     if style == RopeStyle.NEOX:

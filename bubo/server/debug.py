@@ -38,24 +38,46 @@ async def prompt(request: web.Request) -> web.Response:
 
 
 async def cache(request: web.Request) -> web.Response:
-    """The slot's prompt cache and how it served the last request (as that request's usage.gufo.options)."""
+    """Each slot's prompt cache, the last request's cache report (as its usage.gufo.options) and the
+    KV block pool the slots share."""
     state = request.app[STATE]
     state.require_ready()
-    slot = state.slot
-    assert slot is not None
-    report = slot.last_cache_report
+    slots = state.slots
+    assert slots is not None
+    last = slots.last_slot
+    report = last.last_cache_report
+    pool = slots.pool
     return web.json_response(
         {
-            "n_ctx": slot.n_ctx,
-            "cached_tokens": slot.cached_tokens,
-            "can_rewind": slot.can_rewind,
-            "is_processing": slot.is_processing,
-            "last_request_id": slot.last_request_id,
-            "last_prompt_tokens": slot.last_prompt_tokens,
+            "n_ctx": slots.n_ctx,
+            "cached_tokens": last.cached_tokens,
+            "can_rewind": last.can_rewind,
+            "is_processing": last.is_processing,
+            "last_request_id": last.last_request_id,
+            "last_prompt_tokens": last.last_prompt_tokens,
             "last_cache_report": report.as_dict() if report is not None else None,
             # A hybrid model's recurrent-state snapshots: the positions it can resume from.
-            "snapshots": [{"position": s.length, "bytes": s.nbytes} for s in slot.prompt_cache.snapshots],
-            "snapshot_policy": asdict(slot.prompt_cache.policy),
+            "snapshots": [{"position": s.length, "bytes": s.nbytes} for s in last.prompt_cache.snapshots],
+            "snapshot_policy": asdict(last.prompt_cache.policy),
+            "slots": [
+                {
+                    "id": slot.id,
+                    "cached_tokens": slot.cached_tokens,
+                    "is_processing": slot.is_processing,
+                    "kv_blocks": slot.prompt_cache.cache.tables[0] if slot.prompt_cache.cache.tables else [],
+                    "snapshots": [s.length for s in slot.prompt_cache.snapshots],
+                }
+                for slot in slots.slots
+            ],
+            "kv_pool": None
+            if pool is None
+            else {
+                "block_size": pool.block_size,
+                "blocks": pool.num_blocks,
+                "free_blocks": pool.free_blocks,
+                "shared_blocks": sum(1 for r in pool.refs if r > 1),
+                "bytes_per_block": pool.bytes_per_block,
+            },
         }
     )
 
@@ -78,6 +100,7 @@ async def settings(request: web.Request) -> web.Response:
             "served_ids": state.served_ids,
             "ready": state.ready,
             "ctx_size": s.ctx_size,
+            "parallel": s.parallel,
             "n_ctx": state.context_length,
             "dtype": str(s.dtype).removeprefix("torch."),
             "device": s.device,

@@ -14,6 +14,7 @@ from aiohttp import web
 import bubo
 from bubo.engine.request import Finished, GenerationRequest, OutputDelta
 from bubo.engine.sampler import SamplingParams
+from bubo.engine.slot import SessionSlot
 from bubo.server.chat import chat_request, output_schema
 from bubo.server.errors import ApiError, error_body
 from bubo.server.fields import Body, read_json, sampling_params
@@ -81,7 +82,7 @@ class _Completion:
         return {
             "index": 0,
             "content": content,
-            "id_slot": 0,
+            "id_slot": finished.slot_id,
             "stop": True,
             "model": self.model,
             "tokens_predicted": usage.completion_tokens,
@@ -188,9 +189,8 @@ def _model_info(state: ServerState) -> dict[str, Any]:
     }
 
 
-def _slot_json(state: ServerState) -> dict[str, Any]:
-    slot = state.slot
-    assert slot is not None
+def _slot_json(state: ServerState, slot: SessionSlot) -> dict[str, Any]:
+    assert state.slots is not None
     processing = slot.is_processing
     return {
         "id": slot.id,
@@ -201,7 +201,9 @@ def _slot_json(state: ServerState) -> dict[str, Any]:
         "state": 1 if processing else 0,
         "n_prompt_tokens": slot.last_prompt_tokens,
         "n_cached_tokens": slot.cached_tokens,
-        "n_deferred": slot.stats.requests_deferred,
+        "n_kv_blocks": slot.prompt_cache.cache.blocks,
+        # Requests wait for the first free slot, not for a particular one: each slot shows the queue.
+        "n_deferred": state.slots.stats.requests_deferred,
         "last_request_id": slot.last_request_id,
         "params": _params_json(state.settings.defaults),
     }
@@ -211,8 +213,8 @@ async def props(request: web.Request) -> web.Response:
     state = request.app[STATE]
     loaded = state.require_ready()
     state.resolve_model(request.query.get("model"), required=False)
-    assert state.template is not None
-    slot = _slot_json(state)
+    assert state.template is not None and state.slots is not None
+    slot = _slot_json(state, state.slots.slots[0])
     return web.json_response(
         {
             "model": state.model_id,
@@ -229,7 +231,7 @@ async def props(request: web.Request) -> web.Response:
                 "is_processing": slot["is_processing"],
                 "params": slot["params"],
             },
-            "total_slots": 1,
+            "total_slots": len(state.slots.slots),
             "modalities": {"vision": False, "audio": False},
             "build_info": BUILD_INFO,
         }
@@ -239,7 +241,8 @@ async def props(request: web.Request) -> web.Response:
 async def slots(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
-    return web.json_response([_slot_json(state)])
+    assert state.slots is not None
+    return web.json_response([_slot_json(state, slot) for slot in state.slots.slots])
 
 
 def routes() -> list[web.RouteDef]:

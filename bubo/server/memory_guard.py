@@ -1,7 +1,8 @@
 """The memory guard: refuse a request up front rather than run out of memory halfway through it.
 
 Before a request runs, its needs are estimated — KV cache for the positions it will add (prompt plus
-max tokens), recurrent state, and prefill activations — and compared with what the machine has:
+max tokens), recurrent state, and prefill activations — and compared with what the machine has, and
+the blocks its prompt needs with those of the slots' shared KV pool that are free or reclaimable:
 GPU memory on CUDA (`torch.cuda.mem_get_info`), otherwise the kernel's MemAvailable. Three answers:
 short now (503 insufficient_memory, Retry-After: 5: free memory and retry), the system under memory
 pressure (503 memory_pressure, Retry-After: 5; Linux PSI `full avg10`), or more than the machine has
@@ -132,6 +133,24 @@ class MemoryGuard:
                 "insufficient_memory",
                 f"this request needs about {need // mib} MiB but only {info.available // mib} MiB are free "
                 "now; free memory and send the request again",
+                headers={"Retry-After": "5"},
+            )
+
+    def check_blocks(self, needed: int, available: int, total: int) -> None:
+        """The KV blocks a prompt needs against the shared pool's: blocks free or held only by idle slots'
+        caches (which give them back when asked), and the pool's size."""
+        if needed > total:
+            raise ApiError(
+                507,
+                "insufficient_memory_permanent",
+                f"this prompt needs {needed} KV blocks but the cache has {total} in all; shorten the prompt",
+            )
+        if needed > available:
+            raise ApiError(
+                503,
+                "insufficient_memory",
+                f"this prompt needs {needed} KV blocks but only {available} are free now: the other slots "
+                "hold the rest; send the request again",
                 headers={"Retry-After": "5"},
             )
 

@@ -21,7 +21,7 @@ __all__ = ["SlotCollector", "routes"]
 
 
 class SlotCollector:
-    """The slot's statistics as llama-server names them, read at scrape time."""
+    """The slots' statistics as llama-server names them, read at scrape time."""
 
     def __init__(self, state: ServerState) -> None:
         # A weak reference: the registry lives in a table keyed by the state and must not keep it alive.
@@ -29,10 +29,13 @@ class SlotCollector:
 
     def collect(self) -> Iterator[Metric]:
         state = self._state()
-        slot = state.slot if state is not None else None
-        if slot is None:
+        slots = state.slots if state is not None else None
+        if slots is None:
             return
-        stats = slot.stats
+        stats = slots.stats
+        decode_passes, decode_steps = slots.decode_steps
+        cached = sum(slot.cached_tokens for slot in slots.slots)
+        pool = slots.pool
 
         def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
             # prometheus-client takes the name without `_total` and writes the suffix back itself.
@@ -68,12 +71,12 @@ class SlotCollector:
             "Average generation throughput in tokens/s.",
             value=rate(stats.decode_calls_total, stats.predicted_seconds_total),
         )
-        yield counter("llamacpp:n_decode_total", "Total number of decode calls.", stats.decode_calls_total)
-        # One slot: every decode call that happened had exactly one busy slot.
+        # With --parallel the decode steps of busy slots run as one pass: a pass carries several steps.
+        yield counter("llamacpp:n_decode_total", "Total number of decode calls.", decode_passes)
         yield GaugeMetricFamily(
             "llamacpp:n_busy_slots_per_decode",
             "Average number of busy slots per decode call.",
-            value=1.0 if stats.decode_calls_total else 0.0,
+            value=decode_steps / decode_passes if decode_passes else 0.0,
         )
         yield GaugeMetricFamily(
             "llamacpp:requests_processing", "Number of requests processing.", value=stats.requests_processing
@@ -81,12 +84,15 @@ class SlotCollector:
         yield GaugeMetricFamily(
             "llamacpp:requests_deferred", "Number of requests deferred.", value=stats.requests_deferred
         )
+        # The share of the KV pool's blocks held; a model without a block pool holds its positions.
+        if pool is not None:
+            used = 1 - pool.free_blocks / pool.num_blocks
+        else:
+            used = cached / (slots.n_ctx * len(slots.slots)) if slots.n_ctx else 0.0
         yield GaugeMetricFamily(
-            "llamacpp:kv_cache_usage_ratio",
-            "KV-cache usage. 1 means 100 percent usage.",
-            value=slot.cached_tokens / slot.n_ctx if slot.n_ctx else 0.0,
+            "llamacpp:kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.", value=used
         )
-        yield GaugeMetricFamily("llamacpp:kv_cache_tokens", "KV-cache tokens.", value=slot.cached_tokens)
+        yield GaugeMetricFamily("llamacpp:kv_cache_tokens", "KV-cache tokens.", value=cached)
         yield counter(
             "llamacpp:spec_decode_num_draft_tokens_total",
             "Total draft tokens generated (0 when spec-decode is off).",

@@ -1,4 +1,4 @@
-"""What the server knows: its settings, the model once loaded, the slot, and the shared steps every
+"""What the server knows: its settings, the model once loaded, the slots, and the shared steps every
 dialect takes between validating a body and formatting the answer (model name resolution, rendering
 a chat, tokenizing, the memory guard, running on the slot)."""
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from bubo.engine.block_pool import KVPoolExhaustedError
 from bubo.engine.constraints import GrammarConstraint, ReasoningBudget, ReasoningTracker
 from bubo.engine.generate import TokenConstraint
 from bubo.engine.grammar import GrammarError, GrammarMatcher, gbnf_grammar, json_schema_grammar, lark_grammar
@@ -22,7 +23,8 @@ from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.prompt_cache import SnapshotPolicy
 from bubo.engine.request import Finished, GenerationRequest, OutputEvent
 from bubo.engine.sampler import SamplingParams
-from bubo.engine.slot import DeviceLostError, SessionSlot
+from bubo.engine.slot import DeviceLostError
+from bubo.engine.slot_pool import SlotPool
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.server.chat import ChatRequest
@@ -68,6 +70,8 @@ class ServerSettings:
     threads: int | None = None
     defaults: SamplingParams = field(default_factory=SamplingParams)
     snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)
+    parallel: int = 1
+    kv_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,7 @@ class ServerState:
         self.model_id = settings.served_model_name or model_id_from_path(settings.model_path)
         self.context_length: int | None = None
         self.loaded: LoadedModel | None = None
-        self.slot: SessionSlot | None = None
+        self.slots: SlotPool | None = None
         self.template: ChatTemplate | None = None
         self.guard: MemoryGuard | None = None
         self.load_error: BaseException | None = None
@@ -150,7 +154,10 @@ class ServerState:
             self._memory_probe or SystemMemoryProbe(loaded.model.device),
             request_cost(config, self.settings.dtype),
         )
-        self.slot = SessionSlot(loaded.model, tokenizer, n_ctx, self.settings.snapshots)
+        settings = self.settings
+        self.slots = SlotPool(
+            loaded.model, tokenizer, n_ctx, settings.parallel, settings.snapshots, settings.kv_tokens
+        )
         self.loaded = loaded
         self._ready.set()
 
@@ -160,7 +167,7 @@ class ServerState:
 
     @property
     def device_lost(self) -> bool:
-        return self.slot is not None and self.slot.device_lost
+        return self.slots is not None and self.slots.device_lost
 
     @property
     def served_ids(self) -> list[str]:
@@ -174,7 +181,7 @@ class ServerState:
                 "the accelerator was lost; restart the server",
                 top_level={"status": "device_lost"},
             )
-        if self.loaded is None or self.slot is None:
+        if self.loaded is None or self.slots is None:
             raise ApiError(503, "not_ready", "the model is still loading", headers={"Retry-After": "5"})
         return self.loaded
 
@@ -204,8 +211,8 @@ class ServerState:
 
     @property
     def n_ctx(self) -> int:
-        assert self.slot is not None
-        return self.slot.n_ctx
+        assert self.slots is not None
+        return self.slots.n_ctx
 
     def tokenize(self, text: str, *, parse_special: bool = True) -> list[int]:
         """Prompt tokens; BOS as the file says, unless the text already starts with it (templates
@@ -348,10 +355,16 @@ class ServerState:
         grammar (from `compile_schema` or a tool-call grammar) become the request's constraints."""
         loaded = self.require_ready()
         self.check_context(prompt_ids)
-        assert self.guard is not None and self.slot is not None
+        assert self.guard is not None and self.slots is not None
         limit = params.token_limit
-        total = len(prompt_ids) + (self.n_ctx if limit is None else limit)
-        self.guard.check(len(prompt_ids), max(0, min(total, self.n_ctx) - self.slot.cached_tokens))
+        total = min(len(prompt_ids) + (self.n_ctx if limit is None else limit), self.n_ctx)
+        cached = max((s.cached_tokens for s in self.slots.slots), default=0)
+        self.guard.check(len(prompt_ids), max(0, total - cached))
+        if self.slots.pool is not None:
+            pool = self.slots.pool
+            self.guard.check_blocks(
+                pool.blocks_for(len(prompt_ids)), self.slots.available_blocks, pool.num_blocks
+            )
         tokenizer = loaded.tokenizer
         constraints: list[TokenConstraint] = []
         if reasoning and reasoning_budget is not None:
@@ -394,13 +407,17 @@ class ServerState:
             ) from None
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[OutputEvent]:
-        """Run on the slot; closing this iterator (a client gone) stops the generation."""
+        """Run on a slot; closing this iterator (a client gone) stops the generation."""
         self.require_ready()
-        assert self.slot is not None
+        assert self.slots is not None
         try:
-            async with aclosing(self.slot.run(request)) as events:
+            async with aclosing(self.slots.run(request)) as events:
                 async for event in events:
                     yield event
+        except KVPoolExhaustedError as error:
+            raise ApiError(
+                503, "insufficient_memory", f"{error}; send the request again", headers={"Retry-After": "5"}
+            ) from None
         except DeviceLostError as error:
             raise ApiError(
                 503, "device_lost", f"the accelerator was lost: {error}", top_level={"status": "device_lost"}

@@ -49,6 +49,9 @@ class FakeCache:
         assert self.can_rewind or n in (0, self.length), "a recurrent state can't be rewound"
         del self.tokens[n:]
 
+    def reserve(self, n: int) -> bool:
+        return self.length + n <= self.max_len
+
 
 @dataclass
 class FakeConfig:

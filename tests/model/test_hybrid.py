@@ -103,7 +103,7 @@ def test_layer_plan_and_parts(arch: str, tmp_path: Path) -> None:
             isinstance(layer.mlp, SparseMoE) and layer.mlp.shared_expert is not None for layer in model.layers
         )
     cache = model.new_cache(max_len=8)
-    assert len(cache.keys) == 2 and len(cache.recurrent) == 2 and not cache.can_rewind
+    assert cache.num_layers == 2 and len(cache.recurrent) == 2 and not cache.can_rewind
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -95,7 +95,7 @@ def test_config_and_layer_plan(gguf_path: Path) -> None:
     assert isinstance(model.norm, StreamMixer)
 
     cache = model.new_cache(batch=BATCH, max_len=16)
-    assert len(cache.keys) == 2 and len(cache.recurrent) == 6 and len(cache.indexers) == 2
+    assert cache.num_layers == 2 and len(cache.recurrent) == 6 and len(cache.indexers) == 2
     assert cache.ple is not None and not cache.can_rewind
 
 

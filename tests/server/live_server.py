@@ -79,6 +79,17 @@ class _ScriptCache:
     def truncate(self, n: int) -> None:
         self.length = n
 
+    def reserve(self, n: int) -> bool:
+        return self.length + n <= self.max_len
+
+    @property
+    def tables(self) -> list[list[int]]:
+        return [[]]  # no KV blocks: nothing is stored
+
+    @property
+    def blocks(self) -> int:
+        return 0
+
 
 class ScriptedModel:
     """A stand-in decoder whose next token follows a fixed script, whatever the prompt: the script

@@ -77,7 +77,7 @@ def _after_last_turn_end(server: LiveServer, messages: list[dict]) -> int:
 
 def test_a_repeated_prompt_resumes_from_the_turn_end_snapshot(serve) -> None:
     server = serve()
-    assert not server.state.slot.can_rewind
+    assert not server.state.slots.slots[0].can_rewind
     first = chat(server, HELLO)
     assert first["usage"]["completion_tokens"] == 6
     again = chat(server, HELLO)
@@ -159,7 +159,7 @@ def test_a_prompt_that_extends_the_cache_reuses_it(serve) -> None:
     """The second prompt is everything the cache holds (the first prompt and the answer's tokens that
     went through the model) plus more: the recurrent state is continued, not recomputed."""
     hybrid_server = serve()
-    slot = hybrid_server.state.slot
+    slot = hybrid_server.state.slots.slots[0]
     tokenizer = hybrid_server.state.loaded.tokenizer
     ids = tokenizer.encode("once upon a time", add_bos=False)
     httpx.post(hybrid_server.url + "/completion", json={"prompt": ids, "n_predict": 4}, timeout=60)

@@ -275,7 +275,7 @@ def slow_server(tiny_llama: LoadedModel) -> Iterator[LiveServer]:
 
 def test_concurrent_requests_wait_their_turn_and_each_gets_its_own_output(tiny_llama: LoadedModel) -> None:
     server = serve_loaded(scripted(tiny_llama, "Hello there, world!", delay=0.01))
-    slot = server.state.slot
+    slot = server.state.slots.slots[0]
     assert slot is not None
     results: dict[int, dict] = {}
 
@@ -298,14 +298,15 @@ def test_concurrent_requests_wait_their_turn_and_each_gets_its_own_output(tiny_l
         for i in range(4):
             assert results[i]["usage"]["completion_tokens"] == 4 + i
             assert results[i]["choices"][0]["message"]["content"] == tokenizer.decode(script[: 4 + i])
-        assert slot.stats.requests_deferred_total >= 1
-        assert slot.stats.requests_deferred == 0 and not slot.is_processing
+        stats = server.state.slots.stats
+        assert stats.requests_deferred_total >= 1
+        assert stats.requests_deferred == 0 and not slot.is_processing
     finally:
         server.stop()
 
 
 def test_a_client_that_disconnects_stops_its_generation(slow_server: LiveServer) -> None:
-    slot = slow_server.state.slot
+    slot = slow_server.state.slots.slots[0]
     assert slot is not None
     model = slot.model
     assert isinstance(model, ScriptedModel)
@@ -330,7 +331,7 @@ def test_a_client_that_disconnects_stops_its_generation(slow_server: LiveServer)
 
 
 def test_a_non_streaming_client_that_gives_up_frees_the_slot(slow_server: LiveServer) -> None:
-    slot = slow_server.state.slot
+    slot = slow_server.state.slots.slots[0]
     assert slot is not None
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(slow_server.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 200}, timeout=0.5)

@@ -1,0 +1,160 @@
+"""Continuous batching of decode steps: the one-token forward passes of several slots' generations run
+as one batched pass (iteration-level scheduling, Orca: Yu et al., OSDI 2022).
+
+Each slot generates in its own worker thread with the plain per-sequence loop (bubo/engine/generate.py)
+and calls the model through a `BatchedModel`. A call waits until every slot that is generating has
+either submitted its next forward or finished; then one of the waiting threads runs them all: the
+single-token steps together, over a CacheBatch (the weights, which dominate a decode step, are read
+once for all of them), anything else (a prefill, a multi-token verify) on its own. A slot that is busy
+between forwards (sampling, a grammar mask) only delays the batch, it never blocks it for good: a
+generation that ends leaves the batcher, and the remaining calls run.
+"""
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bubo.engine.kv_cache import CacheBatch, KVCache
+
+__all__ = ["BatchedModel", "DecodeBatcher"]
+
+
+@dataclass(eq=False)  # compared by identity: a call is one request to run
+class _Call:
+    method: str  # "forward" or "hidden"
+    tokens: torch.Tensor
+    cache: Any
+    last_only: bool
+    done: bool = False
+    result: torch.Tensor | None = None
+    error: BaseException | None = None
+    batchable: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        cache = self.cache
+        self.batchable = (
+            tuple(self.tokens.shape) == (1, 1)
+            and isinstance(cache, KVCache)
+            and cache.batch == 1
+            and not cache.snapshot_at
+        )
+
+
+class DecodeBatcher:
+    """Gathers the forward passes of the generations that are `member`s and runs them together."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._cond = threading.Condition()
+        self._members = 0
+        self._pending: list[_Call] = []
+        self.steps = 0  # batched passes run, and the sequences they carried (for /metrics)
+        self.rows = 0
+
+    @contextmanager
+    def member(self) -> Iterator[None]:
+        """While inside, the calling thread's generation takes part: others wait for its next call."""
+        with self._cond:
+            self._members += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._members -= 1
+                ready = self._take_if_ready()
+            self._run(ready)
+
+    def call(self, method: str, tokens: torch.Tensor, cache: Any, last_only: bool) -> torch.Tensor:
+        """The model's `method` on (tokens, cache), run when every member has a call in."""
+        call = _Call(method, tokens, cache, last_only)
+        with self._cond:
+            self._pending.append(call)
+            ready = self._take_if_ready()
+        self._run(ready)
+        with self._cond:
+            while not call.done:
+                self._cond.wait()
+        if call.error is not None:
+            raise call.error
+        assert call.result is not None
+        return call.result
+
+    def _take_if_ready(self) -> list[_Call]:
+        # Outside a member (a lone call), or when every member has submitted: run what's pending.
+        if self._pending and len(self._pending) >= self._members:
+            ready, self._pending = self._pending, []
+            return ready
+        return []
+
+    def _run(self, calls: list[_Call]) -> None:
+        if not calls:
+            return
+        batch = [c for c in calls if c.batchable and c.cache.reserve(1)]
+        if len(batch) < 2 or not getattr(self.model, "supports_cache_batch", False):
+            batch = []
+        try:
+            if batch:
+                self._run_batch(batch)
+            for call in calls:
+                if call not in batch:
+                    self._run_one(call)
+        finally:
+            with self._cond:
+                for call in calls:
+                    if not call.done:
+                        call.error = call.error or RuntimeError("the batched forward pass did not run")
+                        call.done = True
+                self._cond.notify_all()
+
+    def _run_one(self, call: _Call) -> None:
+        run = self.model if call.method == "forward" else self.model.hidden
+        try:
+            with torch.inference_mode():
+                call.result = run(call.tokens, call.cache, last_only=call.last_only)
+        except BaseException as error:  # handed to the thread that made the call
+            call.error = error
+        call.done = True
+
+    def _run_batch(self, calls: list[_Call]) -> None:
+        tokens = torch.cat([c.tokens for c in calls])
+        # "hidden" and "forward" rows share the pass; the head runs only for the rows that want logits.
+        try:
+            with torch.inference_mode():
+                hidden = self.model.hidden(tokens, CacheBatch([c.cache for c in calls]))
+                wants_logits = [i for i, c in enumerate(calls) if c.method == "forward"]
+                logits = self.model.output(hidden[wants_logits]).float() if wants_logits else None
+        except BaseException as error:
+            for call in calls:
+                call.error, call.done = error, True
+            return
+        self.steps += 1
+        self.rows += len(calls)
+        for i, call in enumerate(calls):
+            if call.method == "forward":
+                assert logits is not None
+                call.result = logits[wants_logits.index(i)].unsqueeze(0)
+            else:
+                call.result = hidden[i : i + 1]
+            call.done = True
+
+
+class BatchedModel:
+    """A model whose forward passes (and `hidden`) go through a DecodeBatcher; everything else is the
+    model's own."""
+
+    def __init__(self, model: Any, batcher: DecodeBatcher) -> None:
+        self._model = model
+        self._batcher = batcher
+
+    def __call__(self, tokens: torch.Tensor, cache: Any, last_only: bool = False) -> torch.Tensor:
+        return self._batcher.call("forward", tokens, cache, last_only)
+
+    def hidden(self, tokens: torch.Tensor, cache: Any, last_only: bool = False) -> torch.Tensor:
+        return self._batcher.call("hidden", tokens, cache, last_only)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
