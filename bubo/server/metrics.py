@@ -78,6 +78,11 @@ class SlotCollector:
             "Average number of busy slots per decode call.",
             value=decode_steps / decode_passes if decode_passes else 0.0,
         )
+        yield counter(
+            "bubo_requests_total",
+            "Requests that ran on a slot (answered, stopped, or cut short by a client going away).",
+            stats.requests_total,
+        )
         yield GaugeMetricFamily(
             "llamacpp:requests_processing", "Number of requests processing.", value=stats.requests_processing
         )
