@@ -21,6 +21,7 @@ COUNTERS = (
     "llamacpp:n_decode_total",
     "llamacpp:spec_decode_num_draft_tokens_total",
     "llamacpp:spec_decode_num_accepted_tokens_total",
+    "bubo_requests_total",
 )
 GAUGES = (
     "llamacpp:prompt_tokens_seconds",
