@@ -30,6 +30,10 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_NESTING = 8
+# Metadata arrays become Python lists, several times the size of their bytes (a float32 is 32 bytes
+# as a list item), so a count that merely fits in the file could still cost gigabytes. The longest
+# real arrays are vocabularies and merge lists (Gemma's 262k tokens, Llama 3's 280k merges).
+MAX_ARRAY_LENGTH = 1 << 21
 _INT64_MAX = 2**63 - 1
 
 V = GGUFValueType
@@ -161,6 +165,10 @@ class _Cursor:
             it = GGUFValueType(itype)
         except ValueError:
             raise self.error(f"metadata {key!r} is an array of unknown value type {itype}") from None
+        if n > MAX_ARRAY_LENGTH:
+            raise self.error(
+                f"metadata array {key!r} has {n} elements, more than the {MAX_ARRAY_LENGTH} any model needs"
+            )
         if it in _SCALARS:
             _, dtype = _SCALARS[it]
             self.count(n, dtype.itemsize, f"length of metadata array {key!r}")
