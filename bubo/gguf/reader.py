@@ -292,10 +292,11 @@ class GGUFFile:
             except ValueError:
                 raise cur.error(f"tensor {name!r} has unknown ggml type id {type_id}") from None
             bs, ts = GGML_QUANT_SIZES[ggml_type]
-            n_elements = 1
-            for dim in ne:
-                n_elements *= dim
-            if max(ne) > _INT64_MAX or n_elements > _INT64_MAX:
+            if 0 in ne:
+                # No weight is empty, and an empty tensor's other dimensions could be anything at all.
+                raise cur.error(f"tensor {name!r} has an empty dimension: {list(ne)}")
+            n_elements = math.prod(ne)
+            if n_elements > _INT64_MAX:
                 raise cur.error(
                     f"tensor {name!r} has dimensions {list(ne)} whose element count overflows int64"
                 )

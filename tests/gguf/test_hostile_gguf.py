@@ -328,3 +328,17 @@ def test_a_sentencepiece_piece_too_long_to_split_is_refused() -> None:
     with pytest.raises(TokenizerError, match="piece of 5000 characters"):
         Tokenizer.from_gguf(metadata)
     assert time.perf_counter() - started < 1
+
+
+@pytest.mark.parametrize("ne", [(32, 0, 2**62), (0, 2**63 - 1), (0,)])
+def test_an_empty_dimension_is_refused(tmp_path: Path, ne: tuple[int, ...]) -> None:
+    info = b"".join(
+        [struct.pack("<Q", 1), b"t", struct.pack("<I", len(ne))]
+        + [struct.pack("<Q", n) for n in ne]
+        + [struct.pack("<IQ", 0, 0)]
+    )
+    header = b"GGUF" + struct.pack("<IQQ", 3, 1, 0) + info
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(header + bytes(-len(header) % 32 + 64))
+    with pytest.raises(GGUFError, match=re.escape(f"tensor 't' has an empty dimension: {list(ne)}")):
+        GGUFFile(path)
