@@ -165,20 +165,24 @@ class _Cursor:
             it = GGUFValueType(itype)
         except ValueError:
             raise self.error(f"metadata {key!r} is an array of unknown value type {itype}") from None
-        if n > MAX_ARRAY_LENGTH:
-            raise self.error(
-                f"metadata array {key!r} has {n} elements, more than the {MAX_ARRAY_LENGTH} any model needs"
-            )
         if it in _SCALARS:
             _, dtype = _SCALARS[it]
             self.count(n, dtype.itemsize, f"length of metadata array {key!r}")
+            self._check_array_length(n, key)
             values = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos)
             self.pos += n * dtype.itemsize
             return (values != 0).tolist() if it == V.BOOL else values.tolist()
         self.count(n, _MIN_VALUE_BYTES[it], f"length of metadata array {key!r}")
+        self._check_array_length(n, key)
         if it == V.STRING:
             return self._strings(n, key)
         return [self.array(key, depth + 1) for _ in range(n)]
+
+    def _check_array_length(self, n: int, key: str) -> None:
+        if n > MAX_ARRAY_LENGTH:
+            raise self.error(
+                f"metadata array {key!r} has {n} elements, more than the {MAX_ARRAY_LENGTH} any model needs"
+            )
 
     def _strings(self, n: int, key: str) -> list[str]:
         # The hot loop of opening a file (a vocabulary is 100k+ strings), so it avoids method calls.
