@@ -20,7 +20,7 @@ import pytest
 
 from bubo.engine.loaded_model import load_model
 from bubo.gguf.config import config_from_gguf
-from bubo.gguf.reader import GGUFError, GGUFFile
+from bubo.gguf.reader import MAX_ARRAY_LENGTH, GGUFError, GGUFFile
 from bubo.model.tokenizer import Tokenizer, TokenizerError
 
 SEED = 8
@@ -341,4 +341,13 @@ def test_an_empty_dimension_is_refused(tmp_path: Path, ne: tuple[int, ...]) -> N
     path = tmp_path / "empty.gguf"
     path.write_bytes(header + bytes(-len(header) % 32 + 64))
     with pytest.raises(GGUFError, match=re.escape(f"tensor 't' has an empty dimension: {list(ne)}")):
+        GGUFFile(path)
+
+
+def test_an_array_longer_than_any_model_needs_is_refused(tmp_path: Path) -> None:
+    n = MAX_ARRAY_LENGTH + 1
+    kv = struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", _ARRAY, 0, n) + bytes(n)  # n uint8
+    path = tmp_path / "long-array.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + kv)
+    with pytest.raises(GGUFError, match=f"metadata array 'k' has {n} elements"):
         GGUFFile(path)
