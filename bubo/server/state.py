@@ -28,7 +28,8 @@ from bubo.gguf.reader import GGUFFile
 from bubo.server.chat import ChatRequest
 from bubo.server.errors import ApiError, bad_field
 from bubo.server.memory_guard import MemoryGuard, MemoryProbe, SystemMemoryProbe, request_cost
-from bubo.templates.chat_template import ChatTemplate, ChatTemplateError
+from bubo.server.shutdown import StreamCutoff
+from bubo.templates.chat_template import ChatTemplate, ChatTemplateError, TemplateSandboxError
 from bubo.templates.tool_calls import ToolCallParser, tool_call_format
 from bubo.templates.tool_grammar import tool_call_grammar
 from bubo.templates.tool_prompt import with_tools_in_messages
@@ -68,6 +69,8 @@ class ServerSettings:
     threads: int | None = None
     defaults: SamplingParams = field(default_factory=SamplingParams)
     snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none: no CORS
+    shutdown_grace: float = 10.0  # seconds requests in flight get to finish after SIGTERM
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self._memory_probe = memory_probe
         self._ready = threading.Event()
+        self.cutoff = StreamCutoff()
 
     # Loading
 
@@ -261,6 +265,10 @@ class ServerState:
             return self.template.render(
                 messages, tools=tools, add_generation_prompt=chat.add_generation_prompt, **kwargs
             )
+        except TemplateSandboxError as error:
+            # The model file's template is at fault, not the request.
+            log.error("the chat template was stopped: %s", error)
+            raise ApiError(500, "template_error", f"the model's chat template was stopped: {error}") from None
         except ChatTemplateError as error:
             raise ApiError(400, "template_error", str(error)) from None
 
@@ -394,16 +402,26 @@ class ServerState:
             ) from None
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[OutputEvent]:
-        """Run on the slot; closing this iterator (a client gone) stops the generation."""
+        """Run on the slot; closing this iterator (a client gone) stops the generation. Any failure is an
+        ApiError, so a stream that has started ends with an error event in its dialect's shape."""
         self.require_ready()
         assert self.slot is not None
         try:
             async with aclosing(self.slot.run(request)) as events:
-                async for event in events:
+                while (event := await self.cutoff.next(events)) is not None:
                     yield event
         except DeviceLostError as error:
             raise ApiError(
                 503, "device_lost", f"the accelerator was lost: {error}", top_level={"status": "device_lost"}
+            ) from None
+        except ApiError:
+            raise
+        except Exception:
+            log.exception("request %s failed during generation", request.request_id)
+            raise ApiError(
+                500,
+                "internal_error",
+                f"internal server error during generation (request {request.request_id})",
             ) from None
 
     async def complete(self, request: GenerationRequest) -> Finished:
