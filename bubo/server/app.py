@@ -16,7 +16,7 @@ from aiohttp import web
 from bubo.server import anthropic, debug, health, llama, metrics, openai, responses
 from bubo.server.errors import ApiError, error_response
 from bubo.server.keys import REQUEST_ID, STATE
-from bubo.server.state import ServerSettings, ServerState, new_id
+from bubo.server.state import CURRENT_REQUEST_ID, ServerSettings, ServerState, new_id
 
 __all__ = ["create_app", "create_runner", "exposure_warning", "is_loopback", "serve"]
 
@@ -48,6 +48,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     """Give every request an id and turn every failure into the documented error shape."""
     request_id = request.headers.get("x-request-id") or new_id("req_")
     request[REQUEST_ID] = request_id
+    CURRENT_REQUEST_ID.set(request_id)
     anthropic_shape = request.path in ANTHROPIC_PATHS
     try:
         return await handler(request)

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,21 @@ from bubo.templates.tool_calls import ToolCallParser, tool_call_format
 from bubo.templates.tool_grammar import tool_call_grammar
 from bubo.templates.tool_prompt import with_tools_in_messages
 
-__all__ = ["RenderedPrompt", "ServerSettings", "ServerState", "model_id_from_path", "new_id"]
+__all__ = [
+    "CURRENT_REQUEST_ID",
+    "RenderedPrompt",
+    "ServerSettings",
+    "ServerState",
+    "model_id_from_path",
+    "new_id",
+]
 
 log = logging.getLogger("bubo.server")
 
 SERVED_ALIAS = "bubo"
+# The HTTP request's id (x-request-id), set by the app's error middleware for the request's task, so a
+# failure deep in generation is reported under the id the client sees.
+CURRENT_REQUEST_ID: ContextVar[str | None] = ContextVar("bubo_request_id", default=None)
 
 
 def model_id_from_path(path: Path) -> str:
@@ -417,11 +428,10 @@ class ServerState:
         except ApiError:
             raise
         except Exception:
-            log.exception("request %s failed during generation", request.request_id)
+            request_id = CURRENT_REQUEST_ID.get() or request.request_id
+            log.exception("request %s failed during generation", request_id)
             raise ApiError(
-                500,
-                "internal_error",
-                f"internal server error during generation (request {request.request_id})",
+                500, "internal_error", f"internal server error (request id {request_id})"
             ) from None
 
     async def complete(self, request: GenerationRequest) -> Finished:
