@@ -34,6 +34,11 @@ __all__ = ["GuardedEnvironment", "RenderLimitError", "RenderLimits", "render_wit
 
 # A width or precision of seven digits or more in a format string ("%9999999s", "{:>9999999}").
 _HUGE_FORMAT_WIDTH = re.compile(r"\d{7,}")
+_NESTED_FORMAT_FIELD = re.compile(r"\{[^{}]*\{")
+# Filters whose integer arguments size their result (a width, an indent, a count of items).
+_SIZING_FILTERS = frozenset(
+    {"center", "indent", "wordwrap", "truncate", "batch", "slice", "format", "tojson"}
+)
 # The largest integer a template may compute, in bits (10**19728 or so): plenty for arithmetic on
 # counts, far from the multi-second multiplications of 10**10**10.
 _MAX_INT_BITS = 1 << 16
@@ -119,9 +124,11 @@ def _guard_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     def guarded(*args: Any, **kwargs: Any) -> Any:
         budget = _budget()
         budget.check_time()
-        for value in (*args[skip:], *kwargs.values()):
-            budget.check_count(value, f"the {name} filter")
         operands = args[skip:]
+        if name in _SIZING_FILTERS:
+            # The arguments after the filtered value: widths, lengths, counts, indents.
+            for value in (*operands[1:], *kwargs.values()):
+                budget.check_count(value, f"the {name} filter")
         if name == "join" and operands:
             _check_join(budget, operands[0], operands[1] if len(operands) > 1 else kwargs.get("d", ""))
         elif name == "replace" and len(operands) >= 3:
@@ -186,20 +193,25 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
                 budget.check_size(len(left) + len(right), "a value (+)")
         elif operator == "%" and isinstance(left, str):
             budget.check_format(left, "a % format")
-            for value in right if isinstance(right, tuple) else (right,):
-                budget.check_count(value, "a % format")
+            if "*" in left:  # "%*d" takes its width from the arguments
+                for value in right if isinstance(right, tuple) else (right,):
+                    budget.check_count(value, "a % format")
         return super().call_binop(context, operator, left, right)
 
     def call(self, context: Context, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
         budget = _budget()
         budget.check_time()
         name = getattr(obj, "__name__", "")
-        for value in (*args, *kwargs.values()):
-            budget.check_count(value, f"{name or 'a call'}()")
         # str.format comes wrapped by the sandbox; the string it formats is the wrapped method's owner.
         owner = getattr(getattr(obj, "__wrapped__", obj), "__self__", None)
+        formats = name in ("format", "format_map")
+        # A string's or list's methods take counts and widths (ljust, center, zfill, expandtabs); a format
+        # string takes them from its arguments only through a nested field ("{:{}}").
+        if _sized(owner) and (not formats or _NESTED_FORMAT_FIELD.search(owner)):
+            for value in (*args, *kwargs.values()):
+                budget.check_count(value, f"{name}()")
         if isinstance(owner, str):
-            if name in ("format", "format_map"):
+            if formats:
                 budget.check_format(owner, f"str.{name}")
             elif name == "join" and args:
                 _check_join(budget, list(args[0]) if isinstance(args[0], tuple) else args[0], owner)

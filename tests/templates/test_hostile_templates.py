@@ -58,6 +58,7 @@ RUNAWAYS = {
     "percent width": "{{ '%10000000000d' % 1 }}",
     "percent star": "{{ '%*d' % (10**10, 1) }}",
     "format width": "{{ '{:>10000000000}'.format(1) }}",
+    "nested format width": "{{ '{:{}}'.format(1, 10**10) }}",
     "format filter": "{{ '%10000000000s'|format('x') }}",
     "join": "{% set s = 'x' * 1000000 %}{{ ([s] * 1000)|join }}",
     "str join": "{% set s = 'x' * 1000000 %}{{ ''.join([s] * 1000) }}",
@@ -120,6 +121,16 @@ def test_limits_leave_ordinary_large_work_alone() -> None:
     source = "{% for i in range(20000) %}{{ i|string|center(8) }}{% endfor %}{{ ('ab' * 100000)|length }}"
     text = ChatTemplate(source).render(HELLO)
     assert text.endswith("200000") and len(text) == 8 * 20000 + 6
+
+
+def test_large_numbers_are_not_mistaken_for_sizes() -> None:
+    source = (
+        "{{ '%d' % 1700000000 }} {{ 10000000000|string }} {{ 9007199254740991|tojson }} "
+        "{{ namespace(n=10**12).n }} {{ '{}'.format(10**12) }} {{ (2**62)|string|length }}"
+    )
+    assert ChatTemplate(source).render(HELLO) == (
+        "1700000000 10000000000 9007199254740991 1000000000000 1000000000000 19"
+    )
 
 
 def test_a_template_too_deeply_nested_to_compile_is_refused() -> None:
