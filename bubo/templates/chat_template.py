@@ -1,7 +1,8 @@
 """Chat templates rendered the way transformers' `apply_chat_template` renders them.
 
-A GGUF's `tokenizer.chat_template` is untrusted input, so it runs in Jinja2's immutable sandbox. The
-environment mirrors transformers 5.x (`utils/chat_template_utils.py`): `trim_blocks`/`lstrip_blocks`,
+A GGUF's `tokenizer.chat_template` is untrusted input, so it runs in Jinja2's immutable sandbox, with
+the time and size limits of template_sandbox.py. The environment mirrors transformers 5.x
+(`utils/chat_template_utils.py`): `trim_blocks`/`lstrip_blocks`,
 the loop-controls extension, a `tojson` that is plain `json.dumps` (no key sorting, no HTML escaping,
 non-ASCII kept), the globals `raise_exception`, `strftime_now`, `dict` and a `namespace` that refuses
 `_`-prefixed attributes, the same message preprocessing (None-valued keys dropped; `reasoning_content` /
