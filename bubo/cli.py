@@ -74,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route")
     srv.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN (e.g. http://localhost:3000; '*' for any) call the API; "
+        "repeatable. Without it the server sends no CORS headers",
+    )
+    srv.add_argument(
         "--served-model-name",
         "--alias",
         "-a",
@@ -256,6 +264,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        cors_origins=tuple(args.cors_origin),
         served_model_name=args.served_model_name,
         ctx_size=args.ctx_size,
         debug_hooks=args.debug_hooks,

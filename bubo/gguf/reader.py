@@ -30,6 +30,10 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_NESTING = 8
+# Metadata arrays become Python lists, several times the size of their bytes (a float32 is 32 bytes
+# as a list item), so a count that merely fits in the file could still cost gigabytes. The longest
+# real arrays are vocabularies and merge lists (Gemma's 262k tokens, Llama 3's 280k merges).
+MAX_ARRAY_LENGTH = 1 << 21
 _INT64_MAX = 2**63 - 1
 
 V = GGUFValueType
@@ -164,13 +168,21 @@ class _Cursor:
         if it in _SCALARS:
             _, dtype = _SCALARS[it]
             self.count(n, dtype.itemsize, f"length of metadata array {key!r}")
+            self._check_array_length(n, key)
             values = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos)
             self.pos += n * dtype.itemsize
             return (values != 0).tolist() if it == V.BOOL else values.tolist()
         self.count(n, _MIN_VALUE_BYTES[it], f"length of metadata array {key!r}")
+        self._check_array_length(n, key)
         if it == V.STRING:
             return self._strings(n, key)
         return [self.array(key, depth + 1) for _ in range(n)]
+
+    def _check_array_length(self, n: int, key: str) -> None:
+        if n > MAX_ARRAY_LENGTH:
+            raise self.error(
+                f"metadata array {key!r} has {n} elements, more than the {MAX_ARRAY_LENGTH} any model needs"
+            )
 
     def _strings(self, n: int, key: str) -> list[str]:
         # The hot loop of opening a file (a vocabulary is 100k+ strings), so it avoids method calls.
@@ -284,10 +296,11 @@ class GGUFFile:
             except ValueError:
                 raise cur.error(f"tensor {name!r} has unknown ggml type id {type_id}") from None
             bs, ts = GGML_QUANT_SIZES[ggml_type]
-            n_elements = 1
-            for dim in ne:
-                n_elements *= dim
-            if max(ne) > _INT64_MAX or n_elements > _INT64_MAX:
+            if 0 in ne:
+                # No weight is empty, and an empty tensor's other dimensions could be anything at all.
+                raise cur.error(f"tensor {name!r} has an empty dimension: {list(ne)}")
+            n_elements = math.prod(ne)
+            if n_elements > _INT64_MAX:
                 raise cur.error(
                     f"tensor {name!r} has dimensions {list(ne)} whose element count overflows int64"
                 )

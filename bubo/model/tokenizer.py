@@ -129,8 +129,34 @@ _MATCHED_TYPES = _CONTROL_TYPES | {TokenType.USER_DEFINED}
 _SPM_SPACE = "\u2581"
 
 
+_TOKEN_TYPE_IDS = frozenset(int(t) for t in TokenType)
+# Real SentencePiece pieces are a few dozen characters at most (Gemma's longest are runs of 31 spaces).
+_MAX_PIECE_CHARS = 256
+
+
 class TokenizerError(ValueError):
     """The metadata describes no tokenizer Bubo can build, or an encode asks for a token it lacks."""
+
+
+def _typed_list(metadata: Mapping[str, Any], key: str, kind: type, described: str) -> list[Any] | None:
+    """The array under `key` (None when absent), refused unless every element is a `kind` (an int counts
+    as a float; a bool never counts)."""
+    value = metadata.get(key)
+    if value is None:
+        return None
+    kinds = (int, float) if kind is float else (kind,)
+    if not isinstance(value, list) or not all(
+        isinstance(item, kinds) and not isinstance(item, bool) for item in value
+    ):
+        raise TokenizerError(f"{key} should be an array of {described}")
+    return value
+
+
+def _flag(metadata: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = metadata.get(key, default)
+    if not isinstance(value, bool):
+        raise TokenizerError(f"{key} should be a boolean, got {value!r}")
+    return value
 
 
 @functools.cache
@@ -235,7 +261,8 @@ class Tokenizer:
                 types[index] = TokenType.CONTROL
 
         if kind == "gpt2":
-            pre = _PRE_TOKENIZERS.get(metadata.get(_K.PRE))
+            pre_name = metadata.get(_K.PRE)
+            pre = _PRE_TOKENIZERS.get(pre_name) if isinstance(pre_name, str) else None
             if pre is None:
                 logger.warning(
                     "unknown pre-tokenizer %s=%r: splitting text with GPT-2's regex; token ids may differ from "
@@ -253,8 +280,8 @@ class Tokenizer:
         if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
             raise TokenizerError("the vocabulary has tokens that collide once spelled for BPE")
 
-        add_bos = bool(metadata.get(_K.ADD_BOS, add_bos_default))
-        add_eos = bool(metadata.get(_K.ADD_EOS, False))
+        add_bos = _flag(metadata, _K.ADD_BOS, add_bos_default)
+        add_eos = _flag(metadata, _K.ADD_EOS, False)
         return cls(
             backend,
             tokens,
@@ -265,22 +292,27 @@ class Tokenizer:
             add_bos=add_bos and special["bos"] is not None,
             add_eos=add_eos and special["eos"] is not None,
             # SentencePiece's prefix space is not part of the text (transformers and llama.cpp drop it).
-            strip_leading_space=kind == "llama" and bool(metadata.get(_K.ADD_PREFIX, True)),
+            strip_leading_space=kind == "llama" and _flag(metadata, _K.ADD_PREFIX, True),
         )
 
     @staticmethod
     def _vocabulary(metadata: Mapping[str, Any]) -> tuple[list[str], list[TokenType]]:
-        tokens = list(metadata.get(_K.LIST) or ())
+        tokens = _typed_list(metadata, _K.LIST, str, "strings") or []
         if not tokens:
             raise TokenizerError(f"the file has no vocabulary ({_K.LIST})")
         # llama.cpp names empty tokens this way; they could never be produced or matched anyway.
         tokens = [text or f"[EMPTY_{index}]" for index, text in enumerate(tokens)]
         if len(set(tokens)) != len(tokens):
             raise TokenizerError(f"{_K.LIST} has duplicate tokens")
-        types = [TokenType(t) for t in metadata.get(_K.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens)]
-        if len(types) != len(tokens):
-            raise TokenizerError(f"{_K.TOKEN_TYPE} has {len(types)} entries for {len(tokens)} tokens")
-        return tokens, types
+        type_ids = _typed_list(metadata, _K.TOKEN_TYPE, int, "integers")
+        if type_ids is None:
+            type_ids = [TokenType.NORMAL] * len(tokens)
+        if len(type_ids) != len(tokens):
+            raise TokenizerError(f"{_K.TOKEN_TYPE} has {len(type_ids)} entries for {len(tokens)} tokens")
+        bad = next((t for t in type_ids if t not in _TOKEN_TYPE_IDS), None)
+        if bad is not None:
+            raise TokenizerError(f"{_K.TOKEN_TYPE} holds {bad}, which is not a token type")
+        return tokens, [TokenType(t) for t in type_ids]
 
     @staticmethod
     def _special_ids(
@@ -293,7 +325,7 @@ class Tokenizer:
         special: dict[str, int | None] = {}
         for name, key in _ID_KEYS.items():
             value = metadata.get(key, defaults.get(name))
-            if value is not None and not 0 <= int(value) < len(tokens):
+            if value is not None and (type(value) is not int or not 0 <= value < len(tokens)):
                 logger.warning(
                     "%s=%s is outside the vocabulary of %d tokens; ignored", key, value, len(tokens)
                 )
@@ -312,7 +344,7 @@ class Tokenizer:
     def _byte_level(
         metadata: Mapping[str, Any], tokens: Sequence[str], types: Sequence[TokenType], pre: _PreTokenizer
     ) -> tuple[_Backend, list[bytes]]:
-        merges = metadata.get(_K.MERGES)
+        merges = _typed_list(metadata, _K.MERGES, str, "strings")
         if merges is None:
             raise TokenizerError(f"byte-level BPE vocabulary without merges ({_K.MERGES})")
         alphabet = _byte_alphabet()
@@ -351,9 +383,17 @@ class Tokenizer:
     def _sentencepiece(
         metadata: Mapping[str, Any], tokens: Sequence[str], types: Sequence[TokenType]
     ) -> tuple[_Backend, list[bytes]]:
-        scores = metadata.get(_K.SCORES)
+        scores = _typed_list(metadata, _K.SCORES, float, "numbers")
         if scores is None:
             raise TokenizerError(f"SentencePiece vocabulary without scores ({_K.SCORES})")
+        if len(scores) != len(tokens):
+            raise TokenizerError(f"{_K.SCORES} has {len(scores)} entries for {len(tokens)} tokens")
+        longest = max(tokens, key=len)
+        if len(longest) > _MAX_PIECE_CHARS:
+            # Every split of every piece is a candidate merge, so the work grows with the square of its length.
+            raise TokenizerError(
+                f"{_K.LIST} has a SentencePiece piece of {len(longest)} characters (at most {_MAX_PIECE_CHARS})"
+            )
         vocab = {text: index for index, text in enumerate(tokens)}
         token_bytes = []
         for text, kind in zip(tokens, types, strict=True):
@@ -378,7 +418,7 @@ class Tokenizer:
         )
         # Spaces become ▁ and the whole text is one word. The prefix space goes before the start of the text
         # only, as in transformers' LlamaTokenizer; llama.cpp also puts one after each special token.
-        scheme = "first" if metadata.get(_K.ADD_PREFIX, True) else "never"
+        scheme = "first" if _flag(metadata, _K.ADD_PREFIX, True) else "never"
         backend.pre_tokenizer = pre_tokenizers.Metaspace(
             replacement=_SPM_SPACE, prepend_scheme=scheme, split=False
         )

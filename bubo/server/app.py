@@ -1,5 +1,6 @@
-"""The aiohttp application: middlewares (request id, errors, API key, body limit), the route table,
-and `serve`, which opens the port at once and loads the model behind it."""
+"""The aiohttp application: middlewares (CORS preflight, request id, errors, API key, body limit), the
+route table, the runner (with explicit request-header limits), and `serve`, which opens the port at
+once, loads the model behind it and shuts down gracefully on SIGTERM or SIGINT."""
 
 import asyncio
 import hmac
@@ -7,6 +8,7 @@ import ipaddress
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -14,9 +16,9 @@ from aiohttp import web
 from bubo.server import anthropic, debug, health, llama, metrics, openai, responses
 from bubo.server.errors import ApiError, error_response
 from bubo.server.keys import REQUEST_ID, STATE
-from bubo.server.state import ServerSettings, ServerState, new_id
+from bubo.server.state import CURRENT_REQUEST_ID, ServerSettings, ServerState, new_id
 
-__all__ = ["create_app", "is_loopback", "serve"]
+__all__ = ["create_app", "create_runner", "exposure_warning", "is_loopback", "serve"]
 
 log = logging.getLogger("bubo.server")
 
@@ -26,12 +28,27 @@ ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 # Routes of llama-server / OpenAI that a text model does not serve: they exist, and say so.
 NOT_IMPLEMENTED = ("/v1/embeddings", "/v1/rerank", "/v1/reranking", "/rerank", "/infill")
 
+# Request-head limits, stated rather than left to aiohttp's defaults. A request over them gets aiohttp's
+# 400 (431 for too many headers) before any handler runs.
+MAX_HEADERS = 100
+MAX_FIELD_SIZE = 8190  # bytes of one header line, name and value
+MAX_LINE_SIZE = 8190  # bytes of the request line (method, path, version)
+# After the grace period, streams still running are cut with an error event; this is how long they get
+# to send it before aiohttp cancels what is left.
+CUTOFF_SECONDS = 3.0
+
+CORS_ALLOWED_HEADERS = (
+    "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta, x-request-id"
+)
+CORS_EXPOSED_HEADERS = "x-request-id, Retry-After, WWW-Authenticate"
+
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Give every request an id and turn every failure into the documented error shape."""
     request_id = request.headers.get("x-request-id") or new_id("req_")
     request[REQUEST_ID] = request_id
+    CURRENT_REQUEST_ID.set(request_id)
     anthropic_shape = request.path in ANTHROPIC_PATHS
     try:
         return await handler(request)
@@ -78,8 +95,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() == "bearer":
             given = token.strip()
-        # compare_digest takes time independent of where the strings differ.
-        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+        # compare_digest takes time independent of where the strings differ. Header bytes that are not
+        # UTF-8 reach us as surrogate escapes, which plain encode() would refuse (a 500, not a 401).
+        if given is None or not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode()):
             raise ApiError(
                 401,
                 "invalid_api_key",
@@ -88,6 +106,45 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
                 headers={"WWW-Authenticate": "Bearer"},
             )
     return await handler(request)
+
+
+def _allowed_origin(request: web.Request) -> str | None:
+    """The value for Access-Control-Allow-Origin, when the request's Origin is one --cors-origin names."""
+    origin = request.headers.get("Origin")
+    allowed = request.app[STATE].settings.cors_origins
+    if origin is None:
+        return None
+    if origin in allowed:
+        return origin
+    return "*" if "*" in allowed else None
+
+
+@web.middleware
+async def cors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answer a browser's preflight for an allowed origin (before the API key check: browsers send
+    preflights without credentials). Other origins get no CORS headers, so browsers block them."""
+    origin = _allowed_origin(request)
+    if request.method == "OPTIONS" and origin and "Access-Control-Request-Method" in request.headers:
+        return web.Response(
+            status=204,
+            headers={
+                "Access-Control-Allow-Origin": origin,
+                "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+                "Access-Control-Allow-Headers": CORS_ALLOWED_HEADERS,
+                "Access-Control-Max-Age": "600",
+                "Vary": "Origin",
+            },
+        )
+    return await handler(request)
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    # On prepare, so streamed answers (whose headers go out before the body) get them too.
+    origin = _allowed_origin(request)
+    if origin:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSED_HEADERS
+        response.headers["Vary"] = "Origin"
 
 
 @web.middleware
@@ -103,10 +160,16 @@ async def not_implemented(request: web.Request) -> web.Response:
 
 
 def create_app(state: ServerState) -> web.Application:
-    client_max_size = int(state.settings.max_body_mb * (1 << 20))
-    app = web.Application(
-        middlewares=[errors_middleware, auth_middleware, device_middleware], client_max_size=client_max_size
-    )
+    settings = state.settings
+    if settings.debug_hooks and not is_loopback(settings.host):
+        raise ValueError(f"debug hooks are only served on a loopback host, not {settings.host}")
+    client_max_size = int(settings.max_body_mb * (1 << 20))
+    middlewares = [errors_middleware, auth_middleware, device_middleware]
+    if settings.cors_origins:
+        middlewares.insert(0, cors_middleware)
+    app = web.Application(middlewares=middlewares, client_max_size=client_max_size)
+    if settings.cors_origins:
+        app.on_response_prepare.append(_cors_headers)
     app[STATE] = state
     routes: list[web.RouteDef] = []
     for module in (health, openai, responses, anthropic, llama, metrics):
@@ -128,6 +191,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def create_runner(state: ServerState) -> web.AppRunner:
+    """The runner `serve` uses: the app, its header limits, and the shutdown bound."""
+    return web.AppRunner(
+        create_app(state),
+        handler_cancellation=True,
+        access_log=None,
+        max_headers=MAX_HEADERS,
+        max_field_size=MAX_FIELD_SIZE,
+        max_line_size=MAX_LINE_SIZE,
+        shutdown_timeout=state.settings.shutdown_grace + CUTOFF_SECONDS,
+    )
+
+
+def exposure_warning(settings: ServerSettings) -> str | None:
+    """What to tell the operator when anyone on the network can use the server without a key."""
+    if is_loopback(settings.host) or settings.api_key is not None:
+        return None
+    return (
+        f"bubo: WARNING: listening on {settings.host}, beyond this machine, WITHOUT an API key: anyone who can\n"
+        "bubo: WARNING: reach this port can run the model. Pass --api-key KEY, or keep --host 127.0.0.1."
+    )
+
+
 def serve(settings: ServerSettings) -> int:
     """Open the port, load the model behind it, serve until interrupted. Returns the exit code."""
     return asyncio.run(_serve(settings))
@@ -135,7 +221,7 @@ def serve(settings: ServerSettings) -> int:
 
 async def _serve(settings: ServerSettings) -> int:
     state = ServerState(settings)
-    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
+    runner = create_runner(state)
     await runner.setup()
     try:
         site = web.TCPSite(runner, settings.host, settings.port)
@@ -147,16 +233,20 @@ async def _serve(settings: ServerSettings) -> int:
             file=sys.stderr,
         )
         return 1
+    # Before anything is printed: a supervisor that reads "listening" may signal at once.
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
     print(
         f"bubo: listening on http://{settings.host}:{settings.port} (loading {settings.model_path.name})",
         file=sys.stderr,
         flush=True,
     )
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    loading = loop.run_in_executor(None, state.load)
+    warning = exposure_warning(settings)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    loading = _load_in_background(state)
     stopping = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -168,7 +258,41 @@ async def _serve(settings: ServerSettings) -> int:
                 return 1
             print(f"bubo: ready: serving '{state.model_id}' (also as 'bubo')", file=sys.stderr, flush=True)
             await stopping
+        print(
+            f"bubo: stopping: no new connections; requests in flight get {settings.shutdown_grace:g} s to finish",
+            file=sys.stderr,
+            flush=True,
+        )
+        loop.call_later(settings.shutdown_grace, state.cutoff.end_streams)
         return 0
     finally:
         stopping.cancel()
+        # Closes the port, waits for requests in flight (the cutoff ends streams at the grace period),
+        # then cancels whatever is left.
         await runner.cleanup()
+
+
+def _load_in_background(state: ServerState) -> asyncio.Future[None]:
+    """state.load on a daemon thread: a stop during a long load must not wait for it to finish, as
+    the event loop's default executor would at exit."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def work() -> None:
+        try:
+            state.load()
+        except BaseException as error:  # reported by _serve
+            loop.call_soon_threadsafe(settle, error)
+        else:
+            loop.call_soon_threadsafe(settle, None)
+
+    threading.Thread(target=work, name="bubo-load", daemon=True).start()
+    return done

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,16 +31,27 @@ from bubo.gguf.reader import GGUFFile
 from bubo.server.chat import ChatRequest
 from bubo.server.errors import ApiError, bad_field
 from bubo.server.memory_guard import MemoryGuard, MemoryProbe, SystemMemoryProbe, request_cost
-from bubo.templates.chat_template import ChatTemplate, ChatTemplateError
+from bubo.server.shutdown import StreamCutoff
+from bubo.templates.chat_template import ChatTemplate, ChatTemplateError, TemplateSandboxError
 from bubo.templates.tool_calls import ToolCallParser, tool_call_format
 from bubo.templates.tool_grammar import tool_call_grammar
 from bubo.templates.tool_prompt import with_tools_in_messages
 
-__all__ = ["RenderedPrompt", "ServerSettings", "ServerState", "model_id_from_path", "new_id"]
+__all__ = [
+    "CURRENT_REQUEST_ID",
+    "RenderedPrompt",
+    "ServerSettings",
+    "ServerState",
+    "model_id_from_path",
+    "new_id",
+]
 
 log = logging.getLogger("bubo.server")
 
 SERVED_ALIAS = "bubo"
+# The HTTP request's id (x-request-id), set by the app's error middleware for the request's task, so a
+# failure deep in generation is reported under the id the client sees.
+CURRENT_REQUEST_ID: ContextVar[str | None] = ContextVar("bubo_request_id", default=None)
 
 
 def model_id_from_path(path: Path) -> str:
@@ -72,6 +84,8 @@ class ServerSettings:
     snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)
     parallel: int = 1
     kv_tokens: int | None = None
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none: no CORS
+    shutdown_grace: float = 10.0  # seconds requests in flight get to finish after SIGTERM
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self._memory_probe = memory_probe
         self._ready = threading.Event()
+        self.cutoff = StreamCutoff()
 
     # Loading
 
@@ -268,6 +283,10 @@ class ServerState:
             return self.template.render(
                 messages, tools=tools, add_generation_prompt=chat.add_generation_prompt, **kwargs
             )
+        except TemplateSandboxError as error:
+            # The model file's template is at fault, not the request.
+            log.error("the chat template was stopped: %s", error)
+            raise ApiError(500, "template_error", f"the model's chat template was stopped: {error}") from None
         except ChatTemplateError as error:
             raise ApiError(400, "template_error", str(error)) from None
 
@@ -407,12 +426,13 @@ class ServerState:
             ) from None
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[OutputEvent]:
-        """Run on a slot; closing this iterator (a client gone) stops the generation."""
+        """Run on a slot; closing this iterator (a client gone) stops the generation. Any failure is an
+        ApiError, so a stream that has started ends with an error event in its dialect's shape."""
         self.require_ready()
         assert self.slots is not None
         try:
             async with aclosing(self.slots.run(request)) as events:
-                async for event in events:
+                while (event := await self.cutoff.next(events)) is not None:
                     yield event
         except KVPoolExhaustedError as error:
             raise ApiError(
@@ -421,6 +441,14 @@ class ServerState:
         except DeviceLostError as error:
             raise ApiError(
                 503, "device_lost", f"the accelerator was lost: {error}", top_level={"status": "device_lost"}
+            ) from None
+        except ApiError:
+            raise
+        except Exception:
+            request_id = CURRENT_REQUEST_ID.get() or request.request_id
+            log.exception("request %s failed during generation", request_id)
+            raise ApiError(
+                500, "internal_error", f"internal server error (request id {request_id})"
             ) from None
 
     async def complete(self, request: GenerationRequest) -> Finished:

@@ -1,7 +1,8 @@
 """Chat templates rendered the way transformers' `apply_chat_template` renders them.
 
-A GGUF's `tokenizer.chat_template` is untrusted input, so it runs in Jinja2's immutable sandbox. The
-environment mirrors transformers 5.x (`utils/chat_template_utils.py`): `trim_blocks`/`lstrip_blocks`,
+A GGUF's `tokenizer.chat_template` is untrusted input, so it runs in Jinja2's immutable sandbox, with
+the time and size limits of template_sandbox.py. The environment mirrors transformers 5.x
+(`utils/chat_template_utils.py`): `trim_blocks`/`lstrip_blocks`,
 the loop-controls extension, a `tojson` that is plain `json.dumps` (no key sorting, no HTML escaping,
 non-ASCII kept), the globals `raise_exception`, `strftime_now`, `dict` and a `namespace` that refuses
 `_`-prefixed attributes, the same message preprocessing (None-valued keys dropped; `reasoning_content` /
@@ -17,17 +18,30 @@ from importlib.resources import files
 from typing import Any
 
 import jinja2
+from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-__all__ = ["ChatTemplate", "ChatTemplateError"]
+from bubo.templates.template_sandbox import (
+    GuardedEnvironment,
+    RenderLimitError,
+    RenderLimits,
+    render_with_limits,
+)
+
+__all__ = ["ChatTemplate", "ChatTemplateError", "RenderLimits", "TemplateSandboxError"]
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+DEFAULT_LIMITS = RenderLimits()
 
 
 class ChatTemplateError(ValueError):
     """The template could not render this conversation (a syntax error, or its own raise_exception)."""
+
+
+class TemplateSandboxError(ChatTemplateError):
+    """The template tried something the sandbox forbids or broke a render limit: the model file is at
+    fault, not the request."""
 
 
 class _GenerationTag(Extension):
@@ -96,11 +110,9 @@ class _Namespace(Namespace):
             )
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag]
-    )
-    env.filters["tojson"] = _tojson
+def _environment() -> GuardedEnvironment:
+    env = GuardedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag])
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _Namespace
@@ -124,15 +136,23 @@ def _preprocess(message: Mapping[str, Any]) -> dict[str, Any]:
 class ChatTemplate:
     """One compiled template plus the special-token strings it may refer to (`bos_token`, …)."""
 
-    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        source: str,
+        special_tokens: Mapping[str, str] | None = None,
+        limits: RenderLimits = DEFAULT_LIMITS,
+    ) -> None:
         self.source = source
         self.special_tokens = dict(special_tokens or {})
+        self.limits = limits
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as error:
             raise ChatTemplateError(
                 f"the chat template does not parse: {error} (line {error.lineno})"
             ) from None
+        except (RecursionError, MemoryError) as error:
+            raise ChatTemplateError(f"the chat template is too deeply nested to compile ({error})") from None
 
     @classmethod
     def fallback(cls, special_tokens: Mapping[str, str] | None = None) -> "ChatTemplate":
@@ -172,8 +192,18 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            return self._template.render(**variables)
+            return render_with_limits(lambda: self._template.generate(**variables), self.limits)
+        except RenderLimitError as error:
+            raise TemplateSandboxError(str(error)) from None
+        except SecurityError as error:
+            raise TemplateSandboxError(
+                f"the chat template tried something the sandbox forbids: {error}"
+            ) from None
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"the chat template failed: {error}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as error:
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as error:
             raise ChatTemplateError(f"the chat template failed on this conversation: {error}") from None
+        except OverflowError as error:  # the sandbox's range() limit among others
+            raise TemplateSandboxError(f"the chat template went over a sandbox limit: {error}") from None
+        except Exception as error:
+            raise TemplateSandboxError(f"the chat template failed: {type(error).__name__}: {error}") from None

@@ -12,7 +12,7 @@ import torch
 from aiohttp import web
 
 from bubo.engine.loaded_model import LoadedModel
-from bubo.server.app import create_app
+from bubo.server.app import create_runner
 from bubo.server.memory_guard import MemoryProbe
 from bubo.server.state import ServerSettings, ServerState
 
@@ -29,7 +29,7 @@ class LiveServer:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.runner = web.AppRunner(create_app(self.state), handler_cancellation=True, access_log=None)
+        self.runner = create_runner(self.state)
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         self.loop.run_until_complete(site.start())

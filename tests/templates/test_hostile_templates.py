@@ -1,0 +1,145 @@
+"""Hostile chat templates: reaching Python internals, reading files, endless loops, deep recursion and
+huge values all end in a clear TemplateSandboxError, quickly, without the memory a naive render would
+take; ordinary templates are unaffected (test_transformers_parity.py and test_chat_template.py)."""
+
+import resource
+import time
+
+import pytest
+
+from bubo.templates.chat_template import ChatTemplate, ChatTemplateError, RenderLimits, TemplateSandboxError
+
+HELLO = [{"role": "user", "content": "hello"}]
+FAST = RenderLimits(seconds=0.5)
+
+INTERNALS = {
+    "class mro": "{{ ''.__class__.__mro__ }}",
+    "subclasses": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "globals of a macro": "{% macro m() %}{% endmacro %}{{ m.__globals__ }}",
+    "function globals": "{{ raise_exception.__globals__ }}",
+    "namespace internals": "{% set ns = namespace() %}{{ ns.__init__.__globals__ }}",
+    "cycler internals": "{{ cycler.__init__.__globals__['os'] }}",
+    "joiner internals": "{{ joiner.__init__.__globals__ }}",
+    "dict internals": "{{ dict.__call__.__globals__ }}",
+    "format attribute": "{{ '{0.__class__.__mro__}'.format('') }}",
+    "self": "{{ self.__init__.__globals__ }}",
+    "mutating a list": "{% set l = [1] %}{{ l.append(2) }}",
+    "mutating a dict": "{% set d = {} %}{{ d.update({'a': 1}) }}",
+}
+
+FILES_AND_IMPORTS = {
+    "import": "{% import 'os' as os %}{{ os }}",
+    "include": "{% include '/etc/passwd' %}",
+    "extends": "{% extends '/etc/passwd' %}",
+    "from import": "{% from '/etc/passwd' import x %}",
+}
+
+RUNAWAYS = {
+    "range too big": "{% for i in range(10**12) %}x{% endfor %}",
+    "nested loops": "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+    "nested loops over a string": (
+        "{% set s = 'x' * 99999 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}"
+    ),
+    "string repeat": "{{ 'x' * 10**10 }}",
+    "list repeat": "{{ ([1] * 10**10)|length }}",
+    "power": "{{ 10**(10**10) }}",
+    "squaring in a loop": (
+        "{% set ns = namespace(x=3) %}{% for i in range(64) %}{% set ns.x = ns.x * ns.x %}{% endfor %}"
+    ),
+    "concat doubling": (
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+    ),
+    "plus doubling": (
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}"
+    ),
+    "ljust": "{{ 'x'.ljust(10**10) }}",
+    "center filter": "{{ 'x'|center(10000000000) }}",
+    "indent filter": "{{ 'x\ny'|indent(10**10) }}",
+    "percent width": "{{ '%10000000000d' % 1 }}",
+    "percent star": "{{ '%*d' % (10**10, 1) }}",
+    "format width": "{{ '{:>10000000000}'.format(1) }}",
+    "nested format width": "{{ '{:{}}'.format(1, 10**10) }}",
+    "format filter": "{{ '%10000000000s'|format('x') }}",
+    "join": "{% set s = 'x' * 1000000 %}{{ ([s] * 1000)|join }}",
+    "str join": "{% set s = 'x' * 1000000 %}{{ ''.join([s] * 1000) }}",
+    "replace": "{% set s = 'x' * 10000 %}{{ s.replace('', s) }}",
+    "replace filter": "{% set s = 'x' * 10000 %}{{ s|replace('', s) }}",
+    "output": "{% for i in range(99999) %}{{ 'x' * 1000 }}{% endfor %}",
+    "recursive macro": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "recursive loop": ("{% set tree = [[[]]] %}{% for node in tree recursive %}{{ loop(tree) }}{% endfor %}"),
+    "cycler loop": (
+        "{% set c = cycler(1, 2) %}{% for i in range(99999) %}{% for j in range(99999) %}"
+        "{{ c.next() and '' }}{% endfor %}{% endfor %}"
+    ),
+    "tojson indent": "{{ messages|tojson(indent=10**10) }}",
+}
+
+
+def _render(source: str) -> str:
+    return ChatTemplate(source, limits=FAST).render(HELLO)
+
+
+@pytest.mark.parametrize("source", INTERNALS.values(), ids=INTERNALS.keys())
+def test_python_internals_are_out_of_reach(source: str) -> None:
+    # The sandbox either refuses (an error naming the template) or hands back an undefined value that
+    # prints as nothing: what matters is that nothing of Python's internals comes out.
+    try:
+        text = _render(source)
+    except ChatTemplateError as error:
+        assert "chat template" in str(error)
+    else:
+        assert text == ""
+
+
+@pytest.mark.parametrize("source", FILES_AND_IMPORTS.values(), ids=FILES_AND_IMPORTS.keys())
+def test_templates_cannot_load_files(source: str) -> None:
+    # No loader: every template name is unknown, so nothing on disk is ever opened.
+    with pytest.raises(ChatTemplateError, match=r"no loader|TemplateNotFound|not found"):
+        _render(source)
+
+
+@pytest.mark.parametrize("source", RUNAWAYS.values(), ids=RUNAWAYS.keys())
+def test_runaway_templates_stop_quickly_with_a_clear_error(source: str) -> None:
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    with pytest.raises(TemplateSandboxError, match="chat template") as caught:
+        _render(source)
+    elapsed = time.perf_counter() - started
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before) / 1024
+    assert elapsed < FAST.seconds * 3, f"stopped after {elapsed:.1f} s"
+    assert grown_mib < 512, f"the process peak grew by {grown_mib:.0f} MiB"
+    assert "Traceback" not in str(caught.value)
+
+
+def test_a_template_that_stops_leaves_the_next_render_working() -> None:
+    with pytest.raises(TemplateSandboxError):
+        _render(RUNAWAYS["nested loops over a string"])
+    assert _render("{% for m in messages %}[{{ m.content }}]{% endfor %}") == "[hello]"
+
+
+def test_limits_leave_ordinary_large_work_alone() -> None:
+    source = "{% for i in range(20000) %}{{ i|string|center(8) }}{% endfor %}{{ ('ab' * 100000)|length }}"
+    text = ChatTemplate(source).render(HELLO)
+    assert text.endswith("200000") and len(text) == 8 * 20000 + 6
+
+
+def test_large_numbers_are_not_mistaken_for_sizes() -> None:
+    source = (
+        "{{ '%d' % 1700000000 }} {{ 10000000000|string }} {{ 9007199254740991|tojson }} "
+        "{{ namespace(n=10**12).n }} {{ '{}'.format(10**12) }} {{ (2**62)|string|length }}"
+    )
+    assert ChatTemplate(source).render(HELLO) == (
+        "1700000000 10000000000 9007199254740991 1000000000000 1000000000000 19"
+    )
+
+
+def test_a_template_too_deeply_nested_to_compile_is_refused() -> None:
+    with pytest.raises(ChatTemplateError, match="chat template"):
+        ChatTemplate("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}")
+
+
+def test_a_template_own_error_is_the_conversation_s_fault_not_the_sandbox_s() -> None:
+    template = ChatTemplate("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ChatTemplateError, match="roles must alternate") as caught:
+        template.render(HELLO)
+    assert not isinstance(caught.value, TemplateSandboxError)
