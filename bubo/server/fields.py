@@ -40,19 +40,30 @@ async def read_json(request: web.Request) -> "Body":
     NaN, Infinity and numbers too large for a float are 400 invalid_value naming where they are."""
     raw = await request.read()
     try:
-        data = json.loads(raw) if raw else None
+        data = json.loads(raw, parse_int=_integer) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ApiError(400, "parse_error", f"the request body is not valid JSON: {error}") from None
     except RecursionError:
         raise _too_deep() from None
-    except ValueError as error:
-        # Integers of more than 4300 digits (Python's int conversion limit).
-        raise ApiError(400, "parse_error", f"the request body has an unreadable number: {error}") from None
     if not isinstance(data, dict):
         kind = "empty" if data is None else f"a JSON {type(data).__name__}"
         raise ApiError(400, "parse_error", f"the request body must be a JSON object, got {kind}")
     _check_values(data)
     return Body(data)
+
+
+class _LongInteger:
+    """An integer literal longer than Python converts (4300 digits by default), kept so that the walk
+    over the body can name its field."""
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _integer(text: str) -> int | _LongInteger:
+    if len(text) > sys.get_int_max_str_digits() > 0:
+        return _LongInteger(len(text))
+    return int(text)
 
 
 def _too_deep() -> ApiError:
@@ -78,6 +89,8 @@ def _check_values(data: dict[str, Any]) -> None:
                 pending.append((where, item, depth + 1))
         elif isinstance(value, float) and not math.isfinite(value):
             raise bad_field(path, f"must be a finite number, got {value}")
+        elif isinstance(value, _LongInteger):
+            raise bad_field(path, f"must be a number of usable size, got one of {value.digits} digits")
         elif isinstance(value, str):
             _check_text(value, path)
 
