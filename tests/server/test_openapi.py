@@ -209,3 +209,15 @@ def test_documented_errors_have_the_documented_shape(
     errors = list(validator(response_schema(path, "POST", status)).iter_errors(payload))
     assert not errors, errors[0].message
     assert payload["error"]["code"] == code
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/completion"])
+def test_a_body_over_the_limit_gets_the_documented_413(tiny_llama: LoadedModel, path: str) -> None:
+    live = serve_loaded(scripted(tiny_llama, "Hi there."), max_body_mb=0.01)
+    try:
+        response = httpx.post(live.url + path, content=b'{"prompt": "' + b"x" * 20_000 + b'"}', timeout=30)
+    finally:
+        live.stop()
+    assert response.status_code == 413
+    errors = list(validator(response_schema(path, "POST", 413)).iter_errors(response.json()))
+    assert not errors, errors[0].message
