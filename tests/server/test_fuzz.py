@@ -37,7 +37,7 @@ from tests.server.openapi_doc import (
 )
 
 # Cases per operation: bodies are where the mistakes are, so body-taking routes get most of them.
-BODY_EXAMPLES = 220
+BODY_EXAMPLES = 180
 OTHER_EXAMPLES = 40
 MEMORY_GUARD_CODES = {"insufficient_memory", "memory_pressure", "insufficient_memory_permanent"}
 ANTHROPIC_PATHS = {"/v1/messages", "/v1/messages/count_tokens"}
