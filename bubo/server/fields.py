@@ -16,6 +16,7 @@ from bubo.server.errors import ApiError, bad_field
 __all__ = [
     "MAX_COUNT",
     "MAX_JSON_DEPTH",
+    "MAX_LOGIT_BIAS",
     "MAX_STOP_BYTES",
     "MAX_STOP_STRINGS",
     "Body",
@@ -104,6 +105,12 @@ def _check_text(text: str, path: str) -> None:
         raise bad_field(path, "contains an unpaired UTF-16 surrogate escape") from None
 
 
+def _shown(number: int) -> str:
+    """A number for an error message: a client's 4000-digit integer is not echoed back whole."""
+    text = str(number)
+    return text if len(text) <= 24 else f"a number of {len(text)} digits"
+
+
 def _type_name(value: object) -> str:
     return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
         type(value), "number"
@@ -156,9 +163,9 @@ class Body:
                 f"must be an integer, got {_type_name(value) if not isinstance(value, float) else value}",
             )
         if minimum is not None and value < minimum:
-            raise bad_field(name, f"must be >= {minimum}, got {value}")
+            raise bad_field(name, f"must be >= {minimum}, got {_shown(value)}")
         if maximum is not None and value > maximum:
-            raise bad_field(name, f"must be <= {maximum}, got {value}")
+            raise bad_field(name, f"must be <= {maximum}, got {_shown(value)}")
         return value
 
     def number(

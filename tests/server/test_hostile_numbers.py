@@ -34,7 +34,8 @@ DIALECTS = {
     "messages": ("/v1/messages", {"model": "bubo", "messages": USER, "max_tokens": 2}, "max_tokens"),
     "completion": ("/completion", {"prompt": "hello there", "n_predict": 2}, "n_predict"),
 }
-ANTHROPIC = {"messages"}
+COUNT_TOKENS = ("/v1/messages/count_tokens", {"model": "bubo", "messages": USER}, "")
+ANTHROPIC = {"messages", "count_tokens"}
 # Raw JSON texts a JSON encoder will not write: the server must still refuse them by name.
 NAN, INF, NEG_INF, PAST_FLOAT, LONG_INT = "NaN", "Infinity", "-Infinity", "1e999", "9" * 5000
 RAW = {NAN, INF, NEG_INF, PAST_FLOAT, LONG_INT}
@@ -208,6 +209,8 @@ def test_a_hostile_value_is_a_400_naming_its_field(
         ("messages", "thinking.budget_tokens", 10**12, "thinking.budget_tokens"),
         ("messages", "thinking.budget_tokens", "5", "thinking.budget_tokens"),
         ("messages", "thinking.budget_tokens", INF, "thinking.budget_tokens"),
+        ("count_tokens", "thinking.budget_tokens", -5, "thinking.budget_tokens"),
+        ("count_tokens", "thinking.budget_tokens", 2**64, "thinking.budget_tokens"),
         ("chat", "messages.0.content", NAN, "messages[0].content"),
         ("messages", "messages.0.content", LONG_INT, "messages[0].content"),
         ("responses", "metadata.note", INF, "metadata.note"),
@@ -223,7 +226,7 @@ def test_a_hostile_value_is_a_400_naming_its_field(
 def test_counts_and_nested_numbers_are_refused_by_name(
     client: httpx.Client, dialect: str, field: str, value: Any, named: str
 ) -> None:
-    path, body, _ = DIALECTS[dialect]
+    path, body, _ = COUNT_TOKENS if dialect == "count_tokens" else DIALECTS[dialect]
     if field == "thinking.budget_tokens":
         body = {**body, "thinking": {"type": "enabled"}}
     assert_refused(client.post(path, content=_encode(body, field, value)), dialect, named)
