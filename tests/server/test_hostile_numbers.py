@@ -278,3 +278,32 @@ def test_the_largest_allowed_values_are_answered_at_once(
     response = client.post(path, content=_encode(body, field, value))
     assert response.status_code == 200, response.text[:300]
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    ("schema", "status"),
+    [
+        ({"type": "array", "minItems": 10**9}, 200),
+        ({"type": "array", "items": {"type": "integer"}, "minItems": 10**5, "maxItems": 10**5}, 200),
+        ({"type": "string", "pattern": "(a{1000}){1000}"}, 200),
+        ({"type": "string", "minLength": 10**12}, 400),
+        ({"type": "string", "maxLength": -1}, 400),
+        ({"type": "string", "minLength": 1.5}, 400),
+        ({"type": "integer", "minimum": 10**30}, 400),
+        ({"type": "number", "multipleOf": 0}, 400),
+    ],
+)
+def test_numbers_inside_an_output_schema_size_nothing(
+    client: httpx.Client, schema: dict[str, Any], status: int
+) -> None:
+    """A schema's counts bound the answer's grammar, not memory: huge ones compile lazily (the
+    generation ends at the token limit) or are refused as invalid_schema."""
+    path, body, _ = DIALECTS["chat"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    started = time.monotonic()
+    response = client.post(path, json={**body, "response_format": fmt})
+    assert response.status_code == status, response.text[:300]
+    assert time.monotonic() - started < 10
+    if status == 400:
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_schema", "response_format")
