@@ -37,11 +37,12 @@ MAX_LOGIT_BIAS = 100.0
 
 
 async def read_json(request: web.Request) -> "Body":
-    """The body as a JSON object; malformed JSON, or JSON that is not an object, is 400 parse_error.
-    NaN, Infinity and numbers too large for a float are 400 invalid_value naming where they are."""
+    """The body as a JSON object; malformed JSON, JSON that is not an object, or nesting deeper than
+    MAX_JSON_DEPTH is 400 parse_error. NaN, Infinity, numbers past float range, integers past
+    Python's digit limit and unpaired surrogate escapes are 400 invalid_value naming where they are."""
     raw = await request.read()
     try:
-        data = json.loads(raw, parse_int=_integer) if raw else None
+        data = _parse(raw) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ApiError(400, "parse_error", f"the request body is not valid JSON: {error}") from None
     except RecursionError:
@@ -49,7 +50,8 @@ async def read_json(request: web.Request) -> "Body":
     if not isinstance(data, dict):
         kind = "empty" if data is None else f"a JSON {type(data).__name__}"
         raise ApiError(400, "parse_error", f"the request body must be a JSON object, got {kind}")
-    _check_values(data)
+    if not _plain(data):
+        _refuse_values(data)
     return Body(data)
 
 
@@ -59,6 +61,17 @@ class _LongInteger:
 
     def __init__(self, digits: int) -> None:
         self.digits = digits
+
+
+def _parse(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError as error:
+        if isinstance(error, json.JSONDecodeError | UnicodeDecodeError):
+            raise
+    # Python refuses to convert integers of more than 4300 digits: read again, keeping them as
+    # _LongInteger (a slower parse, only for such bodies).
+    return json.loads(raw, parse_int=_integer)
 
 
 def _integer(text: str) -> int | _LongInteger:
@@ -71,9 +84,51 @@ def _too_deep() -> ApiError:
     return ApiError(400, "parse_error", f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
 
 
-def _check_values(data: dict[str, Any]) -> None:
-    """Walk the parsed body without recursion: refuse deep nesting, non-finite numbers (JSON has no
-    NaN or Infinity, and 1e999 reads as infinity) and strings with unpaired UTF-16 surrogates."""
+def _plain(data: dict[str, Any]) -> bool:
+    """Whether the parsed body nests at most MAX_JSON_DEPTH deep and holds only finite numbers and
+    encodable strings. This walk (no recursion, no paths) is the one every request pays for; a body
+    that fails it is walked again by `_refuse_values`, which names the place."""
+    pending: list[tuple[dict[str, Any] | list[Any], int]] = [(data, 1)]
+    while pending:
+        container, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            return False
+        if isinstance(container, dict):
+            for key in container:
+                if not key.isascii() and not _encodable(key):
+                    return False
+            items: Any = container.values()
+        else:
+            items = container
+        for item in items:
+            kind = type(item)
+            if kind is str:
+                if not item.isascii() and not _encodable(item):
+                    return False
+            elif kind is float:
+                if not math.isfinite(item):
+                    return False
+            elif kind is dict or kind is list:
+                pending.append((item, depth + 1))
+            elif kind is _LongInteger:
+                return False
+    return True
+
+
+def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _refuse_values(data: dict[str, Any]) -> None:
+    """Walk the parsed body without recursion and raise for the first of: nesting past the limit,
+    a non-finite number (JSON has no NaN or Infinity, and 1e999 reads as infinity), an over-long
+    integer, a string with an unpaired UTF-16 surrogate."""
     pending: list[tuple[str, Any, int]] = [("", data, 1)]
     while pending:
         path, value, depth = pending.pop()
@@ -83,7 +138,8 @@ def _check_values(data: dict[str, Any]) -> None:
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for key, item in items:
                 if isinstance(key, str):
-                    _check_text(key, path or "body")
+                    if not _encodable(key):
+                        raise _surrogate(path or "body")
                     where = f"{path}.{key}" if path else key
                 else:
                     where = f"{path}[{key}]"
@@ -92,17 +148,12 @@ def _check_values(data: dict[str, Any]) -> None:
             raise bad_field(path, f"must be a finite number, got {value}")
         elif isinstance(value, _LongInteger):
             raise bad_field(path, f"must be a number of usable size, got one of {value.digits} digits")
-        elif isinstance(value, str):
-            _check_text(value, path)
+        elif isinstance(value, str) and not _encodable(value):
+            raise _surrogate(path)
 
 
-def _check_text(text: str, path: str) -> None:
-    if text.isascii():
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_field(path, "contains an unpaired UTF-16 surrogate escape") from None
+def _surrogate(path: str) -> ApiError:
+    return bad_field(path, "contains an unpaired UTF-16 surrogate escape")
 
 
 def _shown(number: int) -> str:
