@@ -86,7 +86,6 @@ CONTENT_TYPES = (
     "application/x-www-form-urlencoded",
     "multipart/form-data; boundary=x",
     "application/octet-stream",
-    None,
 )
 
 
@@ -191,18 +190,19 @@ def sparse(draw: st.DrawFn, valid: st.SearchStrategy[dict[str, Any]], required: 
 
 
 def _required_names(schema: dict[str, Any]) -> set[str]:
-    schema = resolve(schema)
-    names = set(schema.get("required", ()))
-    for part in schema.get("allOf", ()):
-        names |= _required_names(part)
-    return names
+    return _names(schema, "required")
 
 
 def _property_names(schema: dict[str, Any]) -> set[str]:
+    return _names(schema, "properties")
+
+
+def _names(schema: dict[str, Any], key: str) -> set[str]:
+    """The field names an object schema lists under `key`, through its allOf parts."""
     schema = resolve(schema)
-    names = set(schema.get("properties", {}))
+    names = set(schema.get(key, ()))
     for part in schema.get("allOf", ()):
-        names |= _property_names(part)
+        names |= _names(part, key)
     return names
 
 
@@ -212,7 +212,7 @@ def headers() -> st.SearchStrategy[dict[str, str]]:
     return st.fixed_dictionaries(
         {},
         optional={
-            "Content-Type": st.sampled_from([c for c in CONTENT_TYPES if c]),
+            "Content-Type": st.sampled_from(CONTENT_TYPES),
             "x-request-id": ascii_text,
             "Accept": st.sampled_from(["*/*", "text/event-stream", "application/json", "text/html"]),
             "Authorization": ascii_text,
