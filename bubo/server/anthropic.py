@@ -44,7 +44,7 @@ from bubo.server.chat import (
     tool_list,
 )
 from bubo.server.errors import ApiError, bad_field, error_body
-from bubo.server.fields import Body, read_json, sampling_params
+from bubo.server.fields import Body, read_json, sampling_params, stop_strings
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState, new_id
@@ -285,9 +285,7 @@ def _thinking(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
     """
     data = dict(body.data)
     thinking = body.object("thinking") or {}
-    budget = thinking.get("budget_tokens")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-        raise bad_field("thinking.budget_tokens", "must be a positive integer")
+    budget = Body({"thinking.budget_tokens": thinking.get("budget_tokens")}).count("thinking.budget_tokens")
     if thinking.get("display") not in (None, "summarized", "omitted"):
         raise bad_field("thinking.display", "must be summarized or omitted")
     if thinking.get("type") == "between_tools":
@@ -324,7 +322,7 @@ def _max_tokens(body: Body) -> int:
         raise ApiError(
             400, "missing_max_tokens", "max_tokens is required: a positive integer", param="max_tokens"
         )
-    limit = body.integer("max_tokens", minimum=1)
+    limit = body.count("max_tokens")
     assert limit is not None
     return limit
 
@@ -336,9 +334,7 @@ def _sampling(body: Body, defaults: SamplingParams, vocab_size: int) -> Sampling
     array = body.array("stop_sequences")
     if array is None:
         return params
-    if not all(isinstance(s, str) and s for s in array):
-        raise bad_field("stop_sequences", "must be an array of non-empty strings")
-    return replace(params, stop=list(array))
+    return replace(params, stop=stop_strings(array, "stop_sequences"))
 
 
 def _usage(usage: Usage) -> dict[str, Any]:

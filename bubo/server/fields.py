@@ -3,6 +3,7 @@
 
 import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -12,20 +13,153 @@ from aiohttp import web
 from bubo.engine.sampler import SamplingParams
 from bubo.server.errors import ApiError, bad_field
 
-__all__ = ["Body", "read_json", "reject_n", "sampling_params"]
+__all__ = [
+    "MAX_COUNT",
+    "MAX_JSON_DEPTH",
+    "MAX_LOGIT_BIAS",
+    "MAX_STOP_BYTES",
+    "MAX_STOP_STRINGS",
+    "Body",
+    "read_json",
+    "reject_n",
+    "sampling_params",
+    "stop_strings",
+]
+
+# Deeper bodies are refused before any handler walks them: schemas, templates and grammars recurse.
+MAX_JSON_DEPTH = 64
+# Token counts, top_k and window sizes are int32 in llama-server; larger ones are client mistakes.
+MAX_COUNT = 2**31 - 1
+# Every stop string is searched for after every token, so their number and size are bounded.
+MAX_STOP_STRINGS = 64
+MAX_STOP_BYTES = 1024
+MAX_LOGIT_BIAS = 100.0
 
 
 async def read_json(request: web.Request) -> "Body":
-    """The body as a JSON object; malformed JSON, or JSON that is not an object, is 400 parse_error."""
+    """The body as a JSON object; malformed JSON, JSON that is not an object, or nesting deeper than
+    MAX_JSON_DEPTH is 400 parse_error. NaN, Infinity, numbers past float range, integers past
+    Python's digit limit and unpaired surrogate escapes are 400 invalid_value naming where they are."""
     raw = await request.read()
     try:
-        data = json.loads(raw) if raw else None
+        data = _parse(raw) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ApiError(400, "parse_error", f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise _too_deep() from None
     if not isinstance(data, dict):
         kind = "empty" if data is None else f"a JSON {type(data).__name__}"
         raise ApiError(400, "parse_error", f"the request body must be a JSON object, got {kind}")
+    if not _plain(data):
+        _refuse_values(data)
     return Body(data)
+
+
+class _LongInteger:
+    """An integer literal longer than Python converts (4300 digits by default), kept so that the walk
+    over the body can name its field."""
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _parse(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError as error:
+        if isinstance(error, json.JSONDecodeError | UnicodeDecodeError):
+            raise
+    # Python refuses to convert integers of more than 4300 digits: read again, keeping them as
+    # _LongInteger (a slower parse, only for such bodies).
+    return json.loads(raw, parse_int=_integer)
+
+
+def _integer(text: str) -> int | _LongInteger:
+    if len(text) > sys.get_int_max_str_digits() > 0:
+        return _LongInteger(len(text))
+    return int(text)
+
+
+def _too_deep() -> ApiError:
+    return ApiError(400, "parse_error", f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _plain(data: dict[str, Any]) -> bool:
+    """Whether the parsed body nests at most MAX_JSON_DEPTH deep and holds only finite numbers and
+    encodable strings. This walk (no recursion, no paths) is the one every request pays for; a body
+    that fails it is walked again by `_refuse_values`, which names the place."""
+    pending: list[tuple[dict[str, Any] | list[Any], int]] = [(data, 1)]
+    while pending:
+        container, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            return False
+        if isinstance(container, dict):
+            for key in container:
+                if not key.isascii() and not _encodable(key):
+                    return False
+            items: Any = container.values()
+        else:
+            items = container
+        for item in items:
+            kind = type(item)
+            if kind is str:
+                if not item.isascii() and not _encodable(item):
+                    return False
+            elif kind is float:
+                if not math.isfinite(item):
+                    return False
+            elif kind is dict or kind is list:
+                pending.append((item, depth + 1))
+            elif kind is _LongInteger:
+                return False
+    return True
+
+
+def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _refuse_values(data: dict[str, Any]) -> None:
+    """Walk the parsed body without recursion and raise for the first of: nesting past the limit,
+    a non-finite number (JSON has no NaN or Infinity, and 1e999 reads as infinity), an over-long
+    integer, a string with an unpaired UTF-16 surrogate."""
+    pending: list[tuple[str, Any, int]] = [("", data, 1)]
+    while pending:
+        path, value, depth = pending.pop()
+        if isinstance(value, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise _too_deep()
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    if not _encodable(key):
+                        raise _surrogate(path or "body")
+                    where = f"{path}.{key}" if path else key
+                else:
+                    where = f"{path}[{key}]"
+                pending.append((where, item, depth + 1))
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise bad_field(path, f"must be a finite number, got {value}")
+        elif isinstance(value, _LongInteger):
+            raise bad_field(path, f"must be a number of usable size, got one of {value.digits} digits")
+        elif isinstance(value, str) and not _encodable(value):
+            raise _surrogate(path)
+
+
+def _surrogate(path: str) -> ApiError:
+    return bad_field(path, "contains an unpaired UTF-16 surrogate escape")
+
+
+def _shown(number: int) -> str:
+    """A number for an error message: a client's 4000-digit integer is not echoed back whole."""
+    text = str(number)
+    return text if len(text) <= 24 else f"a number of {len(text)} digits"
 
 
 def _type_name(value: object) -> str:
@@ -80,9 +214,9 @@ class Body:
                 f"must be an integer, got {_type_name(value) if not isinstance(value, float) else value}",
             )
         if minimum is not None and value < minimum:
-            raise bad_field(name, f"must be >= {minimum}, got {value}")
+            raise bad_field(name, f"must be >= {minimum}, got {_shown(value)}")
         if maximum is not None and value > maximum:
-            raise bad_field(name, f"must be <= {maximum}, got {value}")
+            raise bad_field(name, f"must be <= {maximum}, got {_shown(value)}")
         return value
 
     def number(
@@ -96,8 +230,11 @@ class Body:
         value = self.data.get(name)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float):
             raise bad_field(name, f"must be a finite number, got {_type_name(value)}")
+        # An integer past float range (10**400) would overflow float(); NaN cannot get past read_json.
+        if not -sys.float_info.max <= value <= sys.float_info.max:
+            raise bad_field(name, f"must be a finite number within float range, got {_type_name(value)}")
         if minimum is not None and value < minimum:
             raise bad_field(name, f"must be >= {minimum}, got {value}")
         if maximum is not None and value > maximum:
@@ -120,11 +257,15 @@ class Body:
             raise bad_field(name, f"must be an object, got {_type_name(value)}")
         return value
 
+    def count(self, name: str, default: int | None = None, *, minimum: int = 1) -> int | None:
+        """A count of tokens or items: an integer in [minimum, MAX_COUNT]."""
+        return self.integer(name, default, minimum=minimum, maximum=MAX_COUNT)
+
     def token_limit(self, *names: str) -> int | None:
         """The first of `names` that is set: -1 or null keep the server default (None); anything else
         must be a positive integer."""
         for name in names:
-            value = self.integer(name)
+            value = self.integer(name, maximum=MAX_COUNT)
             if value is None or value == -1:
                 continue
             if value < 1:
@@ -139,12 +280,25 @@ class Body:
         value = self.data.get(name)
         if value is None:
             return []
-        values = [value] if isinstance(value, str) else value
-        if not isinstance(values, list) or not all(isinstance(s, str) for s in values):
+        if isinstance(value, str):
+            return stop_strings([value], name)
+        if not isinstance(value, list):
             raise bad_field(name, "must be a string or an array of strings")
-        if any(s == "" for s in values):
+        return stop_strings(value, name)
+
+
+def stop_strings(values: list[Any], name: str) -> list[str]:
+    """Stop strings: at most MAX_STOP_STRINGS non-empty strings of at most MAX_STOP_BYTES bytes each."""
+    if len(values) > MAX_STOP_STRINGS:
+        raise bad_field(name, f"at most {MAX_STOP_STRINGS} stop strings, got {len(values)}")
+    for i, s in enumerate(values):
+        if not isinstance(s, str):
+            raise bad_field(name, f"must be a string or an array of strings; item {i} is {_type_name(s)}")
+        if s == "":
             raise bad_field(name, "stop strings must not be empty")
-        return list(values)
+        if len(s) > MAX_STOP_BYTES or len(s.encode()) > MAX_STOP_BYTES:
+            raise bad_field(name, f"a stop string may have at most {MAX_STOP_BYTES} bytes (item {i})")
+    return list(values)
 
 
 def _logit_bias(body: Body, vocab_size: int) -> dict[int, float]:
@@ -161,19 +315,34 @@ def _logit_bias(body: Body, vocab_size: int) -> dict[int, float]:
         raise bad_field("logit_bias", "must be an object mapping token ids to biases, or [[id, bias], …]")
     bias: dict[int, float] = {}
     for key, amount in pairs:
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise bad_field("logit_bias", f"keys must be token ids, got {key!r}") from None
-        if not 0 <= token < vocab_size:
-            raise bad_field("logit_bias", f"token id {token} is outside the vocabulary (size {vocab_size})")
+        token = _token_id(key, vocab_size)
         if amount is False:
             bias[token] = -math.inf
-        elif isinstance(amount, bool) or not isinstance(amount, int | float) or not math.isfinite(amount):
-            raise bad_field("logit_bias", f"the bias for token {token} must be a finite number or false")
+        elif (
+            isinstance(amount, bool)
+            or not isinstance(amount, int | float)
+            or not -MAX_LOGIT_BIAS <= amount <= MAX_LOGIT_BIAS
+        ):
+            raise bad_field(
+                "logit_bias",
+                f"the bias for token {token} must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] or false",
+            )
         else:
             bias[token] = float(amount)
     return bias
+
+
+def _token_id(key: Any, vocab_size: int) -> int:
+    """A logit_bias key: a token id, as an integer or (object keys) a string of ASCII digits."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
+        token = int(key)
+    elif isinstance(key, int) and not isinstance(key, bool):
+        token = key
+    else:
+        raise bad_field("logit_bias", f"keys must be token ids, got {str(key)[:40]!r}")
+    if not 0 <= token < vocab_size:
+        raise bad_field("logit_bias", f"token id {token} is outside the vocabulary (size {vocab_size})")
+    return token
 
 
 def sampling_params(
@@ -181,7 +350,8 @@ def sampling_params(
 ) -> SamplingParams:
     """The sampling fields every dialect shares, over the server's defaults (llama-server's names)."""
     d = defaults
-    top_k = body.integer("top_k", d.top_k)
+    # -1 and 0 both turn top_k off (vLLM's and llama-server's spellings).
+    top_k = body.integer("top_k", d.top_k, minimum=-1, maximum=MAX_COUNT)
     seed = body.integer("seed", d.seed, minimum=-1, maximum=2**64 - 1)
     limit = body.token_limit(*limit_fields)
     params = replace(
@@ -192,7 +362,7 @@ def sampling_params(
         min_p=body.number("min_p", d.min_p, minimum=0.0, maximum=1.0),
         seed=None if seed == -1 else seed,
         repeat_penalty=body.number("repeat_penalty", d.repeat_penalty, minimum=0.0),
-        repeat_last_n=body.integer("repeat_last_n", d.repeat_last_n, minimum=-1),
+        repeat_last_n=body.integer("repeat_last_n", d.repeat_last_n, minimum=-1, maximum=MAX_COUNT),
         presence_penalty=body.number("presence_penalty", d.presence_penalty, minimum=-2.0, maximum=2.0),
         frequency_penalty=body.number("frequency_penalty", d.frequency_penalty, minimum=-2.0, maximum=2.0),
         logit_bias=_logit_bias(body, vocab_size) or dict(d.logit_bias),

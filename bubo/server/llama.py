@@ -124,6 +124,10 @@ async def completion(request: web.Request) -> web.StreamResponse:
     model = state.resolve_model(body.raw("model"), required=False)
     text, ids = state.completion_prompt(body.raw("prompt"))
     stream = body.boolean("stream")
+    if body.integer("n_probs", minimum=0, maximum=20):
+        raise ApiError(
+            400, "unsupported_n_probs", "n_probs: token probabilities are not supported yet", param="n_probs"
+        )
     params = sampling_params(
         body, state.settings.defaults, loaded.tokenizer.vocab_size, limit_fields=("n_predict", "max_tokens")
     )

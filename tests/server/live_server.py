@@ -93,9 +93,10 @@ class _ScriptCache:
 
 class ScriptedModel:
     """A stand-in decoder whose next token follows a fixed script, whatever the prompt: the script
-    restarts on every forward of more than one token (a prefill), so each request replays it (keep
-    prompts at two tokens or more past any cached prefix). After the script it emits `after`. Each
-    forward sleeps `delay` seconds, for tests that need a generation to be running."""
+    restarts on every forward of more than one token (a prefill) and on every forward that starts
+    before the previous answer did (a prompt cache rewound to one token short), so each request
+    replays it. After the script it emits `after`. Each forward sleeps `delay` seconds, for tests
+    that need a generation to be running."""
 
     def __init__(self, config: Any, script: Sequence[int], after: int, delay: float = 0.0) -> None:
         self.config = config
@@ -114,7 +115,9 @@ class ScriptedModel:
             time.sleep(self.delay)
         steps = tokens.shape[1]
         cache.length += steps
-        if steps > 1 or cache.length == steps:
+        # A new prompt: a prefill, a first forward, or one that starts before the last answer did (the
+        # prompt cache rewound into the previous prompt and feeds the one token that differs).
+        if steps > 1 or cache.length - steps <= 0 or cache.length - steps < cache.script_start:
             cache.script_start = cache.length
         index = cache.length - cache.script_start
         token = self.script[index] if index < len(self.script) else self.after
