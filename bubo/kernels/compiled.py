@@ -3,7 +3,8 @@
 `torch.compile` checks its guards on every call, about 50 µs on this class of CPU: more than a
 small matvec itself costs, paid some 200 times per decoded token. Tracing with make_fx and
 compiling the graph with `torch._inductor.compile` gives a callable that just runs the generated
-C++ (about 10 µs), one per input shape, kept here. Where inductor can't build (no C++ compiler),
+C++ (about 10 µs), one per input shape, kept here. Tracing runs on fake tensors: a real run would
+materialize the float planes that the fused kernel exists to avoid (hundreds of MB for an output head). Where inductor can't build (no C++ compiler),
 the plain function is used and the reason is logged once.
 """
 
@@ -38,7 +39,7 @@ class StaticKernel:
             return self.fn
         try:
             with torch.inference_mode(False), torch.no_grad():
-                graph = make_fx(self.fn)(*args)
+                graph = make_fx(self.fn, tracing_mode="fake")(*args)
                 return torch._inductor.compile(graph, list(args))
         except Exception as error:  # a missing compiler or an inductor limitation: run uncompiled
             log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from bubo.gguf.quants import dequantize
+from bubo.gguf.quants import block_size, dequantize, type_size
 from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4
 from bubo.kernels.q8_matvec import PackedQ8, pack_q8
 
@@ -34,7 +34,8 @@ MIN_PACKED_WEIGHTS = 1 << 16
 
 def pack_for_cpu(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4 | PackedQ8 | None:
     """The repacked form of a CPU weight the compiled matvec handles, else None."""
-    if raw.device.type != "cpu" or raw.shape[0] * raw.shape[1] * 2 < MIN_PACKED_WEIGHTS:
+    weights = raw.shape[0] * (raw.shape[1] // type_size(ggml_type)) * block_size(ggml_type)
+    if raw.device.type != "cpu" or weights < MIN_PACKED_WEIGHTS:
         return None
     if ggml_type in PACKABLE_Q4:
         return pack_q4(raw, ggml_type)
@@ -71,6 +72,9 @@ class QuantizedLinear(nn.Module):
         self.out_features = raw.shape[0]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.packed = pack_for_cpu(raw, ggml_type)
+        if self.packed is not None:
+            # Compile this shape's matvec now (seconds, once per shape) rather than on the first token.
+            self.packed.matvec(torch.zeros(in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
