@@ -170,7 +170,7 @@ def draw_chart(report: dict, path: Path) -> None:
         ax.set_title(label)
         ax.tick_params(axis="x", labelrotation=20)
     fig.suptitle(
-        f"{Path(report['model']).name} on {report['machine']['cpu']}, {report['settings']['threads']} threads"
+        f"{Path(report['model']).name} on {report['machine']['cpu']}, threads: {report['settings']['threads']}"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
