@@ -61,7 +61,7 @@ def main() -> int:
         for engine in engines:
             if engine in skipped:
                 continue
-            outcome = _spawn(engine, args)
+            outcome = run_engine(engine, args)
             if "skipped" in outcome:
                 skipped[engine] = outcome["skipped"]
             else:
@@ -70,7 +70,7 @@ def main() -> int:
     return 0
 
 
-def _spawn(engine: str, args: argparse.Namespace) -> dict:
+def run_engine(engine: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     cmd = [
         sys.executable,

@@ -6,6 +6,9 @@ quantized: their raw blocks (on the CPU, a view of the memory map) go into `Quan
 A lookup table (qwen4exp's PLE table) stays as stored, float or blocks, in the memory map.
 """
 
+import ctypes
+import mmap
+import sys
 from collections.abc import Callable
 
 import torch
@@ -37,6 +40,19 @@ _TORCH_FLOAT = {
 # Tensors a file may hold that the decoder doesn't ask for: rope_freqs is read into the config,
 # attn_rot_embd is an unused leftover of old llama conversions.
 _NOT_LOADED = ("rope_freqs.weight", ".attn_rot_embd.weight")
+
+
+def release_pages(view: torch.Tensor) -> None:
+    """Drop from RSS the memory-map pages lying wholly inside `view`: they are clean copy-on-write pages
+    of the file (never written), so a later read just faults them in again from the file. Only for
+    views of a file map: on anonymous memory this would zero the data."""
+    if not sys.platform.startswith("linux"):
+        return
+    start, stop = view.data_ptr(), view.data_ptr() + view.numel() * view.element_size()
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = stop // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
 
 
 class GGUFWeights:
@@ -76,7 +92,12 @@ class GGUFWeights:
             if b is not None:
                 layer.bias = nn.Parameter(b, requires_grad=False)
             return layer
-        return QuantizedLinear(self._raw(t).view(shape[0], -1), t.ggml_type, in_features=shape[1], bias=b)
+        layer = QuantizedLinear(self._raw(t).view(shape[0], -1), t.ggml_type, in_features=shape[1], bias=b)
+        if layer.packed is not None and layer.raw.data_ptr() == t.raw.data_ptr():
+            # The repacked copy serves every product from now on; packing read the blocks through the
+            # map, and those pages would stay in RSS (the weights twice) until memory ran short.
+            release_pages(t.raw)
+        return layer
 
     def embedding(self, name: str, shape: tuple[int, int]) -> nn.Module:
         t = self._get(name, shape)

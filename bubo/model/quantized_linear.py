@@ -3,6 +3,10 @@
 `raw` is the tensor's bytes as uint8 [rows, row_bytes] — on the CPU a view of the file's memory
 map, so loading copies nothing. Every row holds whole blocks, so rows can be indexed before
 dequantizing: the embedding lookup dequantizes only the looked-up rows.
+
+On the CPU, Q4_0 / Q4_1 / Q8_0 matrices are also repacked at load (same bytes, see
+bubo/kernels/): a single row (decode) goes through a compiled matvec that reads the codes
+directly; several rows (prefill) multiply float32 column chunks unpacked from the repacked words.
 """
 
 import threading
@@ -12,15 +16,32 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from bubo.gguf.quants import dequantize
+from bubo.gguf.quants import block_size, dequantize, type_size
+from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4
+from bubo.kernels.q8_matvec import PackedQ8, pack_q8
 
-__all__ = ["QuantizedEmbedding", "QuantizedLinear", "scratch_buffer"]
+__all__ = ["QuantizedEmbedding", "QuantizedLinear", "pack_for_cpu", "scratch_buffer"]
 
 # Dequantizing a whole weight per call allocates a fresh float matrix every time, and on the CPU
 # faulting those pages in costs more than the arithmetic. So forward works through row chunks of
 # at most this many values, dequantized into one reused per-thread buffer that stays cache-warm.
 CHUNK_VALUES = 1 << 20
 _scratch = threading.local()
+# Below this many weights a matrix keeps the dequantize-per-call path: it is cheap there, and each
+# new shape of compiled matvec costs seconds of compiling (tiny test models have many shapes).
+MIN_PACKED_WEIGHTS = 1 << 16
+
+
+def pack_for_cpu(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4 | PackedQ8 | None:
+    """The repacked form of a CPU weight the compiled matvec handles, else None."""
+    weights = raw.shape[0] * (raw.shape[1] // type_size(ggml_type)) * block_size(ggml_type)
+    if raw.device.type != "cpu" or weights < MIN_PACKED_WEIGHTS:
+        return None
+    if ggml_type in PACKABLE_Q4:
+        return pack_q4(raw, ggml_type)
+    if ggml_type == GGMLQuantizationType.Q8_0:
+        return pack_q8(raw)
+    return None
 
 
 def scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -50,8 +71,14 @@ class QuantizedLinear(nn.Module):
         self.in_features = in_features
         self.out_features = raw.shape[0]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.packed = pack_for_cpu(raw, ggml_type)
+        if self.packed is not None:
+            # Compile this shape's matvec now (seconds, once per shape) rather than on the first token.
+            self.packed.matvec(torch.zeros(in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self._packed_forward(x)
         rows = max(1, CHUNK_VALUES // self.in_features)
         if rows >= self.out_features:
             return F.linear(x, self._dequantize_rows(0, self.out_features, x.dtype), self.bias)
@@ -61,6 +88,20 @@ class QuantizedLinear(nn.Module):
             bias = None if self.bias is None else self.bias[start:stop]
             out[..., start:stop] = F.linear(x, self._dequantize_rows(start, stop, x.dtype), bias)
         return out
+
+    def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] == 1 and x.dtype == torch.float32:
+            out = self.packed.matvec(flat[0]).view(*x.shape[:-1], self.out_features)
+            return out if self.bias is None else out + self.bias
+        out = x.new_empty(flat.shape[0], self.out_features)
+        columns = max(1, CHUNK_VALUES // self.in_features)
+        for start in range(0, self.out_features, columns):
+            stop = min(start + columns, self.out_features)
+            bias = None if self.bias is None else self.bias[start:stop]
+            weight_t = self.packed.unpack(start, stop).to(x.dtype)
+            out[:, start:stop] = flat @ weight_t if bias is None else torch.addmm(bias, flat, weight_t)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def _dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows start:stop of the weight, in the thread's scratch buffer (valid until the next call)."""

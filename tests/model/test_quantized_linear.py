@@ -30,3 +30,30 @@ def test_chunked_forward_matches_reference(monkeypatch, qtype: Q, chunk_values: 
     with torch.inference_mode(inference):
         for _ in range(2):  # the second call reuses the scratch buffer
             torch.testing.assert_close(layer(x), F.linear(x, reference_weight, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("rows", [1, 6])  # one row: the compiled matvec; several: unpacked column chunks
+def test_repacked_forward_matches_float64_reference(monkeypatch, qtype: Q, rows: int) -> None:
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    monkeypatch.setattr(quantized_linear, "CHUNK_VALUES", 128 * 9)  # 9 columns a chunk: a ragged last one
+    rng = np.random.default_rng(1)
+    out_features, in_features = 40, 128
+    raw = gguf.quants.quantize(rng.standard_normal((out_features, in_features), dtype=np.float32), qtype)
+    weight = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float64))
+    g = torch.Generator().manual_seed(0)
+    bias = torch.randn(out_features, generator=g)
+    layer = QuantizedLinear(torch.from_numpy(raw), qtype, in_features, bias=bias)
+    assert layer.packed is not None
+    x = torch.randn(1, rows, in_features, generator=g)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.shape == (1, rows, out_features)
+    torch.testing.assert_close(got.double(), x.double() @ weight.T + bias.double(), rtol=1e-5, atol=2e-5)
+
+
+def test_small_and_other_types_keep_the_dequantizing_path() -> None:
+    raw = gguf.quants.quantize(np.ones((8, 256), dtype=np.float32), Q.Q4_1)
+    assert QuantizedLinear(torch.from_numpy(raw), Q.Q4_1, 256).packed is None  # below MIN_PACKED_WEIGHTS
+    raw = torch.zeros(512, 210, dtype=torch.uint8)  # one Q6_K block a row (gguf can't quantize to it)
+    assert QuantizedLinear(raw, Q.Q6_K, 256).packed is None

@@ -1,0 +1,110 @@
+"""Matrix-vector products on Q4_0 / Q4_1 weights, repacked once into 32-bit words, fused by inductor.
+
+Decode multiplies one activation row by every weight, so its cost is reading and expanding the
+weights. Dequantizing a whole matrix per token (then F.linear) writes and re-reads 8 bytes of
+float per weight; here one compiled loop reads the 4-bit codes and accumulates as it expands
+them, vectorized over output rows, never materializing a float weight.
+
+Layout (made by `pack_q4`, same bytes as the file's blocks): `words` int32 [blocks, 4, out], where
+nibble s of words[b, w, n] is the code of weight 32b + 8w + s of output row n; `scale` and
+`offset` float32 [blocks, out], so that weight = code * scale + offset. Q4_1 stores exactly that
+(d, m); Q4_0 stores w = d * (code - 8), i.e. offset = -8d, exact in float32. Output rows are
+innermost so that every load is a full-width vector; inductor's CPU code generator falls back
+to slow partial loads for 8-wide uint8 vectors, which is why the codes travel as int32 words.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+
+from bubo.gguf.quants import dequantize
+from bubo.kernels.compiled import StaticKernel
+
+__all__ = ["PACKABLE_Q4", "PackedQ4", "pack_q4", "q4_matvec", "q4_matvec_reference", "q4_unpack"]
+
+PACKABLE_Q4 = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1})
+_NIBBLES = 8  # per int32 word
+_WORDS = 4  # per 32-weight block
+
+
+@dataclass(frozen=True)
+class PackedQ4:
+    words: torch.Tensor  # int32 [blocks, 4, out]
+    scale: torch.Tensor  # float32 [blocks, out]
+    offset: torch.Tensor  # float32 [blocks, out]
+
+    @property
+    def in_features(self) -> int:
+        return self.words.shape[0] * _WORDS * _NIBBLES
+
+    @property
+    def out_features(self) -> int:
+        return self.words.shape[2]
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        return q4_matvec(x, self)
+
+    def unpack(self, start: int, stop: int) -> torch.Tensor:
+        return q4_unpack(self, start, stop)
+
+
+def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
+    """Q4_0 / Q4_1 blocks uint8 [out, row_bytes] -> the word layout above (4.5 / 5 bits per weight)."""
+    if ggml_type not in PACKABLE_Q4:
+        raise ValueError(f"pack_q4 takes Q4_0 or Q4_1 blocks, not {ggml_type.name}")
+    header = 2 if ggml_type == GGMLQuantizationType.Q4_0 else 4
+    out_features = raw.shape[0]
+    blocks = raw.reshape(out_features, -1, header + 16)
+    n_blocks = blocks.shape[1]
+    halves = blocks[..., header:]
+    # A block's byte j holds weight j (low nibble) and weight j + 16 (high nibble).
+    codes = torch.cat((halves & 0x0F, halves >> 4), dim=-1).to(torch.int32).view(out_features, n_blocks, 4, 8)
+    words = torch.zeros(out_features, n_blocks, _WORDS, dtype=torch.int32)
+    for s in range(_NIBBLES):
+        words |= codes[..., s] << (4 * s)
+    fields = blocks[..., :header].contiguous().view(torch.float16).to(torch.float32)
+    scale = fields[..., 0]
+    offset = -8 * scale if ggml_type == GGMLQuantizationType.Q4_0 else fields[..., 1]
+    return PackedQ4(
+        words=words.permute(1, 2, 0).contiguous(), scale=scale.T.contiguous(), offset=offset.T.contiguous()
+    )
+
+
+def _codes(words: torch.Tensor) -> list[torch.Tensor]:
+    """The eight nibble planes of `words`, as float32 (exact: small integers)."""
+    return [((words >> (4 * s)) & 0x0F).to(torch.float32) for s in range(_NIBBLES)]
+
+
+def q4_unpack(packed: PackedQ4, start: int, stop: int) -> torch.Tensor:
+    """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls)."""
+    words = packed.words[:, :, start:stop]
+    codes = torch.stack(_codes(words), dim=2)  # [blocks, 4, 8, n]
+    scale = packed.scale[:, None, None, start:stop]
+    offset = packed.offset[:, None, None, start:stop]
+    return (codes * scale + offset).view(packed.in_features, stop - start)
+
+
+def _matvec(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    # sum_b scale[b] * (x_b . codes_b) + offset[b] * sum(x_b): the inner dot product runs on codes alone.
+    n_blocks = words.shape[0]
+    xr = x.view(n_blocks, _WORDS, _NIBBLES, 1)
+    dots = None
+    for s, codes in enumerate(_codes(words)):
+        term = xr[:, :, s] * codes
+        dots = term if dots is None else dots + term
+    block_sums = x.view(n_blocks, 32).sum(-1, keepdim=True)
+    return (dots.sum(1) * scale + block_sums * offset).sum(0)
+
+
+_compiled_matvec = StaticKernel(_matvec)
+
+
+def q4_matvec(x: torch.Tensor, packed: PackedQ4) -> torch.Tensor:
+    """x [in_features] (float32) -> x W^T [out_features], in one compiled pass over the codes."""
+    return _compiled_matvec(x, packed.words, packed.scale, packed.offset)
+
+
+def q4_matvec_reference(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    """The plain-torch product the kernel must match: dequantize the blocks, then a float64 matvec."""
+    return dequantize(raw, ggml_type).double() @ x.double()

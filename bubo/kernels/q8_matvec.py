@@ -1,0 +1,84 @@
+"""Matrix-vector products on Q8_0 weights, repacked once into 32-bit words, fused by inductor.
+
+The Q8_0 sibling of `q4_matvec` (see there for why): `words` int32 [blocks, 8, out], where byte s
+of words[b, w, n] (little end first) is the signed code of weight 32b + 4w + s of output row n;
+`scale` float32 [blocks, out]; weight = code * scale, as in the file. Same bytes as the blocks.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+
+from bubo.gguf.quants import dequantize
+from bubo.kernels.compiled import StaticKernel
+
+__all__ = ["PackedQ8", "pack_q8", "q8_matvec", "q8_matvec_reference", "q8_unpack"]
+
+_BYTES = 4  # per int32 word
+_WORDS = 8  # per 32-weight block
+
+
+@dataclass(frozen=True)
+class PackedQ8:
+    words: torch.Tensor  # int32 [blocks, 8, out]
+    scale: torch.Tensor  # float32 [blocks, out]
+
+    @property
+    def in_features(self) -> int:
+        return self.words.shape[0] * _WORDS * _BYTES
+
+    @property
+    def out_features(self) -> int:
+        return self.words.shape[2]
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        return q8_matvec(x, self)
+
+    def unpack(self, start: int, stop: int) -> torch.Tensor:
+        return q8_unpack(self, start, stop)
+
+
+def pack_q8(raw: torch.Tensor) -> PackedQ8:
+    """Q8_0 blocks uint8 [out, row_bytes] -> the word layout above."""
+    out_features = raw.shape[0]
+    blocks = raw.reshape(out_features, -1, 34)
+    n_blocks = blocks.shape[1]
+    words = blocks[..., 2:].contiguous().view(torch.int32)  # [out, blocks, 8]
+    scale = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32).view(out_features, n_blocks)
+    return PackedQ8(words=words.permute(1, 2, 0).contiguous(), scale=scale.T.contiguous())
+
+
+def _codes(words: torch.Tensor) -> list[torch.Tensor]:
+    """The four signed byte planes of `words`, as float32: shift byte s to the top, then back down
+    arithmetically so it comes out sign-extended."""
+    return [((words << (24 - 8 * s)) >> 24).to(torch.float32) for s in range(_BYTES)]
+
+
+def q8_unpack(packed: PackedQ8, start: int, stop: int) -> torch.Tensor:
+    """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls)."""
+    codes = torch.stack(_codes(packed.words[:, :, start:stop]), dim=2)  # [blocks, 8, 4, n]
+    return (codes * packed.scale[:, None, None, start:stop]).view(packed.in_features, stop - start)
+
+
+def _matvec(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # sum_b scale[b] * (x_b . codes_b): the inner dot product runs on codes alone.
+    xr = x.view(words.shape[0], _WORDS, _BYTES, 1)
+    dots = None
+    for s, codes in enumerate(_codes(words)):
+        term = xr[:, :, s] * codes
+        dots = term if dots is None else dots + term
+    return (dots.sum(1) * scale).sum(0)
+
+
+_compiled_matvec = StaticKernel(_matvec)
+
+
+def q8_matvec(x: torch.Tensor, packed: PackedQ8) -> torch.Tensor:
+    """x [in_features] (float32) -> x W^T [out_features], in one compiled pass over the codes."""
+    return _compiled_matvec(x, packed.words, packed.scale)
+
+
+def q8_matvec_reference(x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """The plain-torch product the kernel must match: dequantize the blocks, then a float64 matvec."""
+    return dequantize(raw, GGMLQuantizationType.Q8_0).double() @ x.double()

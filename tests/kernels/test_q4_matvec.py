@@ -1,0 +1,58 @@
+"""The compiled Q4_0 / Q4_1 matvec and its unpacking against gguf's numpy dequantizer + a float64 matvec."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from bubo.kernels.q4_matvec import pack_q4, q4_matvec, q4_matvec_reference
+
+Q = gguf.GGMLQuantizationType
+
+
+def _blocks(qtype: Q, out_features: int, in_features: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return gguf.quants.quantize(rng.standard_normal((out_features, in_features), dtype=np.float32), qtype)
+
+
+def _numpy_weight(raw: np.ndarray, qtype: Q) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float64))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize(("out_features", "in_features"), [(40, 64), (72, 160)])
+def test_matvec_matches_float64_reference(qtype: Q, out_features: int, in_features: int) -> None:
+    raw = _blocks(qtype, out_features, in_features, seed=out_features)
+    packed = pack_q4(torch.from_numpy(raw), qtype)
+    x = torch.randn(in_features, generator=torch.Generator().manual_seed(1))
+    expected = _numpy_weight(raw, qtype) @ x.double()
+    with torch.inference_mode():
+        got = q4_matvec(x, packed)
+    assert got.shape == (out_features,)
+    # float32 sums of in_features products, in another order than float64's: a few ulps of |y| ~ 10.
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(q4_matvec_reference(x, torch.from_numpy(raw), qtype), expected)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_unpack_is_bit_exact(qtype: Q) -> None:
+    raw = _blocks(qtype, 24, 96, seed=3)
+    packed = pack_q4(torch.from_numpy(raw), qtype)
+    weight = gguf.quants.dequantize(raw, qtype)
+    assert torch.equal(packed.unpack(0, 24).T, torch.from_numpy(weight))
+    assert torch.equal(packed.unpack(5, 11).T, torch.from_numpy(weight[5:11]))
+
+
+def test_every_code_and_scale_sign_round_trips() -> None:
+    # Random bytes reach every nibble value (code 15 in the top nibble sets an int32 word's sign bit).
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, size=(16, 4, 20), dtype=np.uint8)
+    raw[..., :4] = rng.uniform(-1, 1, size=(16, 4, 2)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(16, 80)
+    packed = pack_q4(torch.from_numpy(raw), Q.Q4_1)
+    assert torch.equal(packed.unpack(0, 16).T, torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_1)))
+
+
+def test_rejects_other_types() -> None:
+    with pytest.raises(ValueError, match="Q4_0 or Q4_1"):
+        pack_q4(torch.zeros(2, 34, dtype=torch.uint8), Q.Q8_0)
