@@ -36,11 +36,9 @@ class _Call:
 
     def __post_init__(self) -> None:
         cache = self.cache
+        # One token of one sequence (a snapshot wanted inside a pass can't fall within a single step).
         self.batchable = (
-            tuple(self.tokens.shape) == (1, 1)
-            and isinstance(cache, KVCache)
-            and cache.batch == 1
-            and not cache.snapshot_at
+            tuple(self.tokens.shape) == (1, 1) and isinstance(cache, KVCache) and cache.batch == 1
         )
 
 

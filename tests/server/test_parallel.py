@@ -3,12 +3,15 @@ Every answer must equal what the same request gets alone (greedy), whatever runs
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
-from bubo.engine.loaded_model import LoadedModel
+from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.sampler import SamplingParams
+from tests.fixtures.gguf_writer import randomize_, write_gguf
+from tests.fixtures.hybrid_models import tiny_hybrid
 from tests.server.live_server import LiveServer, serve_loaded
 
 SYSTEM = "You are a terse assistant who answers every question in as few words as possible. " * 3
@@ -119,5 +122,38 @@ def test_a_prompt_that_needs_more_blocks_than_are_free_waits_with_a_503(tiny_lla
             timeout=60,
         )
         assert reply.status_code == 200
+    finally:
+        server.stop()
+
+
+def test_a_hybrid_model_serves_concurrent_requests_as_each_alone(tmp_path: Path) -> None:
+    """Gated DeltaNet states batch too: their rows are stacked for the step and split back."""
+    model = tiny_hybrid(
+        "qwen35moe", ["linear_attention", "full_attention"] * 2, vocab_size=320, max_position_embeddings=1024
+    )
+    randomize_(model)
+    loaded = load_model(write_gguf(model, tmp_path / "tiny-qwen35moe.gguf"))
+    questions = [f"tell me about {topic}" for topic in ("owls", "rivers", "bread")]
+    alone = serve_loaded(loaded, defaults=SamplingParams(temperature=0.0))
+    try:
+        expected = [_ask(alone, _body(q, 10))["choices"][0]["message"]["content"] for q in questions]
+    finally:
+        alone.stop()
+    server = serve_loaded(loaded, parallel=3, defaults=SamplingParams(temperature=0.0))
+    try:
+        results: dict[int, str] = {}
+        start = threading.Barrier(len(questions))
+
+        def ask(i: int) -> None:
+            start.wait()
+            results[i] = _ask(server, _body(questions[i], 10))["choices"][0]["message"]["content"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [results[i] for i in range(len(questions))] == expected
+        assert server.state.slots.batcher.rows > server.state.slots.batcher.steps
     finally:
         server.stop()
