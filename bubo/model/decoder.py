@@ -91,20 +91,15 @@ class DeltaNetMixer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         state = cache.recurrent[self.state_index]
         start, length = cache.length, x.shape[1]
-        cuts = [p - start for p in cache.snapshot_at if start < p < start + length]
-        if not cuts:
+        # Copies of this layer's state wanted inside this pass (the prompt cache's turn ends, the
+        # positions speculative decoding may roll back to), keyed by position.
+        positions = sorted(p for p in cache.snapshot_at if start < p < start + length)
+        if not positions:
             return self.deltanet(x, state)
-        # The prompt cache wants this layer's state at some positions inside this pass: run the
-        # sequence in pieces cut there (exact: the state carries the conv window and the memory) and
-        # copy the state at each cut. Only this layer's projections run per piece; the rest of the
-        # model still sees one pass.
-        pieces, begin = [], 0
-        for cut in [*cuts, length]:
-            pieces.append(self.deltanet(x[:, begin:cut], state))
-            if cut < length:
-                cache.taken.setdefault(start + cut, {})[self.state_index] = state.snapshot()
-            begin = cut
-        return torch.cat(pieces, dim=1)
+        out, kept = self.deltanet.forward_keeping(x, state, [p - start for p in positions])
+        for position, copy in zip(positions, kept, strict=True):
+            cache.taken.setdefault(position, {})[self.state_index] = copy
+        return out
 
 
 class IndexedAttentionMixer(nn.Module):
@@ -460,17 +455,22 @@ class Decoder(nn.Module):
     def draft_logits(
         self, hidden: torch.Tensor, next_tokens: torch.Tensor, mtp_cache: KVCache
     ) -> torch.Tensor:
-        """The MTP block's logits [B, T, vocab] for the tokens after `next_tokens`: row t pairs the main
-        model's hidden[:, t] (at position mtp_cache.length + t) with next_tokens[:, t], the token that
-        followed it."""
+        """The MTP block's logits [B, T, vocab] for the tokens after `next_tokens` (`draft_hidden`)."""
+        return self.output(self.draft_hidden(hidden, next_tokens, mtp_cache)).float()
+
+    def draft_hidden(
+        self, hidden: torch.Tensor, next_tokens: torch.Tensor, mtp_cache: KVCache
+    ) -> torch.Tensor:
+        """The MTP block's normed hidden states [B, T, H] (what the head reads; a chained draft feeds
+        them back as the next row's `hidden`): row t pairs the main model's hidden[:, t] (at position
+        mtp_cache.length + t) with next_tokens[:, t], the token that followed it."""
         if self.mtp is None:
             raise ValueError("this model has no MTP block")
         next_tokens = next_tokens.to(self.device)
         length = next_tokens.shape[1]
         positions = torch.arange(mtp_cache.length, mtp_cache.length + length, device=self.device)
         cos, sin = self.rotary(positions, self.dtype)
-        x = self.mtp(hidden, self.embedding(next_tokens), next_tokens, cos, sin, mtp_cache)
-        return self.output(x).float()
+        return self.mtp(hidden, self.embedding(next_tokens), next_tokens, cos, sin, mtp_cache)
 
     def new_mtp_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         """The MTP layer's own cache: one attention layer's keys and values."""
