@@ -40,6 +40,7 @@ __all__ = [
     "IndexedAttentionMixer",
     "WeightSource",
     "build_layer",
+    "build_mtp",
 ]
 
 # qwen3next keeps Hugging Face's fused beta/alpha projection (ssm_ba); the qwen35 family has two.
@@ -368,7 +369,7 @@ def build_layer(config: ModelConfig, i: int, weights: WeightSource) -> DecoderLa
     )
 
 
-def _mtp(config: ModelConfig, weights: WeightSource) -> MultiTokenPredictor:
+def build_mtp(config: ModelConfig, weights: WeightSource) -> MultiTokenPredictor:
     """The MTP block stored after the main layers (bubo/model/mtp.py). Its layer is a full-attention
     layer of the model's kind whose keys and values go to slot 0 of the MTP's own cache."""
     n, hidden, eps = config.num_layers, config.hidden_size, config.rms_norm_eps
@@ -410,7 +411,7 @@ class Decoder(nn.Module):
         output_name = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
         self.output = weights.linear(output_name, vocab_shape)
         self.rotary = RotaryEmbedding(config, device=weights.device, mrope_sections=config.mrope_sections)
-        self.mtp = _mtp(config, weights) if config.mtp_layers else None
+        self.mtp = build_mtp(config, weights) if config.mtp_layers else None
 
     @staticmethod
     def _final_norm(config: ModelConfig, weights: WeightSource) -> nn.Module:

@@ -1,13 +1,7 @@
 """The MTP block (multi-token prediction) of Qwen3.5, Qwen3.5-MoE and Qwen3-Next against a reference
 built from transformers' own modules.
 
-transformers has no MTP forward (it ignores `mtp.*` weights), so the reference composes one as vLLM's
-qwen3_next_mtp.py defines it, out of transformers' parts: the model's embedding, its zero-centred
-RMSNorm class (for pre_fc_norm_embedding / pre_fc_norm_hidden / norm), a Linear for `fc`, a
-full-attention decoder layer of the model's own class with its rotary embedding, and the model's
-lm_head. The tiny model is written with one more full-attention layer than the main stack; the
-fixture writer stores it as blk.N with `nextn_predict_layers` 1 and the `nextn.*` tensors (+1 folded
-into the norms as llama.cpp's converter does), as llama.cpp counts an MTP block into block_count.
+The reference block and the tiny models with one: tests/fixtures/mtp_models.py.
 """
 
 from pathlib import Path
