@@ -106,6 +106,21 @@ def _parser() -> argparse.ArgumentParser:
         default=1024,
         help="also snapshot every N prompt tokens (default 1024; 0 = at turn ends only)",
     )
+    srv.add_argument(
+        "--spec-draft",
+        type=int,
+        default=None,
+        metavar="N",
+        help="speculative decoding: tokens the MTP block drafts per step (0 = off; "
+        "default: 1 for a model with an MTP block, else off)",
+    )
+    srv.add_argument(
+        "--mtp-weights",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="Hugging Face safetensors file (a checkpoint shard) holding the mtp.* block the GGUF lacks",
+    )
     srv.add_argument("--temp", "--temperature", type=float, default=0.8, help="default temperature (0.8)")
     srv.add_argument("--top-k", type=int, default=40, help="default top-k (40; 0 = off)")
     srv.add_argument("--top-p", type=float, default=0.95, help="default top-p (0.95; 1 = off)")
@@ -222,6 +237,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-body-mb must be positive, got {args.max_body_mb}")
     if args.cache_snapshots < 0 or args.cache_ram < 0 or args.cache_snapshot_interval < 0:
         raise ValueError("--cache-snapshots, --cache-ram and --cache-snapshot-interval must be >= 0")
+    if args.spec_draft is not None and args.spec_draft < 0:
+        raise ValueError(f"--spec-draft must be >= 0 (0 = off), got {args.spec_draft}")
     if args.n_predict == 0 or args.n_predict < -1:
         raise ValueError(f"--n-predict must be -1 or a positive integer, got {args.n_predict}")
     defaults = SamplingParams(
@@ -252,6 +269,8 @@ def _serve(args: argparse.Namespace) -> int:
             max_bytes=int(args.cache_ram * (1 << 20)),
             interval=args.cache_snapshot_interval,
         ),
+        spec_draft=args.spec_draft,
+        mtp_weights=args.mtp_weights,
     )
     ServerState(settings).preflight()
     logging.basicConfig(level=logging.INFO, format="bubo: %(levelname)s %(name)s: %(message)s")

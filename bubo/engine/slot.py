@@ -25,6 +25,7 @@ from bubo.engine.generate import GenerationResult, Model, Tokenizer, generate
 from bubo.engine.output import OutputStream
 from bubo.engine.prompt_cache import PromptCache, SnapshotPolicy
 from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputEvent, Usage
+from bubo.engine.speculative import Drafter
 
 __all__ = ["DeviceLostError", "SessionSlot", "SlotStats"]
 
@@ -75,9 +76,15 @@ class SessionSlot:
     id = 0
 
     def __init__(
-        self, model: Model, tokenizer: Tokenizer, n_ctx: int, snapshot_policy: SnapshotPolicy | None = None
+        self,
+        model: Model,
+        tokenizer: Tokenizer,
+        n_ctx: int,
+        snapshot_policy: SnapshotPolicy | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.model = model
+        self.drafter = drafter  # speculative decoding (bubo/engine/speculative.py); None: off
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
         self.stats = SlotStats()
@@ -210,6 +217,7 @@ class SessionSlot:
                 cancelled=cancelled.is_set,
                 logprobs=request.logprobs,
                 constraints=request.constraints,
+                drafter=self.drafter,
             ):
                 if isinstance(event, GenerationResult):
                     result = event
@@ -230,6 +238,8 @@ class SessionSlot:
             reasoning_tokens=output.reasoning_tokens,
             prompt_ms=(segments_seconds + timings.prefill_seconds) * 1000,
             predicted_ms=timings.decode_seconds * 1000,
+            draft_tokens=result.draft_tokens,
+            draft_accepted=result.draft_accepted,
             cache=report,
         )
         stats = self.stats
@@ -239,6 +249,8 @@ class SessionSlot:
         stats.tokens_predicted_total += result.completion_tokens
         stats.predicted_seconds_total += timings.decode_seconds
         stats.decode_calls_total += timings.decode_tokens
+        stats.draft_tokens_total += result.draft_tokens
+        stats.draft_accepted_total += result.draft_accepted
         yield Finished(
             result,
             usage,

@@ -39,6 +39,7 @@ from bubo.engine.sampler import draw
 from bubo.engine.token_choice import TokenChooser
 
 __all__ = [
+    "DEFAULT_SPEC_DRAFT",
     "Draft",
     "Drafter",
     "MTPDrafter",
@@ -46,6 +47,10 @@ __all__ = [
     "accept_or_resample",
     "can_speculate",
 ]
+
+# Tokens drafted per round by default for a model with an MTP block (`--spec-draft`): one draft per
+# round keeps the verify pass at two positions; Qwen's MTP heads are trained for the next token only.
+DEFAULT_SPEC_DRAFT = 1
 
 # A drafter's way to turn one of its logits rows into a token: the token and the distribution it was
 # drawn from (None: chosen deterministically).

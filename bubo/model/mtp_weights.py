@@ -29,10 +29,11 @@ from gguf import GGMLQuantizationType
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from bubo.gguf.config import ModelConfig
 from bubo.model.decoder import Decoder, build_mtp
 from bubo.model.moe import ExpertMatrices
 
-__all__ = ["MTPWeightsError", "load_mtp_weights"]
+__all__ = ["MTPWeightsError", "check_mtp_file", "load_mtp_weights"]
 
 SUPPORTED = ("qwen35", "qwen35moe", "qwen3next")
 PREFIX = "mtp."
@@ -151,10 +152,9 @@ class CheckpointMTPWeights:
         raise MTPWeightsError(f"the MTP block has no lookup tables; it asked for {name}")
 
 
-def load_mtp_weights(model: Decoder, path: str | Path) -> None:
-    """Give `model` the MTP block stored under `mtp.*` in the safetensors file `path`; MTPWeightsError
-    when the file lacks it, holds tensors of other shapes or names the model doesn't use."""
-    config = model.config
+def check_mtp_file(config: ModelConfig, path: str | Path) -> None:
+    """What can be checked before the model loads: the architecture, and that `path` is a readable
+    safetensors file holding one MTP layer's `mtp.*` tensors (their shapes are checked by the load)."""
     if config.architecture not in SUPPORTED:
         why = (
             "its MTP block has its own hyper-connection mixer and its QSA/PLE states can't be rolled back"
@@ -162,19 +162,31 @@ def load_mtp_weights(model: Decoder, path: str | Path) -> None:
             else "it has no MTP block"
         )
         raise MTPWeightsError(f"--mtp-weights: not supported for {config.architecture} ({why})")
-    if model.mtp is not None:
+    if config.mtp_layers:
         raise MTPWeightsError("--mtp-weights: the GGUF file already holds an MTP block (its nextn layer)")
     try:
         with safe_open(str(path), framework="pt") as f:
             stored = f.keys()
-            names = [n for n in stored if n.startswith(PREFIX)]  # a shard: only the block is read
-            tensors = {n.removeprefix(PREFIX): f.get_tensor(n) for n in names}
     except (OSError, SafetensorError) as error:  # missing file, not a safetensors file
         raise MTPWeightsError(f"--mtp-weights: can't read {path}: {error}") from error
-    if not tensors:
+    names = [n.removeprefix(PREFIX) for n in stored if n.startswith(PREFIX)]
+    if not names:
         raise MTPWeightsError(f"--mtp-weights: {path} holds no {PREFIX}* tensors")
-    if any(name.startswith("layers.") and not name.startswith("layers.0.") for name in tensors):
+    if any(name.startswith("layers.") and not name.startswith("layers.0.") for name in names):
         raise MTPWeightsError(f"--mtp-weights: {path} holds more than one MTP layer; Bubo runs one")
+
+
+def load_mtp_weights(model: Decoder, path: str | Path) -> None:
+    """Give `model` the MTP block stored under `mtp.*` in the safetensors file `path`; MTPWeightsError
+    when the file lacks it, holds tensors of other shapes or names the model doesn't use."""
+    config = model.config
+    check_mtp_file(config, path)
+    if model.mtp is not None:
+        raise MTPWeightsError("--mtp-weights: the model already has an MTP block")
+    with safe_open(str(path), framework="pt") as f:
+        stored = f.keys()
+        # A shard of the checkpoint is enough: only the block's tensors are read.
+        tensors = {n.removeprefix(PREFIX): f.get_tensor(n) for n in stored if n.startswith(PREFIX)}
     source = CheckpointMTPWeights(tensors, config.num_layers, model.dtype, model.device)
     try:
         mtp = build_mtp(config, source)

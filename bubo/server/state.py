@@ -23,8 +23,10 @@ from bubo.engine.prompt_cache import SnapshotPolicy
 from bubo.engine.request import Finished, GenerationRequest, OutputEvent
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import DeviceLostError, SessionSlot
+from bubo.engine.speculative import DEFAULT_SPEC_DRAFT, MTPDrafter
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
+from bubo.model.mtp_weights import check_mtp_file, load_mtp_weights
 from bubo.server.chat import ChatRequest
 from bubo.server.errors import ApiError, bad_field
 from bubo.server.memory_guard import MemoryGuard, MemoryProbe, SystemMemoryProbe, request_cost
@@ -68,6 +70,10 @@ class ServerSettings:
     threads: int | None = None
     defaults: SamplingParams = field(default_factory=SamplingParams)
     snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)
+    # Speculative decoding with the MTP block: tokens drafted per round (0: off; None: on for a model
+    # with an MTP block, DEFAULT_SPEC_DRAFT tokens), and the checkpoint to take the block from.
+    spec_draft: int | None = None
+    mtp_weights: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,13 @@ class ServerState:
         with GGUFFile(path) as file:
             config = config_from_gguf(file)
         self.context_length = self._n_ctx(config.context_length)
+        if self.settings.mtp_weights is not None:
+            check_mtp_file(config, self.settings.mtp_weights)
+        elif self.settings.spec_draft and not config.mtp_layers:
+            raise ValueError(
+                f"--spec-draft {self.settings.spec_draft}: this model has no MTP block to draft with "
+                "(give its checkpoint's with --mtp-weights PATH, or use --spec-draft 0)"
+            )
 
     def _n_ctx(self, trained: int) -> int:
         return min(self.settings.ctx_size or trained, trained)
@@ -121,6 +134,8 @@ class ServerState:
             loaded = load_model(
                 self.settings.model_path, dtype=self.settings.dtype, device=self.settings.device
             )
+            if self.settings.mtp_weights is not None:
+                load_mtp_weights(loaded.model, self.settings.mtp_weights)
             self.attach(loaded)
         except BaseException as error:
             self.load_error = error
@@ -150,9 +165,22 @@ class ServerState:
             self._memory_probe or SystemMemoryProbe(loaded.model.device),
             request_cost(config, self.settings.dtype),
         )
-        self.slot = SessionSlot(loaded.model, tokenizer, n_ctx, self.settings.snapshots)
+        self.slot = SessionSlot(
+            loaded.model, tokenizer, n_ctx, self.settings.snapshots, drafter=self._drafter(loaded)
+        )
         self.loaded = loaded
         self._ready.set()
+
+    def _drafter(self, loaded: LoadedModel) -> MTPDrafter | None:
+        model = loaded.model
+        draft = self.settings.spec_draft
+        if draft is None:
+            draft = DEFAULT_SPEC_DRAFT if model.mtp is not None else 0
+        if not draft:
+            return None
+        if model.mtp is None:
+            raise ValueError(f"--spec-draft {draft}: this model has no MTP block to draft with")
+        return MTPDrafter(model, draft)
 
     @property
     def ready(self) -> bool:
