@@ -100,7 +100,8 @@ class Timings:
     """Wall-clock split of one generation.
 
     Prefill runs from the prompt forward to the first sampled token (time to first token); decode covers
-    the remaining tokens, each of which needed one forward, so its rate is (completion - 1) / seconds.
+    the remaining tokens (one forward each, or fewer with speculative decoding), so its rate is
+    (completion - 1) / seconds.
     """
 
     prefill_tokens: int
@@ -301,9 +302,9 @@ def _plain_tokens(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """One token per forward pass, each with the logits row it was chosen from."""
     while True:
-        token = chooser.pick(logits)
+        token, on_device = chooser.pick_on_device(logits)
         yield token, logits
-        logits = model(torch.tensor([[token]], device=model.device), cache)[0, -1]
+        logits = model(on_device.view(1, 1), cache)[0, -1]
 
 
 def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

@@ -38,9 +38,15 @@ class TokenChooser:
 
     def pick(self, logits: torch.Tensor) -> int:
         """Draw the next token from a [vocab] logits row and record it."""
-        token = int(self.sampler.sample(self.allowed(logits)).item())  # stop checks need the id
+        return self.pick_on_device(logits)[0]
+
+    def pick_on_device(self, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """`pick`, also returning the token as the 0-d tensor on the logits' device that it was drawn as
+        (fed back to the model without a copy from the host)."""
+        chosen = self.sampler.sample(self.allowed(logits))
+        token = int(chosen.item())  # the one host sync per token: stop checks need the id
         self.accept(token)
-        return token
+        return token, chosen
 
     def distribution(self, logits: torch.Tensor) -> torch.Tensor:
         """The [vocab] probabilities `pick` would draw from now (one-hot when greedy)."""

@@ -192,13 +192,17 @@ def test_penalties_and_logprobs_are_unchanged(model: Decoder) -> None:
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
 
 
-def test_sampling_with_a_drafter_counts_and_rolls_back(model: Decoder) -> None:
-    params = SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=5, max_tokens=20)
+@pytest.mark.parametrize("kind", ["oracle", "mtp"])
+def test_sampling_with_a_drafter_counts_and_rolls_back(model: Decoder, kind: str) -> None:
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.0, seed=5, max_tokens=20)
     _, plain, _ = run(model, PROMPTS[0], dataclasses.replace(params, temperature=0.0))
-    _, spec, cache = run(model, PROMPTS[0], params, drafter=oracle(PROMPTS[0] + plain.token_ids, 2))
+    drafter = oracle(PROMPTS[0] + plain.token_ids, 2) if kind == "oracle" else MTPDrafter(model, 2)
+    _, spec, cache = run(model, PROMPTS[0], params, drafter=drafter)
     assert len(spec.token_ids) == 20 and spec.draft_tokens > 0
     assert 0 <= spec.draft_accepted <= spec.draft_tokens
     assert cache.length == len(PROMPTS[0]) + 19
+    # the same seed, the same draws
+    assert run(model, PROMPTS[0], params, drafter=drafter)[1].token_ids == spec.token_ids
 
 
 @pytest.mark.parametrize(

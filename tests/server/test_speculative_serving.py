@@ -154,3 +154,18 @@ def test_bad_speculation_flags_are_one_line(
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_the_prompt_cache_works_alongside(servers: list[LiveServer], model: LoadedModel) -> None:
+    """The verify passes take DeltaNet snapshots of their own; the prompt cache's turn-end snapshots
+    are still taken and restored."""
+    plain, spec = _serve(servers, model, spec_draft=0), _serve(servers, model, spec_draft=2)
+    spec.state.slot.drafter = OracleDrafter(model.model, 2)
+    body = {"model": "bubo", "messages": [{"role": "user", "content": PROMPT}]}
+    expected = httpx.post(plain.url + "/v1/chat/completions", json=body, timeout=60).json()
+    replies = [httpx.post(spec.url + "/v1/chat/completions", json=body, timeout=60).json() for _ in range(2)]
+    content = expected["choices"][0]["message"]["content"]
+    assert [r["choices"][0]["message"]["content"] for r in replies] == [content, content]
+    options = replies[1]["usage"]["gufo"]["options"]
+    assert options["cache_hit"] is True and replies[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert replies[1]["usage"]["draft_tokens_accepted"] > 0
