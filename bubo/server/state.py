@@ -173,12 +173,14 @@ class ServerState:
 
     def _drafter(self, loaded: LoadedModel) -> MTPDrafter | None:
         model = loaded.model
+        # Test doubles standing in for the Decoder have no MTP block at all.
+        has_mtp = getattr(model, "mtp", None) is not None
         draft = self.settings.spec_draft
         if draft is None:
-            draft = default_spec_draft(model.mtp is not None, model.device)
+            draft = default_spec_draft(has_mtp, model.device)
         if not draft:
             return None
-        if model.mtp is None:
+        if not has_mtp:
             raise ValueError(f"--spec-draft {draft}: this model has no MTP block to draft with")
         return MTPDrafter(model, draft)
 
