@@ -139,15 +139,15 @@ class MTPDrafter:
         x = self.model.draft_hidden(hidden, next_tokens, cache)[:, -1:]
         self._settled = cache.length
         tokens: list[int] = []
-        probs: list[torch.Tensor | None] = []
+        probs: list[torch.Tensor] = []  # stays empty when drafting greedily
         for i in range(n):
             token, q = draw_draft(self.model.output(x)[0, -1].float())
             tokens.append(token)
-            probs.append(q)
+            if q is not None:
+                probs.append(q)
             if i + 1 < n:
                 x = self.model.draft_hidden(x, torch.tensor([[token]], device=device), cache)
-        stacked = [q for q in probs if q is not None]
-        return Draft(tokens, torch.stack(stacked) if tokens and len(stacked) == len(tokens) else None)
+        return Draft(tokens, torch.stack(probs) if probs else None)
 
 
 def accept_or_resample(

@@ -192,6 +192,34 @@ def test_penalties_and_logprobs_are_unchanged(model: Decoder) -> None:
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
 
 
+class EveryOtherTokenEven:
+    """A stateful constraint: tokens at even steps must be even; records what it was told."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        if len(self.seen) % 2:
+            return logits
+        return logits.masked_fill(torch.arange(logits.numel()) % 2 == 1, float("-inf"))
+
+    def accept(self, token_id: int) -> None:
+        self.seen.append(token_id)
+
+
+def test_constraints_see_only_the_chosen_tokens(model: Decoder) -> None:
+    unconstrained = run(model, PROMPTS[1])[1].token_ids
+    plain_constraint, spec_constraint = EveryOtherTokenEven(), EveryOtherTokenEven()
+    _, plain, _ = run(model, PROMPTS[1], constraints=[plain_constraint])
+    # drafts of the unconstrained continuation: the constraint rejects the odd ones at even steps
+    _, spec, _ = run(
+        model, PROMPTS[1], constraints=[spec_constraint], drafter=oracle(PROMPTS[1] + unconstrained, 2)
+    )
+    assert spec.token_ids == plain.token_ids != unconstrained
+    assert spec_constraint.seen == plain_constraint.seen == plain.token_ids
+    assert all(t % 2 == 0 for t in plain.token_ids[::2])
+
+
 @pytest.mark.parametrize("kind", ["oracle", "mtp"])
 def test_sampling_with_a_drafter_counts_and_rolls_back(model: Decoder, kind: str) -> None:
     params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.0, seed=5, max_tokens=20)
