@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="speculative decoding: tokens the MTP block drafts per step (0 = off; "
-        "default: 1 for a model with an MTP block on an accelerator, off on the CPU)",
+        "default: 1 for a model with an MTP block, else off)",
     )
     srv.add_argument(
         "--mtp-weights",

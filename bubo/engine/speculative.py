@@ -46,19 +46,13 @@ __all__ = [
     "SpeculativeDecoder",
     "accept_or_resample",
     "can_speculate",
-    "default_spec_draft",
 ]
 
-# Tokens drafted per round by default for a model with an MTP block (`--spec-draft`) on an accelerator,
-# where a decode step is bound by reading the weights and a verify pass over N+1 positions costs about
-# one step. Not on the CPU: there a matmul over 2 rows cost ~2x one row (benchmarks/bench_speculative.py),
-# so even always-right single drafts gained only 1.3x and 70%-right ones lost (0.93x).
+# Tokens drafted per round by default for a model with an MTP block (`--spec-draft`). Measured with
+# benchmarks/bench_speculative.py on the CPU (notes/spec.md): a round costs ~1.5 plain steps with one
+# draft and ~2.4 with two, so one draft pays off from ~55% acceptance and loses least when drafts
+# miss; two only win when nearly every draft is kept.
 DEFAULT_SPEC_DRAFT = 1
-
-
-def default_spec_draft(has_mtp: bool, device: torch.device) -> int:
-    """`--spec-draft`'s default: DEFAULT_SPEC_DRAFT for a model with an MTP block off the CPU, else 0."""
-    return DEFAULT_SPEC_DRAFT if has_mtp and device.type != "cpu" else 0
 
 
 # A drafter's way to turn one of its logits rows into a token: the token and the distribution it was

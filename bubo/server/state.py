@@ -23,7 +23,7 @@ from bubo.engine.prompt_cache import SnapshotPolicy
 from bubo.engine.request import Finished, GenerationRequest, OutputEvent
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import DeviceLostError, SessionSlot
-from bubo.engine.speculative import MTPDrafter, default_spec_draft
+from bubo.engine.speculative import DEFAULT_SPEC_DRAFT, MTPDrafter
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.mtp_weights import check_mtp_file, load_mtp_weights
@@ -70,8 +70,8 @@ class ServerSettings:
     threads: int | None = None
     defaults: SamplingParams = field(default_factory=SamplingParams)
     snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)
-    # Speculative decoding with the MTP block: tokens drafted per round (0: off; None: the default of
-    # bubo.engine.speculative.default_spec_draft), and the checkpoint to take the block from.
+    # Speculative decoding with the MTP block: tokens drafted per round (0: off; None: DEFAULT_SPEC_DRAFT
+    # for a model with an MTP block, else off), and the checkpoint to take the block from.
     spec_draft: int | None = None
     mtp_weights: Path | None = None
 
@@ -177,7 +177,7 @@ class ServerState:
         has_mtp = getattr(model, "mtp", None) is not None
         draft = self.settings.spec_draft
         if draft is None:
-            draft = default_spec_draft(has_mtp, model.device)
+            draft = DEFAULT_SPEC_DRAFT if has_mtp else 0
         if not draft:
             return None
         if not has_mtp:

@@ -1,6 +1,6 @@
-"""Speculative decoding behind the server: on by default for a model with an MTP block on an
-accelerator (off on the CPU), the same greedy answers as without it, and the draft counts in the
-OpenAI `usage`, llama-server `timings` and `/metrics`. `--spec-draft` / `--mtp-weights` at start-up: a model without an MTP block is refused, a
+"""Speculative decoding behind the server: on by default for a model with an MTP block, the same
+greedy answers as without it, and the draft counts in the OpenAI `usage`, llama-server `timings` and
+`/metrics`. `--spec-draft` / `--mtp-weights` at start-up: a model without an MTP block is refused, a
 checkpoint's block is attached."""
 
 import subprocess
@@ -10,12 +10,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.sampler import SamplingParams
-from bubo.engine.speculative import DEFAULT_SPEC_DRAFT, MTPDrafter, default_spec_draft
+from bubo.engine.speculative import DEFAULT_SPEC_DRAFT, MTPDrafter
 from bubo.model.mtp_weights import MTPWeightsError
 from bubo.server.state import ServerSettings, ServerState
 from tests.fixtures.gguf_writer import write_gguf
@@ -62,14 +61,10 @@ def _metrics(server: LiveServer) -> dict[str, float]:
     return {n: float(v) for n, v in (line.split() for line in lines if line and not line.startswith("#"))}
 
 
-def test_the_default_follows_the_device(servers: list[LiveServer], model: LoadedModel) -> None:
-    assert default_spec_draft(True, torch.device("cuda")) == DEFAULT_SPEC_DRAFT > 0
-    assert (
-        default_spec_draft(True, torch.device("cpu")) == default_spec_draft(False, torch.device("cuda")) == 0
-    )
-    assert _serve(servers, model).state.slot.drafter is None  # these tests run on the CPU
-    drafter = _serve(servers, model, spec_draft=1).state.slot.drafter
-    assert isinstance(drafter, MTPDrafter) and drafter.max_draft == 1
+def test_on_by_default_with_an_mtp_block(servers: list[LiveServer], model: LoadedModel) -> None:
+    drafter = _serve(servers, model).state.slot.drafter
+    assert isinstance(drafter, MTPDrafter) and drafter.max_draft == DEFAULT_SPEC_DRAFT
+    assert _serve(servers, model, spec_draft=0).state.slot.drafter is None
     assert _serve(servers, model, spec_draft=3).state.slot.drafter.max_draft == 3
 
 
