@@ -46,6 +46,7 @@ __all__ = [
     "SpeculativeDecoder",
     "accept_or_resample",
     "can_speculate",
+    "mtp_drafter",
 ]
 
 # Tokens drafted per round by default for a model with an MTP block (`--spec-draft`). Measured with
@@ -142,6 +143,25 @@ class MTPDrafter:
             if i + 1 < n:
                 x = self.model.draft_hidden(x, torch.tensor([[token]], device=device), cache)
         return Draft(tokens, torch.stack(probs) if probs else None)
+
+
+def mtp_drafter(model: DraftModel, spec_draft: int | None) -> MTPDrafter | None:
+    """The drafter `--spec-draft` asks for: `spec_draft` tokens per round (0: none; None: DEFAULT_SPEC_DRAFT
+    when the model has an MTP block, else none). ValueError for a count on a model without a block."""
+    # Test doubles standing in for the Decoder have no MTP attribute at all.
+    has_mtp = getattr(model, "mtp", None) is not None
+    if spec_draft is None:
+        spec_draft = DEFAULT_SPEC_DRAFT if has_mtp else 0
+    if spec_draft < 0:
+        raise ValueError(f"--spec-draft must be >= 0 (0 = off), got {spec_draft}")
+    if not spec_draft:
+        return None
+    if not has_mtp:
+        raise ValueError(
+            f"--spec-draft {spec_draft}: this model has no MTP block to draft with "
+            "(give its checkpoint's with --mtp-weights PATH, or use --spec-draft 0)"
+        )
+    return MTPDrafter(model, spec_draft)
 
 
 def accept_or_resample(

@@ -23,7 +23,7 @@ from bubo.engine.prompt_cache import SnapshotPolicy
 from bubo.engine.request import Finished, GenerationRequest, OutputEvent
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import DeviceLostError, SessionSlot
-from bubo.engine.speculative import DEFAULT_SPEC_DRAFT, MTPDrafter
+from bubo.engine.speculative import mtp_drafter
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.mtp_weights import check_mtp_file, load_mtp_weights
@@ -70,8 +70,8 @@ class ServerSettings:
     threads: int | None = None
     defaults: SamplingParams = field(default_factory=SamplingParams)
     snapshots: SnapshotPolicy = field(default_factory=SnapshotPolicy)
-    # Speculative decoding with the MTP block: tokens drafted per round (0: off; None: DEFAULT_SPEC_DRAFT
-    # for a model with an MTP block, else off), and the checkpoint to take the block from.
+    # Speculative decoding with the MTP block: tokens drafted per round (0: off; None: on for a model
+    # with an MTP block, see bubo.engine.speculative.mtp_drafter), and the checkpoint to take it from.
     spec_draft: int | None = None
     mtp_weights: Path | None = None
 
@@ -166,23 +166,14 @@ class ServerState:
             request_cost(config, self.settings.dtype),
         )
         self.slot = SessionSlot(
-            loaded.model, tokenizer, n_ctx, self.settings.snapshots, drafter=self._drafter(loaded)
+            loaded.model,
+            tokenizer,
+            n_ctx,
+            self.settings.snapshots,
+            drafter=mtp_drafter(loaded.model, self.settings.spec_draft),
         )
         self.loaded = loaded
         self._ready.set()
-
-    def _drafter(self, loaded: LoadedModel) -> MTPDrafter | None:
-        model = loaded.model
-        # Test doubles standing in for the Decoder have no MTP block at all.
-        has_mtp = getattr(model, "mtp", None) is not None
-        draft = self.settings.spec_draft
-        if draft is None:
-            draft = DEFAULT_SPEC_DRAFT if has_mtp else 0
-        if not draft:
-            return None
-        if not has_mtp:
-            raise ValueError(f"--spec-draft {draft}: this model has no MTP block to draft with")
-        return MTPDrafter(model, draft)
 
     @property
     def ready(self) -> bool:

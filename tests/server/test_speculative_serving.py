@@ -164,3 +164,16 @@ def test_the_prompt_cache_works_alongside(servers: list[LiveServer], model: Load
     options = replies[1]["usage"]["gufo"]["options"]
     assert options["cache_hit"] is True and replies[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert replies[1]["usage"]["draft_tokens_accepted"] > 0
+
+
+def test_bubo_generate_speculates_too(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    from bubo import cli
+
+    argv = ["generate", "--prompt", PROMPT, "--max-tokens", "10", "--temperature", "0", "--stats"]
+    outputs = []
+    for model_file, flags in (("with_mtp", ["--spec-draft", "0"]), ("without", ["--mtp-weights", "shard"])):
+        flags = [str(files["shard"]) if flag == "shard" else flag for flag in flags]
+        assert cli.main([*argv, "--model", str(files[model_file]), *flags]) == 0
+        outputs.append(capsys.readouterr())
+    assert outputs[1].out == outputs[0].out
+    assert "drafted" not in outputs[0].err and "| drafted " in outputs[1].err
