@@ -50,9 +50,9 @@ __all__ = [
 ]
 
 # Tokens drafted per round by default for a model with an MTP block (`--spec-draft`). Measured with
-# benchmarks/bench_speculative.py on the CPU (notes/spec.md): a round costs ~1.5 plain steps with one
-# draft and ~2.4 with two, so one draft pays off from ~55% acceptance and loses least when drafts
-# miss; two only win when nearly every draft is kept.
+# benchmarks/bench_speculative.py on the CPU: with drafts that all miss, a round cost ~1.5 plain steps
+# with one draft and ~2.4 with two, so one draft pays off from ~55% acceptance and loses least when
+# drafts miss; two only win when nearly every draft is kept.
 DEFAULT_SPEC_DRAFT = 1
 
 
