@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="the same seed gives the same text")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
+    _add_speculation_args(gen)
     gen.set_defaults(run=_generate)
 
     srv = commands.add_parser(
@@ -127,6 +128,7 @@ def _parser() -> argparse.ArgumentParser:
         default=1024,
         help="also snapshot every N prompt tokens (default 1024; 0 = at turn ends only)",
     )
+    _add_speculation_args(srv)
     srv.add_argument("--temp", "--temperature", type=float, default=0.8, help="default temperature (0.8)")
     srv.add_argument("--top-k", type=int, default=40, help="default top-k (40; 0 = off)")
     srv.add_argument("--top-p", type=float, default=0.95, help="default top-p (0.95; 1 = off)")
@@ -164,6 +166,24 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_speculation_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--spec-draft",
+        type=int,
+        default=None,
+        metavar="N",
+        help="speculative decoding: tokens the MTP block drafts per step (0 = off; "
+        "default: 1 for a model with an MTP block, else off)",
+    )
+    parser.add_argument(
+        "--mtp-weights",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="Hugging Face safetensors file (a checkpoint shard) holding the mtp.* block the GGUF lacks",
+    )
+
+
 def _resolve_model(args: argparse.Namespace) -> Path:
     path = args.model if args.model is not None else default_model_path()
     if not path.exists():
@@ -177,6 +197,8 @@ def _generate(args: argparse.Namespace) -> int:
     from bubo.engine.generate import GenerationResult, TextDelta, generate
     from bubo.engine.loaded_model import load_model
     from bubo.engine.sampler import SamplingParams
+    from bubo.engine.speculative import mtp_drafter
+    from bubo.model.mtp_weights import load_mtp_weights
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -198,9 +220,15 @@ def _generate(args: argparse.Namespace) -> int:
     path = _resolve_model(args)
     started = time.perf_counter()
     loaded = load_model(path, dtype=DTYPES[args.dtype], device=args.device, progress=sys.stderr.isatty())
+    if args.mtp_weights is not None:
+        load_mtp_weights(loaded.model, args.mtp_weights)
+    drafter = mtp_drafter(loaded.model, args.spec_draft)
     load_seconds = time.perf_counter() - started
     prompt_ids = loaded.tokenizer.encode(args.prompt)
-    for event in generate(loaded.model, loaded.tokenizer, prompt_ids, params, special=args.special):
+    events = generate(
+        loaded.model, loaded.tokenizer, prompt_ids, params, special=args.special, drafter=drafter
+    )
+    for event in events:
         if isinstance(event, TextDelta):
             sys.stdout.write(event.text)
             sys.stdout.flush()
@@ -218,7 +246,12 @@ def _print_stats(result: Any, load_seconds: float) -> None:
         f"load {load_seconds:.2f} s | prefill {t.prefill_tokens} tokens + first token in {t.prefill_seconds:.3f} s "
         f"({t.prefill_tokens_per_second:.1f} tok/s) | decode {t.decode_tokens} more tokens in "
         f"{t.decode_seconds:.3f} s ({t.decode_tokens_per_second:.1f} tok/s) | "
-        f"finish: {result.finish_reason} ({result.stop_reason}) | seed {result.seed}",
+        f"finish: {result.finish_reason} ({result.stop_reason}) | seed {result.seed}"
+        + (
+            f" | drafted {result.draft_tokens}, accepted {result.draft_accepted}"
+            if result.draft_tokens
+            else ""
+        ),
         file=sys.stderr,
     )
 
@@ -247,6 +280,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-body-mb must be positive, got {args.max_body_mb}")
     if args.cache_snapshots < 0 or args.cache_ram < 0 or args.cache_snapshot_interval < 0:
         raise ValueError("--cache-snapshots, --cache-ram and --cache-snapshot-interval must be >= 0")
+    if args.spec_draft is not None and args.spec_draft < 0:
+        raise ValueError(f"--spec-draft must be >= 0 (0 = off), got {args.spec_draft}")
     if args.n_predict == 0 or args.n_predict < -1:
         raise ValueError(f"--n-predict must be -1 or a positive integer, got {args.n_predict}")
     defaults = SamplingParams(
@@ -280,6 +315,8 @@ def _serve(args: argparse.Namespace) -> int:
             max_bytes=int(args.cache_ram * (1 << 20)),
             interval=args.cache_snapshot_interval,
         ),
+        spec_draft=args.spec_draft,
+        mtp_weights=args.mtp_weights,
     )
     ServerState(settings).preflight()
     logging.basicConfig(level=logging.INFO, format="bubo: %(levelname)s %(name)s: %(message)s")

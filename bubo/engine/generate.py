@@ -13,7 +13,10 @@ from typing import Literal, Protocol
 import torch
 
 from bubo.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from bubo.engine.kv_cache import KVCache
 from bubo.engine.sampler import Sampler, SamplingParams
+from bubo.engine.speculative import Drafter, SpeculativeDecoder, can_speculate
+from bubo.engine.token_choice import TokenChooser
 
 FinishReason = Literal["stop", "length"]
 # Why generation ended, in more detail than finish_reason: "eos" (a stop token), "stop_string",
@@ -101,7 +104,8 @@ class Timings:
     """Wall-clock split of one generation.
 
     Prefill runs from the prompt forward to the first sampled token (time to first token); decode covers
-    the remaining tokens, each of which needed one forward, so its rate is (completion - 1) / seconds.
+    the remaining tokens (one forward each, or fewer with speculative decoding), so its rate is
+    (completion - 1) / seconds.
     """
 
     prefill_tokens: int
@@ -138,6 +142,8 @@ class GenerationResult:
     text: str
     seed: int
     timings: Timings
+    draft_tokens: int = 0
+    draft_accepted: int = 0
 
 
 GenerationEvent = TextDelta | GenerationResult
@@ -155,6 +161,7 @@ def generate(
     cancelled: Callable[[], bool] | None = None,
     logprobs: int | None = None,
     constraints: Sequence[TokenConstraint] = (),
+    drafter: Drafter | None = None,
 ) -> Iterator[GenerationEvent]:
     """Continue `prompt_ids`, yielding TextDelta pieces and then one GenerationResult.
 
@@ -165,7 +172,9 @@ def generate(
     asked before every forward pass; when it answers True generation ends there (a client went away).
     `logprobs` (None: off) attaches each token's log probability and that many top alternatives.
     `constraints` mask the logits before each draw and see each chosen token (log probabilities stay
-    the model's own).
+    the model's own). `drafter` turns on speculative decoding (bubo/engine/speculative.py): same
+    events, greedy output identical, sampled output from the same distribution; it is skipped for a
+    cache that can't roll back a verify pass (qwen4exp's QSA indexer and PLE states).
     """
     params.validate()
     prompt = list(prompt_ids)
@@ -201,10 +210,19 @@ def generate(
         # A recurrent state holds all of its positions or none: recompute the prompt from the start.
         cached = 0
     cache.truncate(cached)
+    chooser = TokenChooser(sampler, constraints)
+    speculative = None
+    if drafter is not None and isinstance(cache, KVCache) and can_speculate(cache):
+        speculative = SpeculativeDecoder(model, cache, chooser, drafter)
     started = time.perf_counter()
     tokens = torch.tensor([prompt[cached:]], dtype=torch.long, device=device)
-    # Only the last position's logits are needed; a long prompt's [T, vocab] logits would be large.
-    logits = model(tokens, cache, last_only=True)[0, -1]
+    source: Iterator[tuple[int, torch.Tensor]]
+    if speculative is None:
+        # Only the last position's logits are needed; a long prompt's [T, vocab] logits would be large.
+        logits = model(tokens, cache, last_only=True)[0, -1]
+        source = _plain_tokens(model, cache, chooser, logits)
+    else:
+        source = speculative.tokens(speculative.prefill(tokens), prompt, limit)
     first_token_at = started
 
     completion: list[int] = []
@@ -213,41 +231,40 @@ def generate(
     pieces: list[str] = []
     stop_token: int | None = None
     reason: StopReason = "max_tokens"
-    while limit is None or len(completion) < limit:
-        allowed = logits
-        for constraint in constraints:
-            allowed = constraint.mask(allowed)
-        next_token = sampler.sample(allowed)
-        token = int(next_token.item())  # the one host sync per token: stop checks need the id
-        if not completion:
-            first_token_at = time.perf_counter()
-        completion.append(token)
-        sampler.accept(token)
-        for constraint in constraints:
-            constraint.accept(token)
-        if token in stop_ids:
-            stop_token, reason = token, "eos"
-            break
-        pending.append(token)
-        if logprobs is not None:
-            pending_logprobs.append(_logprob(logits, token, logprobs))
-        text = stops.feed(detokenizer.feed(token))
-        if text:
-            pieces.append(text)
-            yield TextDelta(text, pending, tuple(pending_logprobs))
-            pending, pending_logprobs = [], []
-        if stops.matched is not None:
-            reason = "stop_string"
-            break
-        if limit is not None and len(completion) >= limit:
-            break
-        if not cache.reserve(1):
-            reason = "context"  # the context is full, or the KV blocks the slots share are
-            break
-        if cancelled is not None and cancelled():
-            reason = "cancelled"
-            break
-        logits = model(next_token.view(1, 1), cache)[0, -1]
+    try:
+        # Each step asks the source for a token only after every stop check passed: the source runs
+        # the model when it has no token left from its last pass.
+        while limit is None or len(completion) < limit:
+            token, logits = next(source)
+            if not completion:
+                first_token_at = time.perf_counter()
+            completion.append(token)
+            if token in stop_ids:
+                stop_token, reason = token, "eos"
+                break
+            pending.append(token)
+            if logprobs is not None:
+                pending_logprobs.append(_logprob(logits, token, logprobs))
+            text = stops.feed(detokenizer.feed(token))
+            if text:
+                pieces.append(text)
+                yield TextDelta(text, pending, tuple(pending_logprobs))
+                pending, pending_logprobs = [], []
+            if stops.matched is not None:
+                reason = "stop_string"
+                break
+            if limit is not None and len(completion) >= limit:
+                break
+            # The positions the model has run: the prompt and every token but the newest.
+            if len(prompt) + len(completion) - 1 >= cache.max_len or not cache.reserve(1):
+                reason = "context"  # the context is full, or the KV blocks the slots share are
+                break
+            if cancelled is not None and cancelled():
+                reason = "cancelled"
+                break
+    finally:
+        # A speculative source rolls the cache back to the tokens taken when it is closed.
+        source.close()
     finished_at = time.perf_counter()
 
     if reason != "stop_string":
@@ -279,7 +296,19 @@ def generate(
             decode_tokens=max(len(completion) - 1, 0),
             decode_seconds=finished_at - first_token_at if completion else 0.0,
         ),
+        draft_tokens=0 if speculative is None else speculative.proposed,
+        draft_accepted=0 if speculative is None else speculative.accepted,
     )
+
+
+def _plain_tokens(
+    model: Model, cache: Cache, chooser: TokenChooser, logits: torch.Tensor
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """One token per forward pass, each with the logits row it was chosen from."""
+    while True:
+        token, on_device = chooser.pick_on_device(logits)
+        yield token, logits
+        logits = model(on_device.view(1, 1), cache)[0, -1]
 
 
 def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

@@ -203,10 +203,25 @@ class Sampler:
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """Pick the next token from a [vocab] logits row; returns a 0-d int64 tensor on the device."""
         logits = self.process(logits)
-        p = self.params
-        if p.greedy:
+        if self.params.greedy:
             return logits.argmax()
+        probs, ids = self._truncated(logits)
+        choice = draw(probs, self.generator)
+        return choice if ids is None else ids[choice]
 
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution `sample` draws from, over the whole vocabulary [vocab] (one-hot when
+        greedy): what speculative decoding's acceptance test compares a draft against."""
+        logits = self.process(logits)
+        if self.params.greedy:
+            return torch.zeros_like(logits).scatter_(0, logits.argmax().view(1), 1.0)
+        probs, ids = self._truncated(logits)
+        return probs if ids is None else torch.zeros_like(logits).scatter_(0, ids, probs)
+
+    def _truncated(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Processed logits -> probabilities after top-k, top-p, min-p and temperature, and the token
+        ids they belong to (None: the whole vocabulary in order)."""
+        p = self.params
         # Candidates in descending order only when a filter needs the order; top-k's topk() already
         # sorts and shrinks the work for top-p to k entries, like llama.cpp's candidate list.
         ids: torch.Tensor | None = None
@@ -218,10 +233,14 @@ class Sampler:
             logits = logits.masked_fill(top_p_mask(logits, p.top_p), -math.inf)
         if p.min_p > 0.0:
             logits = logits.masked_fill(min_p_mask(logits, p.min_p), -math.inf)
-        probs = (logits / p.temperature).softmax(-1)
+        return (logits / p.temperature).softmax(-1), ids
 
-        # argmax(p_i / E_i) with E_i ~ Exp(1) is an exact draw from p (the exponential-race trick); unlike
-        # torch.multinomial it never syncs with the host. The clamp keeps 0-probability tokens at 0.
-        race = torch.empty_like(probs).exponential_(generator=self.generator).clamp_min_(1e-30)
-        choice = (probs / race).argmax()
-        return choice if ids is None else ids[choice]
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """An index drawn from the (not necessarily normalised) weights `probs`, as a 0-d tensor.
+
+    argmax(p_i / E_i) with E_i ~ Exp(1) is an exact draw (the exponential-race trick); unlike
+    torch.multinomial it never syncs with the host. The clamp keeps 0-weight entries at 0.
+    """
+    race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-30)
+    return (probs / race).argmax()

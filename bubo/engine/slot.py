@@ -27,6 +27,7 @@ from bubo.engine.generate import GenerationResult, Model, Tokenizer, generate
 from bubo.engine.output import OutputStream
 from bubo.engine.prompt_cache import PromptCache, SnapshotPolicy
 from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputEvent, Usage
+from bubo.engine.speculative import Drafter
 
 __all__ = ["DeviceLostError", "SessionSlot", "SlotStats"]
 
@@ -84,6 +85,7 @@ class SessionSlot:
         tokenizer: Tokenizer,
         n_ctx: int,
         snapshot_policy: SnapshotPolicy | None = None,
+        drafter: Drafter | None = None,
         *,
         slot_id: int = 0,
         pool: BlockPool | None = None,
@@ -91,6 +93,7 @@ class SessionSlot:
     ) -> None:
         self.id = slot_id
         self.model = model
+        self.drafter = drafter  # speculative decoding (bubo/engine/speculative.py); None: off
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
         self.stats = SlotStats()
@@ -242,6 +245,7 @@ class SessionSlot:
                 cancelled=cancelled.is_set,
                 logprobs=request.logprobs,
                 constraints=request.constraints,
+                drafter=self.drafter,
             ):
                 if isinstance(event, GenerationResult):
                     result = event
@@ -262,6 +266,8 @@ class SessionSlot:
             reasoning_tokens=output.reasoning_tokens,
             prompt_ms=(segments_seconds + timings.prefill_seconds) * 1000,
             predicted_ms=timings.decode_seconds * 1000,
+            draft_tokens=result.draft_tokens,
+            draft_accepted=result.draft_accepted,
             cache=report,
         )
         stats = self.stats
@@ -271,6 +277,8 @@ class SessionSlot:
         stats.tokens_predicted_total += result.completion_tokens
         stats.predicted_seconds_total += timings.decode_seconds
         stats.decode_calls_total += timings.decode_tokens
+        stats.draft_tokens_total += result.draft_tokens
+        stats.draft_accepted_total += result.draft_accepted
         yield Finished(
             result,
             usage,

@@ -21,7 +21,7 @@ of idle slots are given back, least recently used first.
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import fields
 
 from bubo.engine.batcher import DecodeBatcher
@@ -30,6 +30,7 @@ from bubo.engine.generate import Model, Tokenizer
 from bubo.engine.prompt_cache import SnapshotPolicy
 from bubo.engine.request import GenerationRequest, OutputEvent
 from bubo.engine.slot import DeviceLostError, SessionSlot, SlotStats
+from bubo.engine.speculative import Drafter
 
 __all__ = ["SlotPool"]
 
@@ -45,6 +46,7 @@ class SlotPool:
         parallel: int = 1,
         snapshot_policy: SnapshotPolicy | None = None,
         kv_tokens: int | None = None,
+        new_drafter: Callable[[], Drafter | None] | None = None,
     ) -> None:
         if parallel < 1:
             raise ValueError(f"parallel must be at least 1, not {parallel}")
@@ -66,7 +68,15 @@ class SlotPool:
             self.batcher = DecodeBatcher(model)
         self.slots = [
             SessionSlot(
-                model, tokenizer, n_ctx, snapshot_policy, slot_id=i, pool=self.pool, batcher=self.batcher
+                model,
+                tokenizer,
+                n_ctx,
+                snapshot_policy,
+                # A drafter holds its sequence's own state (the MTP block's cache): one per slot.
+                new_drafter() if new_drafter is not None else None,
+                slot_id=i,
+                pool=self.pool,
+                batcher=self.batcher,
             )
             for i in range(parallel)
         ]

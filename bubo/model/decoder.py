@@ -41,6 +41,7 @@ __all__ = [
     "IndexedAttentionMixer",
     "WeightSource",
     "build_layer",
+    "build_mtp",
 ]
 
 # qwen3next keeps Hugging Face's fused beta/alpha projection (ssm_ba); the qwen35 family has two.
@@ -96,20 +97,15 @@ class DeltaNetMixer(nn.Module):
             return self._forward_rows(x, cache)
         state = cache.recurrent[self.state_index]
         start, length = cache.length, x.shape[1]
-        cuts = [p - start for p in cache.snapshot_at if start < p < start + length]
-        if not cuts:
+        # Copies of this layer's state wanted inside this pass (the prompt cache's turn ends, the
+        # positions speculative decoding may roll back to), keyed by position.
+        positions = sorted(p for p in cache.snapshot_at if start < p < start + length)
+        if not positions:
             return self.deltanet(x, state)
-        # The prompt cache wants this layer's state at some positions inside this pass: run the
-        # sequence in pieces cut there (exact: the state carries the conv window and the memory) and
-        # copy the state at each cut. Only this layer's projections run per piece; the rest of the
-        # model still sees one pass.
-        pieces, begin = [], 0
-        for cut in [*cuts, length]:
-            pieces.append(self.deltanet(x[:, begin:cut], state))
-            if cut < length:
-                cache.taken.setdefault(start + cut, {})[self.state_index] = state.snapshot()
-            begin = cut
-        return torch.cat(pieces, dim=1)
+        out, kept = self.deltanet.forward_keeping(x, state, [p - start for p in positions])
+        for position, copy in zip(positions, kept, strict=True):
+            cache.taken.setdefault(position, {})[self.state_index] = copy
+        return out
 
     def _forward_rows(self, x: torch.Tensor, batch: CacheBatch) -> torch.Tensor:
         """Row i continues the state of batch.caches[i]: the rows' states are stacked into one batch
@@ -396,7 +392,7 @@ def build_layer(config: ModelConfig, i: int, weights: WeightSource) -> DecoderLa
     )
 
 
-def _mtp(config: ModelConfig, weights: WeightSource) -> MultiTokenPredictor:
+def build_mtp(config: ModelConfig, weights: WeightSource) -> MultiTokenPredictor:
     """The MTP block stored after the main layers (bubo/model/mtp.py). Its layer is a full-attention
     layer of the model's kind whose keys and values go to slot 0 of the MTP's own cache."""
     n, hidden, eps = config.num_layers, config.hidden_size, config.rms_norm_eps
@@ -438,7 +434,7 @@ class Decoder(nn.Module):
         output_name = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
         self.output = weights.linear(output_name, vocab_shape)
         self.rotary = RotaryEmbedding(config, device=weights.device, mrope_sections=config.mrope_sections)
-        self.mtp = _mtp(config, weights) if config.mtp_layers else None
+        self.mtp = build_mtp(config, weights) if config.mtp_layers else None
 
     @staticmethod
     def _final_norm(config: ModelConfig, weights: WeightSource) -> nn.Module:
@@ -501,17 +497,22 @@ class Decoder(nn.Module):
     def draft_logits(
         self, hidden: torch.Tensor, next_tokens: torch.Tensor, mtp_cache: KVCache
     ) -> torch.Tensor:
-        """The MTP block's logits [B, T, vocab] for the tokens after `next_tokens`: row t pairs the main
-        model's hidden[:, t] (at position mtp_cache.length + t) with next_tokens[:, t], the token that
-        followed it."""
+        """The MTP block's logits [B, T, vocab] for the tokens after `next_tokens` (`draft_hidden`)."""
+        return self.output(self.draft_hidden(hidden, next_tokens, mtp_cache)).float()
+
+    def draft_hidden(
+        self, hidden: torch.Tensor, next_tokens: torch.Tensor, mtp_cache: KVCache
+    ) -> torch.Tensor:
+        """The MTP block's normed hidden states [B, T, H] (what the head reads; a chained draft feeds
+        them back as the next row's `hidden`): row t pairs the main model's hidden[:, t] (at position
+        mtp_cache.length + t) with next_tokens[:, t], the token that followed it."""
         if self.mtp is None:
             raise ValueError("this model has no MTP block")
         next_tokens = next_tokens.to(self.device)
         length = next_tokens.shape[1]
         positions = torch.arange(mtp_cache.length, mtp_cache.length + length, device=self.device)
         cos, sin = self.rotary(positions, self.dtype)
-        x = self.mtp(hidden, self.embedding(next_tokens), next_tokens, cos, sin, mtp_cache)
-        return self.output(x).float()
+        return self.mtp(hidden, self.embedding(next_tokens), next_tokens, cos, sin, mtp_cache)
 
     def new_mtp_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         """The MTP layer's own cache: one attention layer's keys and values."""

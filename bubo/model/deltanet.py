@@ -22,6 +22,7 @@ The mixer is told which one its tensors use (`value_head_order`); only the key-t
 mapping depends on it, since the per-head math is the same.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -267,6 +268,15 @@ class GatedDeltaNet(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
+        return self.forward_keeping(x, state, ())[0]
+
+    def forward_keeping(
+        self, x: torch.Tensor, state: DeltaNetState, cuts: Sequence[int]
+    ) -> tuple[torch.Tensor, list[DeltaNetState]]:
+        """`forward`, and copies of the state after the first c tokens for each c in `cuts` (ascending,
+        0 < c < T): what the prompt cache keeps at turn ends and speculative decoding rolls back to.
+        Projections and the convolution run once over all T tokens; only the delta rule, a sequential
+        recurrence anyway, runs piece by piece between the cuts."""
         batch, length, _ = x.shape
         hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
 
@@ -280,6 +290,9 @@ class GatedDeltaNet(nn.Module):
         # convolves exactly as a whole one. The K taps are summed directly: at these shapes that is
         # cheaper than a depthwise F.conv1d.
         window = torch.cat([state.conv_state, qkv.transpose(1, 2).to(state.conv_state.dtype)], dim=-1)
+        # After c tokens the conv history is the K-1 window entries ending at token c-1.
+        history = self.conv_kernel - 1
+        conv_at = [window[:, :, c : c + history].clone() for c in cuts]
         state.conv_state.copy_(window[:, :, length:])
         window = window.to(self.conv_weight.dtype)
         conv = self.conv_weight[:, 0, None] * window[:, :, :length]
@@ -301,18 +314,43 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b.float())
         g, beta = g.transpose(1, 2), beta.transpose(1, 2)
 
-        # One decode token needs no intra-chunk matrices; anything longer is a prefill.
-        if length == 1:
-            o = recurrent_gated_delta_rule(q, k, v, g, beta, state.recurrent_state)
-        else:
-            o = chunked_gated_delta_rule(q, k, v, g, beta, state.recurrent_state, self.chunk_size)
-        o = o.transpose(1, 2)  # [B, T, Hv, dv]
+        pieces, kept, begin = [], [], 0
+        for end in [*cuts, length]:
+            piece = slice(begin, end)
+            pieces.append(
+                self._delta_rule(
+                    q[:, :, piece],
+                    k[:, :, piece],
+                    v[:, :, piece],
+                    g[:, :, piece],
+                    beta[:, :, piece],
+                    state.recurrent_state,
+                )
+            )
+            if end < length:
+                kept.append(DeltaNetState(conv_at[len(kept)], state.recurrent_state.clone()))
+            begin = end
+        o = torch.cat(pieces, dim=2).transpose(1, 2)  # [B, T, Hv, dv]
 
         # Gated RMSNorm per head (Qwen3_5RMSNormGated): gamma is used as stored (no +1), the gate in fp32.
         normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps)
         gate = F.silu(z.float()) if self.gate_activation == "silu" else torch.sigmoid(z.float())
         y = (self.ssm_norm * normed.to(x.dtype)) * gate
-        return self.ssm_out(y.to(x.dtype).reshape(batch, length, hv * dv))
+        return self.ssm_out(y.to(x.dtype).reshape(batch, length, hv * dv)), kept
+
+    def _delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+    ) -> torch.Tensor:
+        # One decode token needs no intra-chunk matrices; anything longer is a prefill.
+        if v.shape[2] == 1:
+            return recurrent_gated_delta_rule(q, k, v, g, beta, state)
+        return chunked_gated_delta_rule(q, k, v, g, beta, state, self.chunk_size)
 
     def _qkv_z(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """qkv [B, T, conv channels] (all q heads, all k heads, all v heads) and z [B, T, Hv, dv]."""

@@ -28,7 +28,9 @@ class MultiTokenPredictor(nn.Module):
     """hidden [B, T, H] and next-token embeddings [B, T, H] -> normed draft hidden states [B, T, H].
 
     The decoder owns the shared embedding, rotary table and output head and calls this in between
-    (Decoder.draft_logits); `layer` keeps its keys and values in slot 0 of its own one-layer cache.
+    (Decoder.draft_hidden); `layer` keeps its keys and values in slot 0 of its own one-layer cache.
+    For more than one draft per step the output is fed back as the next row's `hidden` (as vLLM chains
+    its MTP proposer; bubo/engine/speculative.py).
     """
 
     def __init__(

@@ -26,8 +26,10 @@ from bubo.engine.request import Finished, GenerationRequest, OutputEvent
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import DeviceLostError
 from bubo.engine.slot_pool import SlotPool
+from bubo.engine.speculative import mtp_drafter
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
+from bubo.model.mtp_weights import check_mtp_file, load_mtp_weights
 from bubo.server.chat import ChatRequest
 from bubo.server.errors import ApiError, bad_field
 from bubo.server.memory_guard import MemoryGuard, MemoryProbe, SystemMemoryProbe, request_cost
@@ -86,6 +88,10 @@ class ServerSettings:
     kv_tokens: int | None = None
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none: no CORS
     shutdown_grace: float = 10.0  # seconds requests in flight get to finish after SIGTERM
+    # Speculative decoding with the MTP block: tokens drafted per round (0: off; None: on for a model
+    # with an MTP block, see bubo.engine.speculative.mtp_drafter), and the checkpoint to take it from.
+    spec_draft: int | None = None
+    mtp_weights: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,13 @@ class ServerState:
         with GGUFFile(path) as file:
             config = config_from_gguf(file)
         self.context_length = self._n_ctx(config.context_length)
+        if self.settings.mtp_weights is not None:
+            check_mtp_file(config, self.settings.mtp_weights)
+        elif self.settings.spec_draft and not config.mtp_layers:
+            raise ValueError(
+                f"--spec-draft {self.settings.spec_draft}: this model has no MTP block to draft with "
+                "(give its checkpoint's with --mtp-weights PATH, or use --spec-draft 0)"
+            )
 
     def _n_ctx(self, trained: int) -> int:
         return min(self.settings.ctx_size or trained, trained)
@@ -140,6 +153,8 @@ class ServerState:
             loaded = load_model(
                 self.settings.model_path, dtype=self.settings.dtype, device=self.settings.device
             )
+            if self.settings.mtp_weights is not None:
+                load_mtp_weights(loaded.model, self.settings.mtp_weights)
             self.attach(loaded)
         except BaseException as error:
             self.load_error = error
@@ -170,8 +185,19 @@ class ServerState:
             request_cost(config, self.settings.dtype),
         )
         settings = self.settings
+        # With several slots their decode steps run as one batch; a verify pass of several tokens can't
+        # join it, so speculation is on by default only with one slot.
+        spec_draft = settings.spec_draft
+        if spec_draft is None and settings.parallel > 1:
+            spec_draft = 0
         self.slots = SlotPool(
-            loaded.model, tokenizer, n_ctx, settings.parallel, settings.snapshots, settings.kv_tokens
+            loaded.model,
+            tokenizer,
+            n_ctx,
+            settings.parallel,
+            settings.snapshots,
+            settings.kv_tokens,
+            new_drafter=lambda: mtp_drafter(loaded.model, spec_draft),
         )
         self.loaded = loaded
         self._ready.set()

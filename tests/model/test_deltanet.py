@@ -153,6 +153,28 @@ def test_prefill_in_two_pieces(arch: HybridArch, split: int) -> None:
     assert _max_diff(whole_state.recurrent_state, split_state.recurrent_state) <= TOLERANCE
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cuts", [[1, 2, 3], [5, 64, 65], [30]])
+@torch.no_grad()
+def test_states_kept_inside_one_call_equal_the_prefixes_own(arch: HybridArch, cuts: list[int]) -> None:
+    """forward_keeping's copy at c equals the state after a separate call on the first c tokens, and
+    its output and final state equal transformers' / a plain call's."""
+    reference, ours = _pair(arch)
+    x = _inputs()
+    state = ours.new_state(BATCH)
+    out, kept = ours.forward_keeping(x, state, cuts)
+    assert _max_diff(out, reference(x)) <= TOLERANCE
+    whole = ours.new_state(BATCH)
+    ours(x, whole)
+    assert _max_diff(state.recurrent_state, whole.recurrent_state) <= TOLERANCE
+    assert len(kept) == len(cuts)
+    for c, copy in zip(cuts, kept, strict=True):
+        prefix = ours.new_state(BATCH)
+        ours(x[:, :c], prefix)
+        assert _max_diff(copy.conv_state, prefix.conv_state) <= TOLERANCE
+        assert _max_diff(copy.recurrent_state, prefix.recurrent_state) <= TOLERANCE
+
+
 @torch.no_grad()
 def test_reset_starts_a_new_sequence() -> None:
     _, ours = _pair("qwen35")

@@ -1,20 +1,13 @@
 """The MTP block (multi-token prediction) of Qwen3.5, Qwen3.5-MoE and Qwen3-Next against a reference
 built from transformers' own modules.
 
-transformers has no MTP forward (it ignores `mtp.*` weights), so the reference composes one as vLLM's
-qwen3_next_mtp.py defines it, out of transformers' parts: the model's embedding, its zero-centred
-RMSNorm class (for pre_fc_norm_embedding / pre_fc_norm_hidden / norm), a Linear for `fc`, a
-full-attention decoder layer of the model's own class with its rotary embedding, and the model's
-lm_head. The tiny model is written with one more full-attention layer than the main stack; the
-fixture writer stores it as blk.N with `nextn_predict_layers` 1 and the `nextn.*` tensors (+1 folded
-into the norms as llama.cpp's converter does), as llama.cpp counts an MTP block into block_count.
+The reference block and the tiny models with one: tests/fixtures/mtp_models.py.
 """
 
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import PreTrainedModel
 
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
@@ -22,6 +15,7 @@ from bubo.model.loader import load_decoder
 from bubo.model.mtp import MultiTokenPredictor
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.fixtures.hybrid_models import HYBRID_SIZES, tiny_hybrid
+from tests.fixtures.mtp_models import ReferenceMTP, mtp_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,65 +25,8 @@ SIZES = HYBRID_SIZES
 _model = tiny_hybrid
 
 
-class ReferenceMTP(torch.nn.Module):
-    """The MTP forward (vLLM's definition) out of transformers' modules."""
-
-    def __init__(self, full: PreTrainedModel, main: PreTrainedModel, seed: int = 7) -> None:
-        super().__init__()
-        hidden, eps = SIZES["hidden_size"], SIZES["rms_norm_eps"]
-        norm_class = type(main.model.norm)
-        generator = torch.Generator().manual_seed(seed)
-        self.enorm, self.hnorm, self.norm = (norm_class(hidden, eps=eps) for _ in range(3))
-        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
-        with torch.no_grad():
-            for norm in (self.enorm, self.hnorm, self.norm):
-                norm.weight.copy_(0.1 * torch.randn(hidden, generator=generator))
-            self.fc.weight.copy_(0.1 * torch.randn(hidden, 2 * hidden, generator=generator))
-        self.layer = full.model.layers[len(MAIN)]
-        self.main = main
-
-    def nextn_tensors(self) -> dict[str, torch.Tensor]:
-        n = len(MAIN)
-        return {
-            f"blk.{n}.nextn.eh_proj.weight": self.fc.weight,
-            # zero-centred norms: the converter stores 1 + w
-            f"blk.{n}.nextn.enorm.weight": self.enorm.weight + 1,
-            f"blk.{n}.nextn.hnorm.weight": self.hnorm.weight + 1,
-            f"blk.{n}.nextn.shared_head_norm.weight": self.norm.weight + 1,
-        }
-
-    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        x = self.fc(
-            torch.cat([self.enorm(self.main.model.embed_tokens(next_tokens)), self.hnorm(hidden)], -1)
-        )
-        length = x.shape[1]
-        positions = torch.arange(length)[None].expand(x.shape[0], -1)
-        cos_sin = self.main.model.rotary_emb(x, positions)
-        mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
-        x = self.layer(x, position_embeddings=cos_sin, attention_mask=mask, position_ids=positions)
-        if isinstance(x, tuple):
-            x = x[0]
-        return self.main.lm_head(self.norm(x))
-
-
 def _setup(arch: str, tmp_path: Path) -> tuple[ReferenceMTP, torch.nn.Module]:
-    full = _model(arch, [*MAIN, "full_attention"])
-    randomize_(full)
-    main = _model(arch, MAIN)
-    missing, unexpected = main.load_state_dict(full.state_dict(), strict=False)
-    assert not missing and all(k.startswith(f"model.layers.{len(MAIN)}.") for k in unexpected)
-    reference = ReferenceMTP(full.eval(), main.eval())
-    key = arch  # the GGUF metadata prefix is the architecture name
-    path = write_gguf(
-        full,
-        tmp_path / "mtp.gguf",
-        extra_tensors=reference.nextn_tensors(),
-        metadata_overrides={
-            f"{key}.nextn_predict_layers": 1,
-            f"{key}.attention.recurrent_layers": None,
-            f"{key}.full_attention_interval": 2,
-        },
-    )
+    reference, path = mtp_model(arch, MAIN, tmp_path / "mtp.gguf")
     f = GGUFFile(path)
     return reference, load_decoder(f, config_from_gguf(f))
 
