@@ -255,9 +255,12 @@ def generate(
                 break
             if limit is not None and len(completion) >= limit:
                 break
-            # The positions the model has run: the prompt and every token but the newest.
-            if len(prompt) + len(completion) - 1 >= cache.max_len or not cache.reserve(1):
-                reason = "context"  # the context is full, or the KV blocks the slots share are
+            # The positions the model has run: the prompt and every token but the newest. A speculative
+            # pass may have run more already; otherwise the next position needs room in the KV blocks,
+            # which the slots share.
+            ran = len(prompt) + len(completion) - 1
+            if ran >= cache.max_len or (ran >= cache.length and not cache.reserve(1)):
+                reason = "context"
                 break
             if cancelled is not None and cancelled():
                 reason = "cancelled"

@@ -145,17 +145,27 @@ class KVCache:
             raise ValueError(f"KV cache full: {start} + {k.shape[2]} positions exceed max_len {self.max_len}")
         self._reserve(end)
         keys, values = self.pool.keys[layer], self.pool.values[layer]
-        out_k, out_v = [], []
         for row in range(self.batch):
             layout = self._row_layout(row)
             if isinstance(layout, int):
                 keys[:, layout + start : layout + end] = k[row]
                 values[:, layout + start : layout + end] = v[row]
-                out_k.append(keys[:, layout : layout + end])
-                out_v.append(values[:, layout : layout + end])
             else:
                 keys.index_copy_(1, layout[start:end], k[row])
                 values.index_copy_(1, layout[start:end], v[row])
+        return self.read(layer, end)
+
+    def read(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [batch, kv_heads, end, head_dim] of positions 0..end-1 (default: `length`)."""
+        end = self.length if end is None else end
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        out_k, out_v = [], []
+        for row in range(self.batch):
+            layout = self._row_layout(row)
+            if isinstance(layout, int):
+                out_k.append(keys[:, layout : layout + end])
+                out_v.append(values[:, layout : layout + end])
+            else:
                 out_k.append(keys.index_select(1, layout[:end]))
                 out_v.append(values.index_select(1, layout[:end]))
         if self.batch == 1:

@@ -97,9 +97,10 @@ def first_right(expected: Sequence[int], n: int) -> ScriptedDrafter:
 def assert_same_cache(a: KVCache, b: KVCache) -> None:
     """Same length, keys, values and DeltaNet states (up to float rounding: the verify pass runs
     several positions through the same matmuls)."""
-    assert a.length == b.length
-    for x, y in zip([*a.keys, *a.values], [*b.keys, *b.values], strict=True):
-        assert torch.allclose(x[:, :, : a.length], y[:, :, : b.length], atol=1e-4)
+    assert a.length == b.length and a.num_layers == b.num_layers
+    for layer in range(a.num_layers):
+        for x, y in zip(a.read(layer), b.read(layer), strict=True):
+            assert torch.allclose(x, y, atol=1e-4)
     for s, t in zip(a.recurrent, b.recurrent, strict=True):
         assert torch.allclose(s.conv_state, t.conv_state, atol=1e-4)
         assert torch.allclose(s.recurrent_state, t.recurrent_state, atol=1e-4)

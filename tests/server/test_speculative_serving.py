@@ -62,17 +62,17 @@ def _metrics(server: LiveServer) -> dict[str, float]:
 
 
 def test_on_by_default_with_an_mtp_block(servers: list[LiveServer], model: LoadedModel) -> None:
-    drafter = _serve(servers, model).state.slot.drafter
+    drafter = _serve(servers, model).state.slots.slots[0].drafter
     assert isinstance(drafter, MTPDrafter) and drafter.max_draft == DEFAULT_SPEC_DRAFT
-    assert _serve(servers, model, spec_draft=0).state.slot.drafter is None
-    assert _serve(servers, model, spec_draft=3).state.slot.drafter.max_draft == 3
+    assert _serve(servers, model, spec_draft=0).state.slots.slots[0].drafter is None
+    assert _serve(servers, model, spec_draft=3).state.slots.slots[0].drafter.max_draft == 3
 
 
 def test_counts_reach_usage_timings_and_metrics(servers: list[LiveServer], model: LoadedModel) -> None:
     plain = _serve(servers, model, spec_draft=0)
     server = _serve(servers, model, spec_draft=1)
     # A drafter that proposes what the model will pick: every draft is accepted.
-    server.state.slot.drafter = OracleDrafter(model.model, 2)
+    server.state.slots.slots[0].drafter = OracleDrafter(model.model, 2)
     expected = httpx.post(plain.url + "/completion", json={"prompt": PROMPT}, timeout=60).json()
     assert expected["timings"]["draft_n"] == 0
 
@@ -118,7 +118,7 @@ def test_spec_draft_without_an_mtp_block_is_refused(files: dict[str, Path]) -> N
     off = ServerState(ServerSettings(model_path=files["without"]))
     off.preflight()
     off.load()
-    assert off.slot is not None and off.slot.drafter is None
+    assert off.slots is not None and off.slots.slots[0].drafter is None
 
 
 def test_mtp_weights_attach_the_checkpoint_block(files: dict[str, Path]) -> None:
@@ -126,7 +126,9 @@ def test_mtp_weights_attach_the_checkpoint_block(files: dict[str, Path]) -> None
     state.preflight()
     state.load()
     assert state.loaded is not None and state.loaded.model.mtp is not None
-    assert isinstance(state.slot.drafter, MTPDrafter) and state.slot.drafter.max_draft == 2
+    assert (
+        isinstance(state.slots.slots[0].drafter, MTPDrafter) and state.slots.slots[0].drafter.max_draft == 2
+    )
     twice = ServerState(ServerSettings(model_path=files["with_mtp"], mtp_weights=files["shard"]))
     with pytest.raises(MTPWeightsError, match="already holds an MTP block"):
         twice.preflight()
@@ -155,7 +157,7 @@ def test_the_prompt_cache_works_alongside(servers: list[LiveServer], model: Load
     """The verify passes take DeltaNet snapshots of their own; the prompt cache's turn-end snapshots
     are still taken and restored."""
     plain, spec = _serve(servers, model, spec_draft=0), _serve(servers, model, spec_draft=2)
-    spec.state.slot.drafter = OracleDrafter(model.model, 2)
+    spec.state.slots.slots[0].drafter = OracleDrafter(model.model, 2)
     body = {"model": "bubo", "messages": [{"role": "user", "content": PROMPT}]}
     expected = httpx.post(plain.url + "/v1/chat/completions", json=body, timeout=60).json()
     replies = [httpx.post(spec.url + "/v1/chat/completions", json=body, timeout=60).json() for _ in range(2)]
