@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import os
 import signal
 import sys
 import threading
@@ -216,7 +217,15 @@ def exposure_warning(settings: ServerSettings) -> str | None:
 
 def serve(settings: ServerSettings) -> int:
     """Open the port, load the model behind it, serve until interrupted. Returns the exit code."""
-    return asyncio.run(_serve(settings))
+    code = asyncio.run(_serve(settings))
+    if any(thread.name == _LOAD_THREAD and thread.is_alive() for thread in threading.enumerate()):
+        # Stopped while the model was still loading: the loading thread may be inside native code (the
+        # kernel compiler, a read of the map), where the interpreter's teardown can abort the process.
+        # Nothing is left to save, so leave at once with the code.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 async def _serve(settings: ServerSettings) -> int:
@@ -272,6 +281,9 @@ async def _serve(settings: ServerSettings) -> int:
         await runner.cleanup()
 
 
+_LOAD_THREAD = "bubo-load"
+
+
 def _load_in_background(state: ServerState) -> asyncio.Future[None]:
     """state.load on a daemon thread: a stop during a long load must not wait for it to finish, as
     the event loop's default executor would at exit."""
@@ -294,5 +306,5 @@ def _load_in_background(state: ServerState) -> asyncio.Future[None]:
         else:
             loop.call_soon_threadsafe(settle, None)
 
-    threading.Thread(target=work, name="bubo-load", daemon=True).start()
+    threading.Thread(target=work, name=_LOAD_THREAD, daemon=True).start()
     return done
