@@ -15,7 +15,7 @@ import torch
 from bubo.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from bubo.engine.kv_cache import KVCache
 from bubo.engine.sampler import Sampler, SamplingParams
-from bubo.engine.speculative import Drafter, SpeculativeDecoder, can_speculate
+from bubo.engine.speculative import Drafter, SpeculativeDecoder
 from bubo.engine.token_choice import TokenChooser
 
 FinishReason = Literal["stop", "length"]
@@ -173,8 +173,7 @@ def generate(
     `logprobs` (None: off) attaches each token's log probability and that many top alternatives.
     `constraints` mask the logits before each draw and see each chosen token (log probabilities stay
     the model's own). `drafter` turns on speculative decoding (bubo/engine/speculative.py): same
-    events, greedy output identical, sampled output from the same distribution; it is skipped for a
-    cache that can't roll back a verify pass (qwen4exp's QSA indexer and PLE states).
+    events, greedy output identical, sampled output from the same distribution.
     """
     params.validate()
     prompt = list(prompt_ids)
@@ -212,7 +211,7 @@ def generate(
     cache.truncate(cached)
     chooser = TokenChooser(sampler, constraints)
     speculative = None
-    if drafter is not None and isinstance(cache, KVCache) and can_speculate(cache):
+    if drafter is not None and isinstance(cache, KVCache):
         speculative = SpeculativeDecoder(model, cache, chooser, drafter)
     started = time.perf_counter()
     tokens = torch.tensor([prompt[cached:]], dtype=torch.long, device=device)

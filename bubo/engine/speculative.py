@@ -23,7 +23,9 @@ prefix), so every feature of plain decoding carries over.
 Rollback. Attention keys and values past the kept length are simply overwritten later (truncate). A
 Gated DeltaNet state can't be rewound, so the verify pass asks each DeltaNet layer for copies of its
 state after every draft position (KVCache.snapshot_at; the layer computes its projections once) and
-the one at the kept length is restored. The MTP block's own cache drops the rows made from its
+the one at the kept length is restored. qwen4exp's QSA indexer and PLE states have no such copies: the
+states before the pass are kept, and a partial acceptance restores them and runs the kept tokens again
+(one more forward, only when a draft is rejected). The MTP block's own cache drops the rows made from its
 chained guesses, which are redone from the main model's real hidden states next round.
 """
 
@@ -45,7 +47,6 @@ __all__ = [
     "MTPDrafter",
     "SpeculativeDecoder",
     "accept_or_resample",
-    "can_speculate",
     "mtp_drafter",
 ]
 
@@ -181,12 +182,6 @@ def accept_or_resample(
     return int(draw(residual, generator).item()), False
 
 
-def can_speculate(cache: KVCache) -> bool:
-    """Whether a cache can roll back the rejected part of a verify pass: keys and values always can;
-    DeltaNet states through copies taken inside the pass; qwen4exp's QSA indexer and PLE states can't."""
-    return cache.can_rewind or cache.snapshots_in_forward
-
-
 class SpeculativeDecoder:
     """generate()'s token source with a drafter: `prefill` the prompt, then iterate `tokens`.
 
@@ -195,12 +190,11 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, model: DraftModel, cache: KVCache, chooser: TokenChooser, drafter: Drafter) -> None:
-        if not can_speculate(cache):
-            raise ValueError("this cache can't roll back a verify pass (QSA indexer or PLE state)")
         self.model, self.cache, self.chooser, self.drafter = model, cache, chooser, drafter
         self.proposed = 0
         self.accepted = 0
         self._hidden: torch.Tensor | None = None
+        self._verified: list[int] = []  # the last verify pass's tokens, where a rollback reruns them
         drafter.start(cache.max_len)
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -255,6 +249,13 @@ class SpeculativeDecoder:
         if cache.can_rewind:
             hidden = self.model.hidden(batch, cache)
             return hidden, self.model.output(hidden)[0].float(), {}
+        if not cache.snapshots_in_forward:
+            # qwen4exp's QSA indexer tails and PLE history have no copies inside a pass: keep the states
+            # as they are before it; a partial acceptance restores them and reruns the kept tokens.
+            self._verified = tokens
+            before = {start: cache.snapshot()}
+            hidden = self.model.hidden(batch, cache)
+            return hidden, self.model.output(hidden)[0].float(), before
         positions = tuple(range(start + 1, start + len(tokens)))
         # The prompt cache may have asked for copies at prompt positions; those stay where they are.
         wanted = cache.snapshot_at
@@ -301,5 +302,12 @@ class SpeculativeDecoder:
             return
         if cache.can_rewind:
             cache.truncate(length)
-        else:
+        elif length in snapshots:
             cache.restore(snapshots[length])
+        else:
+            start = min(snapshots)
+            cache.restore(snapshots[start])
+            kept = torch.tensor(
+                [self._verified[: length - start]], dtype=torch.long, device=self.model.device
+            )
+            self.model.hidden(kept, cache)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+from transformers.models.qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
 from bubo.engine.generate import GenerationResult, TextDelta, generate
 from bubo.engine.kv_cache import KVCache
@@ -22,7 +23,9 @@ from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
+from tests.fixtures.gguf_writer import randomize_
 from tests.fixtures.mtp_models import mtp_model
+from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG, write_qwen4exp_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -257,3 +260,35 @@ def test_rejection_sampling_leaves_the_target_distribution_unchanged(p: list[flo
     assert (empirical - target).abs().max() <= 5 * (0.25 / draws) ** 0.5
     # the acceptance rate is sum(min(p, q)) (Leviathan et al., Theorem 3.5)
     assert abs(kept / draws - float(torch.minimum(target, draft).sum())) <= 0.0125
+
+
+@pytest.fixture(scope="module")
+def qwen4exp(tmp_path_factory: pytest.TempPathFactory) -> Decoder:
+    """The tiny qwen4exp of the model tests: QSA indexer and PLE states, which have no copies inside a
+    pass (a rejected draft restores the states from before the pass and reruns the kept tokens)."""
+    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**TINY_QWEN4EXP_CONFIG))
+    randomize_(model)
+    f = GGUFFile(write_qwen4exp_gguf(model, tmp_path_factory.mktemp("q4exp") / "tiny-qwen4exp.gguf"))
+    return load_decoder(f, config_from_gguf(f))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("drafter", [oracle, wrong, first_right])
+def test_qwen4exp_rolls_back_its_indexer_and_ple_states(qwen4exp: Decoder, n: int, drafter: Callable) -> None:
+    prompt = PROMPTS[2]
+    _, plain, plain_cache = run(qwen4exp, prompt)
+    scripted = drafter(prompt + plain.token_ids, n)
+    _, spec, spec_cache = run(qwen4exp, prompt, drafter=scripted)
+    assert spec.token_ids == plain.token_ids and spec.draft_tokens > 0
+    if drafter is oracle:
+        assert spec.draft_accepted == spec.draft_tokens
+    elif drafter is wrong:
+        assert spec.draft_accepted == 0
+    assert_same_cache(spec_cache, plain_cache)
+    for a, b in zip(spec_cache.indexers, plain_cache.indexers, strict=True):
+        assert (a.num_blocks, a.tail_len) == (b.num_blocks, b.tail_len)
+        assert torch.allclose(a.block_keys[:, : a.num_blocks], b.block_keys[:, : b.num_blocks], atol=1e-4)
+        assert torch.allclose(a.tail_keys[:, : a.tail_len], b.tail_keys[:, : b.tail_len], atol=1e-4)
+    assert spec_cache.ple is not None and plain_cache.ple is not None
+    assert torch.equal(spec_cache.ple.tokens, plain_cache.ple.tokens)
+    assert torch.allclose(spec_cache.ple.conv_state, plain_cache.ple.conv_state, atol=1e-4)
