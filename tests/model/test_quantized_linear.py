@@ -33,7 +33,7 @@ def test_chunked_forward_matches_reference(monkeypatch, qtype: Q, chunk_values: 
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
-@pytest.mark.parametrize("rows", [1, 6])  # one row: the compiled matvec; several: unpacked column chunks
+@pytest.mark.parametrize("rows", [1, 6, 11])  # up to MATVEC_ROWS: compiled matvecs; more: unpacked chunks
 def test_repacked_forward_matches_float64_reference(monkeypatch, qtype: Q, rows: int) -> None:
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     monkeypatch.setattr(quantized_linear, "CHUNK_VALUES", 128 * 9)  # 9 columns a chunk: a ragged last one
