@@ -83,6 +83,14 @@ def _parser() -> argparse.ArgumentParser:
         "repeatable. Without it the server sends no CORS headers",
     )
     srv.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long requests in flight may take to finish before their streams are ended "
+        "(default 10)",
+    )
+    srv.add_argument(
         "--served-model-name",
         "--alias",
         "-a",
@@ -274,6 +282,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--ctx-size must be at least 2, got {args.ctx_size}")
     if args.parallel < 1:
         raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
+    if not 0 <= args.shutdown_grace <= 3600:  # also refuses NaN
+        raise ValueError(f"--shutdown-grace must be 0..3600 seconds, got {args.shutdown_grace}")
     if args.kv_tokens is not None and args.kv_tokens < 1:
         raise ValueError(f"--kv-tokens must be positive, got {args.kv_tokens}")
     if args.max_body_mb <= 0:
@@ -300,6 +310,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key,
         cors_origins=tuple(args.cors_origin),
+        shutdown_grace=args.shutdown_grace,
         served_model_name=args.served_model_name,
         ctx_size=args.ctx_size,
         debug_hooks=args.debug_hooks,

@@ -63,7 +63,8 @@ class SlotStats:
     prompt_seconds_total: float = 0.0
     tokens_predicted_total: int = 0
     predicted_seconds_total: float = 0.0
-    decode_calls_total: int = 0
+    decode_tokens_total: int = 0
+    decode_passes_total: int = 0
     draft_tokens_total: int = 0
     draft_accepted_total: int = 0
     requests_total: int = 0
@@ -276,7 +277,9 @@ class SessionSlot:
         stats.prompt_seconds_total += segments_seconds + timings.prefill_seconds
         stats.tokens_predicted_total += result.completion_tokens
         stats.predicted_seconds_total += timings.decode_seconds
-        stats.decode_calls_total += timings.decode_tokens
+        stats.decode_tokens_total += timings.decode_tokens
+        # A speculative round yields its accepted drafts and one token more for one forward pass.
+        stats.decode_passes_total += timings.decode_tokens - result.draft_accepted
         stats.draft_tokens_total += result.draft_tokens
         stats.draft_accepted_total += result.draft_accepted
         yield Finished(

@@ -112,8 +112,8 @@ class SlotPool:
 
     @property
     def decode_steps(self) -> tuple[int, int]:
-        """Decode forward passes run and the sequence-steps they carried (one each without batching)."""
-        steps = self.stats.decode_calls_total
+        """Decode forward passes run, and the sequence-steps they carried (one each without batching)."""
+        steps = self.stats.decode_passes_total
         if self.batcher is None:
             return steps, steps
         return steps - self.batcher.rows + self.batcher.steps, steps

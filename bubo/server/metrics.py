@@ -69,7 +69,7 @@ class SlotCollector:
         yield GaugeMetricFamily(
             "llamacpp:predicted_tokens_seconds",
             "Average generation throughput in tokens/s.",
-            value=rate(stats.decode_calls_total, stats.predicted_seconds_total),
+            value=rate(stats.decode_tokens_total, stats.predicted_seconds_total),
         )
         # With --parallel the decode steps of busy slots run as one pass: a pass carries several steps.
         yield counter("llamacpp:n_decode_total", "Total number of decode calls.", decode_passes)

@@ -46,7 +46,16 @@ def test_debug_hooks_refuse_a_non_loopback_host(tiny_llama_path: Path) -> None:
     assert "--debug-hooks needs a loopback --host" in result.stderr
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--n-predict", "0"), ("--temp", "nan"), ("--port", "70000")])
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--n-predict", "0"),
+        ("--temp", "nan"),
+        ("--port", "70000"),
+        ("--shutdown-grace", "nan"),
+        ("--parallel", "0"),
+    ],
+)
 def test_bad_flags_are_one_line(tiny_llama_path: Path, flag: str, value: str) -> None:
     result = _run("--model", str(tiny_llama_path), flag, value)
     assert result.returncode == 1

@@ -100,6 +100,11 @@ def test_counts_reach_usage_timings_and_metrics(servers: list[LiveServer], model
         - before["llamacpp:spec_decode_num_accepted_tokens_total"]
     )
     assert drafted == accepted == 4 + usage["draft_tokens"]
+    # Decode passes, not tokens: the 7 decoded tokens of /completion took 3 passes (2 + 1, 2 + 1, 1).
+    passes = after["llamacpp:n_decode_total"] - before["llamacpp:n_decode_total"]
+    decoded = timings["predicted_n"] - 1 + usage["completion_tokens"] - 1
+    assert passes == decoded - accepted
+    assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == decoded + 2
 
 
 def test_the_mtp_drafter_gives_the_same_answers(servers: list[LiveServer], model: LoadedModel) -> None:
