@@ -29,10 +29,8 @@ PROMPT_TEXT = (
 )
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """What one comparison run takes (shared with benchmarks/run.py): file, threads, sizes, engines."""
     parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: the default model)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=512)
@@ -40,6 +38,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--dtype", default="float32", help="compute dtype for bubo and transformers")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_run_arguments(parser)
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     args = parser.parse_args()
 

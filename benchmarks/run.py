@@ -32,13 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: the default model)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--gen-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engines", default=",".join(bench_generate.ENGINES))
-    parser.add_argument("--dtype", default="float32", help="compute dtype for bubo and transformers")
+    bench_generate.add_run_arguments(parser)
     parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results"), help="folder for JSON and PNG"
     )

@@ -74,10 +74,8 @@ class BlockPool:
 
     @property
     def bytes_per_block(self) -> int:
-        k = self.keys[0] if self.keys else None
-        if k is None:
-            return 0
-        return 2 * self.num_layers * k.shape[0] * self.block_size * k.shape[2] * k.element_size()
+        """Bytes one block takes over every layer's keys and values."""
+        return sum(pool[:, : self.block_size].nbytes for pool in (*self.keys, *self.values))
 
     def blocks_for(self, positions: int) -> int:
         """Blocks that hold `positions` positions."""

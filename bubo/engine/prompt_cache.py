@@ -23,7 +23,17 @@ from dataclasses import dataclass
 from bubo.engine.kv_cache import CacheSnapshot, KVCache
 from bubo.engine.request import CacheReport
 
-__all__ = ["PromptCache", "SnapshotPolicy"]
+__all__ = ["PromptCache", "SnapshotPolicy", "common_prefix"]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
@@ -66,8 +76,8 @@ class PromptCache:
         """Cut the cache back to the longest reusable prefix of `prompt` and report it."""
         cache, held = self.cache, self.tokens
         self.skipped = 0
-        diverged = next((i for i, (a, b) in enumerate(zip(held, prompt, strict=False)) if a != b), None)
-        common = min(len(held), len(prompt)) if diverged is None else diverged
+        common = common_prefix(held, prompt)
+        diverged = common if common < min(len(held), len(prompt)) else None
         # The last prompt token always goes through the model: its logits give the first new token.
         limit = min(common, len(prompt) - 1)
         reason: str | None = None

@@ -27,7 +27,7 @@ from dataclasses import fields
 from bubo.engine.batcher import DecodeBatcher
 from bubo.engine.block_pool import DEFAULT_BLOCK_SIZE
 from bubo.engine.generate import Model, Tokenizer
-from bubo.engine.prompt_cache import SnapshotPolicy
+from bubo.engine.prompt_cache import SnapshotPolicy, common_prefix
 from bubo.engine.request import GenerationRequest, OutputEvent
 from bubo.engine.slot import DeviceLostError, SessionSlot, SlotStats
 from bubo.engine.speculative import Drafter
@@ -173,7 +173,7 @@ class SlotPool:
         idle = [s for s in self.slots if s.id not in self._busy]
         if not idle:
             return None
-        shared = {s.id: _common_prefix(s.cached_token_ids, prompt) for s in idle}
+        shared = {s.id: common_prefix(s.cached_token_ids, prompt) for s in idle}
         extends = [s for s in idle if shared[s.id] and shared[s.id] == len(s.cached_token_ids)]
         if extends:
             return max(extends, key=lambda s: shared[s.id])
@@ -216,12 +216,3 @@ def _share(source: SessionSlot, target: SessionSlot, n: int) -> None:
             target.cache_lock.release()
     finally:
         source.cache_lock.release()
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

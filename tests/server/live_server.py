@@ -2,12 +2,14 @@
 (raw sockets, httpx, the openai and anthropic SDKs), plus a scripted model for exact outputs."""
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import httpx
 import torch
 from aiohttp import web
 
@@ -51,6 +53,26 @@ class LiveServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, timeout: float = 60.0) -> bool:
+    """Poll `url`/ready until it answers 200 (a server process starting up); False at the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/ready").status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    return False
 
 
 def serve_loaded(

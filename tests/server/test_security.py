@@ -19,7 +19,7 @@ from bubo.server import app as server_app
 from bubo.server.app import MAX_FIELD_SIZE, MAX_HEADERS, create_app, exposure_warning
 from bubo.server.state import ServerSettings, ServerState
 from tests.conftest import _tiny_llama
-from tests.server.live_server import LiveServer, serve_loaded
+from tests.server.live_server import LiveServer, free_port, serve_loaded
 
 CHAT = {"model": "bubo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 ALLOWED = "http://app.example"
@@ -183,9 +183,7 @@ def test_an_open_bind_without_a_key_is_warned_about(tmp_path: Path) -> None:
 
 
 def test_bubo_serve_on_an_open_host_warns_on_stderr(tiny_llama_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen(
         [*BUBO_SERVE, "--model", str(tiny_llama_path), "--host", "0.0.0.0", "--port", str(port)],
         stderr=subprocess.PIPE,

@@ -4,19 +4,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.server.live_server import free_port, wait_ready
+
 BUBO = [sys.executable, "-m", "bubo"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -63,7 +58,7 @@ def test_bad_flags_are_one_line(tiny_llama_path: Path, flag: str, value: str) ->
 
 
 def test_serve_answers_then_stops_cleanly(tiny_llama_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [
             *BUBO,
@@ -84,14 +79,7 @@ def test_serve_answers_then_stops_cleanly(tiny_llama_path: Path) -> None:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_ready(url)
         assert httpx.get(url + "/ready").json() == {"status": "ready", "model": "tiny"}
         reply = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hello"}).json()
         assert reply["usage"]["completion_tokens"] == 3  # -n 3 is the default limit

@@ -6,7 +6,6 @@ next request is served."""
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ import torch
 
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.sampler import SamplingParams
-from tests.server.live_server import LiveServer, scripted, serve_loaded
+from tests.server.live_server import LiveServer, free_port, scripted, serve_loaded, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT = {"model": "bubo", "messages": [{"role": "user", "content": "hi"}]}
@@ -49,23 +48,15 @@ sys.exit(serve(settings))
 
 class ServerProcess:
     def __init__(self, model: Path, *, words: int, delay: float, grace: float) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [str(model), str(self.port), str(words), str(delay), str(grace)]
         self.process = subprocess.Popen(
             [sys.executable, "-c", SERVER_SCRIPT, *args], cwd=REPO, stderr=subprocess.PIPE, text=True
         )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/ready").status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.1)
-        self.process.kill()
-        raise RuntimeError("the server did not become ready")
+        if not wait_ready(self.url):
+            self.process.kill()
+            raise RuntimeError("the server did not become ready")
 
     def terminate(self) -> None:
         self.process.send_signal(signal.SIGTERM)

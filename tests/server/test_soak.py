@@ -9,7 +9,6 @@ is busy, /metrics counts exactly the requests that ran, the process's resident m
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.server.live_server import free_port, wait_ready
 
 CLIENTS = 64
 SOAK_SECONDS = 20.0
@@ -128,20 +129,12 @@ def _metric(text: str, name: str) -> float:
 @pytest.fixture(scope="module")
 def soak_server(tiny_llama_path: Path) -> Iterator[tuple[str, int]]:
     """(url, pid) of `bubo serve --parallel 4` on the tiny llama, greedy by default."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "bubo", "serve", "--model", str(tiny_llama_path), "--port", str(port)]
     process = subprocess.Popen([*command, "--parallel", "4", "--temp", "0"], stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_ready(url)
         yield url, process.pid
     finally:
         process.terminate()
