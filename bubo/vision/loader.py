@@ -87,6 +87,10 @@ _Tensors = dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]]
 def _build(
     path: Path, config: VisionConfig, tensors: _Tensors, dtype: torch.dtype, device: torch.device | str
 ) -> VisionTower:
+    # Checked before building: a block count from the file could ask for a billion empty blocks.
+    blocks = {name.split(".")[1] for name in tensors if name.startswith("blocks.")}
+    if config.depth > len(blocks):
+        raise VisionLoadError(f"{path}: {config.depth} blocks, but the file holds tensors of {len(blocks)}")
     with torch.device("meta"):
         tower = VisionTower(config)
     expected = {name: tuple(p.shape) for name, p in tower.state_dict().items()}
