@@ -7,7 +7,12 @@ import pytest
 from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
 from tests.fixtures.gguf_writer import write_gguf
-from tests.fixtures.mmproj_writer import tiny_vision_language_model, write_checkpoint, write_mmproj
+from tests.fixtures.mmproj_writer import (
+    text_model_of,
+    tiny_vision_language_model,
+    write_checkpoint,
+    write_mmproj,
+)
 
 
 @pytest.fixture(scope="session")
@@ -20,13 +25,7 @@ def vl_files(
     vl_model: Qwen3_5ForConditionalGeneration, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("vl")
-    text = Qwen3_5ForCausalLM(vl_model.config.text_config).eval()
-    state = {
-        name.replace("model.language_model.", "model."): tensor
-        for name, tensor in vl_model.state_dict().items()
-        if not name.startswith("model.visual.")
-    }
-    text.load_state_dict(state, strict=True)
+    text = text_model_of(vl_model, Qwen3_5ForCausalLM)
     return {
         "mmproj": write_mmproj(vl_model, folder / "mmproj.gguf"),
         "checkpoint": write_checkpoint(vl_model, folder / "checkpoint"),

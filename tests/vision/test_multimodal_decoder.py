@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import Qwen3_5ForConditionalGeneration
+from transformers import PreTrainedModel, Qwen3_5ForConditionalGeneration, Qwen4ExpForCausalLM
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from bubo.engine.kv_cache import CacheBatch
@@ -20,9 +20,20 @@ from bubo.model.multimodal_inputs import MultimodalInputs
 from bubo.vision.loader import load_vision_tower
 from bubo.vision.positions import ImageSpan, mrope_positions
 from bubo.vision.tower import VisionTower
-from tests.fixtures.mmproj_writer import IMAGE_TOKEN_ID, PREPROCESSOR, VISION_END_ID, VISION_START_ID
+from tests.fixtures.mmproj_writer import (
+    IMAGE_TOKEN_ID,
+    PREPROCESSOR,
+    QWEN4EXP_IMAGE_TOKEN_ID,
+    VISION_END_ID,
+    VISION_START_ID,
+    text_model_of,
+    tiny_qwen4exp_vision_language_model,
+    write_mmproj,
+)
+from tests.fixtures.qwen4exp_gguf import write_qwen4exp_gguf
 
 TOLERANCE = 1e-3  # fp32 text logits (issue 9, TESTING.md)
+SPECIAL = (VISION_START_ID, IMAGE_TOKEN_ID, VISION_END_ID)
 DECODE_STEPS = 4
 MERGE = 2
 
@@ -34,15 +45,19 @@ def _image(width: int, height: int, seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def _prompt(tokens_per_image: list[int], seed: int = 0) -> tuple[list[int], list[int]]:
-    """Token ids: text, then per image <vision_start> pads <vision_end> text; and each image's first pad."""
+def _prompt(
+    tokens_per_image: list[int], seed: int = 0, special: tuple[int, int, int] = SPECIAL, vocab: int = 250
+) -> tuple[list[int], list[int]]:
+    """Token ids: text, then per image <vision_start> pads <vision_end> text; and each image's first pad.
+    `special`: the ids of <vision_start>, <|image_pad|>, <vision_end>."""
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, 250, 5).tolist()
+    start_id, pad_id, end_id = special
+    ids = rng.integers(0, vocab, 5).tolist()
     starts = []
     for n in tokens_per_image:
-        ids.append(VISION_START_ID)
+        ids.append(start_id)
         starts.append(len(ids))
-        ids += [IMAGE_TOKEN_ID] * n + [VISION_END_ID] + rng.integers(0, 250, 3).tolist()
+        ids += [pad_id] * n + [end_id] + rng.integers(0, vocab, 3).tolist()
     return ids, starts
 
 
@@ -65,7 +80,7 @@ class _Reference:
             inputs.update(
                 pixel_values=processed["pixel_values"],
                 image_grid_thw=processed["image_grid_thw"],
-                mm_token_type_ids=(input_ids == IMAGE_TOKEN_ID).int(),
+                mm_token_type_ids=(input_ids == model.config.image_token_id).int(),
             )
         model.model.rope_deltas = None
         with torch.no_grad():
@@ -90,6 +105,30 @@ def _multimodal(
     return MultimodalInputs(rows=rows, embeds=embeds, positions=positions), delta
 
 
+def _compare(
+    reference: PreTrainedModel,
+    decoder: Decoder,
+    tower: VisionTower,
+    ids: list[int],
+    starts: list[int],
+    images: list[Image.Image],
+) -> None:
+    """Prefill logits, then DECODE_STEPS greedy steps with cache.rope_delta, against transformers."""
+    expected = _Reference(reference, ids, images)
+    cache = decoder.new_cache()
+    multimodal, delta = _multimodal(tower, ids, starts, images)
+    logits = decoder(torch.tensor([ids]), cache, multimodal=multimodal)
+    assert (logits - expected.logits).abs().max().item() <= TOLERANCE
+
+    assert delta < 0  # the images use fewer positions than tokens: without the delta the steps would drift
+    cache.rope_delta = delta
+    token = int(logits[0, -1].argmax())
+    for _ in range(DECODE_STEPS):
+        step = decoder(torch.tensor([[token]]), cache)
+        assert (step - expected.step(token)).abs().max().item() <= TOLERANCE
+        token = int(step[0, -1].argmax())
+
+
 @pytest.mark.parametrize(
     "sizes", [[(256, 256)], [(300, 200), (200, 520)]], ids=["one image", "two images of different grids"]
 )
@@ -99,22 +138,22 @@ def test_logits_after_images_and_decoding_match_transformers(
     tower = load_vision_tower(vl_files["mmproj"], dtype=torch.float32, device="cpu")
     images = [_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
     ids, starts = _prompt([tower.token_count(tower.grid_for_size(*size)) for size in sizes])
-    reference = _Reference(vl_model, ids, images)
+    _compare(vl_model, _decoder(vl_files["text"]), tower, ids, starts, images)
 
-    decoder = _decoder(vl_files["text"])
-    cache = decoder.new_cache()
-    multimodal, delta = _multimodal(tower, ids, starts, images)
-    logits = decoder(torch.tensor([ids]), cache, multimodal=multimodal)
-    assert (logits - reference.logits).abs().max().item() <= TOLERANCE
 
-    assert delta < 0  # the images use fewer positions than tokens: without the delta the steps would drift
-    cache.rope_delta = delta
-    token = int(logits[0, -1].argmax())
-    for _ in range(DECODE_STEPS):
-        expected = reference.step(token)
-        step = decoder(torch.tensor([[token]]), cache)
-        assert (step - expected).abs().max().item() <= TOLERANCE
-        token = int(step[0, -1].argmax())
+def test_qwen4exp_logits_after_an_image_match_transformers(tmp_path: Path) -> None:
+    """The flagship: the spec's every-feature-live text config (hyper-connections, QSA selecting blocks
+    over the 70-token prompt, PLE hashing the image placeholder ids, spec 4.12) with the same tower."""
+    reference = tiny_qwen4exp_vision_language_model(seed=2)
+    text = write_qwen4exp_gguf(text_model_of(reference, Qwen4ExpForCausalLM), tmp_path / "text.gguf")
+    tower = load_vision_tower(
+        write_mmproj(reference, tmp_path / "mmproj.gguf"), dtype=torch.float32, device="cpu"
+    )
+    image = _image(256, 256, seed=9)
+    special = (QWEN4EXP_IMAGE_TOKEN_ID + 1, QWEN4EXP_IMAGE_TOKEN_ID, QWEN4EXP_IMAGE_TOKEN_ID + 2)
+    ids, starts = _prompt([tower.token_count(tower.grid_for_size(256, 256))], special=special, vocab=1800)
+    ids[2] = ids[-2] = 1792  # EOS cuts the PLE's n-gram contexts, before and after the image
+    _compare(reference, _decoder(text), tower, ids, starts, [image])
 
 
 def test_prefill_in_chunks_with_the_image_in_the_second(
