@@ -35,7 +35,33 @@ PROJECTOR_TYPE = "qwen3vl_merger"  # gguf.VisionProjectorType.QWEN3VL
 # The released Qwen3.5 preprocessor_config.json's normalisation, for a checkpoint that lacks the file.
 _DEFAULT_MEAN_STD = (0.5, 0.5, 0.5)
 _HF_PREFIXES = ("model.visual.", "visual.")
-_GGUF_BLOCK_TENSOR = re.compile(r"v\.blk\.(?P<index>\d+)\.(?P<part>\w+)\.(?P<kind>weight|bias)")
+_BLOCK_INDEX = re.compile(r"(?:^|\.)(?:blk|blocks)\.(\d+)\.")
+_PATCH = "patch_embed.weight"  # the one parameter whose file layout differs from the tower's
+# The tower's parameter names (bubo.vision.tower) -> the converter's (suffix .weight / .bias kept).
+_GGUF_PARTS = {
+    "patch_embed": "v.patch_embd",
+    "pos_embed": "v.position_embd",
+    "merger.norm": "v.post_ln",
+    "merger.fc1": "mm.0",
+    "merger.fc2": "mm.2",
+}
+_GGUF_BLOCK_PARTS = {
+    "norm1": "ln1",
+    "attn.qkv": "attn_qkv",
+    "attn.out": "attn_out",
+    "norm2": "ln2",
+    "mlp_up": "ffn_up",
+    "mlp_down": "ffn_down",
+}
+# ... -> transformers' (Qwen3_5VisionModel), after the checkpoint's prefix
+_HF_RENAMES = (
+    ("attn.out.", "attn.proj."),
+    ("mlp_up.", "mlp.linear_fc1."),
+    ("mlp_down.", "mlp.linear_fc2."),
+    ("merger.fc1.", "merger.linear_fc1."),
+    ("merger.fc2.", "merger.linear_fc2."),
+    ("patch_embed.bias", "patch_embed.proj.bias"),
+)
 
 
 class VisionLoadError(ValueError):
@@ -48,15 +74,18 @@ def load_vision_tower(path: str | Path, *, dtype: torch.dtype, device: torch.dev
     path = Path(path)
     if not path.exists():
         raise VisionLoadError(f"{path}: no such file or directory")
+    layout: _Layout
     if path.is_file() and _is_gguf(path):
-        config, tensors = _read_gguf(path)
+        config, files = _read_gguf(path)
+        layout = _gguf_layout
     elif path.is_dir() or path.suffix == ".safetensors":
-        config, tensors = _read_checkpoint(path)
+        config, files = _read_checkpoint(path)
+        layout = _checkpoint_layout
     else:
         raise VisionLoadError(
             f"{path}: neither a GGUF projector file nor a Hugging Face safetensors checkpoint"
         )
-    return _build(path, config, tensors, dtype, device)
+    return _build(files, layout, config, dtype, device)
 
 
 def check_tower_fits(tower: VisionTower, config: ModelConfig) -> None:
@@ -80,33 +109,64 @@ def _is_gguf(path: Path) -> bool:
 
 # -- building -------------------------------------------------------------------------------------------
 
-# A tensor as the loader found it: its shape, and how to read it as float32 once the shape is checked.
-_Tensors = dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]]
+
+class _FileTensors:
+    """The tensors of one file (or checkpoint) under their own names: shapes known up front, data read
+    only once every name and shape has been checked."""
+
+    def __init__(
+        self, path: Path, shapes: dict[str, tuple[int, ...]], read: Callable[[str], torch.Tensor]
+    ) -> None:
+        self.path = path
+        self.shapes = shapes
+        self._read = read
+        self.missing: list[str] = []
+        self._taken: set[str] = set()
+
+    def take(self, name: str, shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+        """A reader of tensor `name` as float32, after checking it has `shape` (a missing name is noted)."""
+        if name not in self.shapes:
+            self.missing.append(name)
+        elif self.shapes[name] != shape:
+            raise VisionLoadError(
+                f"{self.path}: tensor {name} has shape {list(self.shapes[name])}, expected {list(shape)}"
+            )
+        self._taken.add(name)
+        return lambda: self._read(name)
+
+    def check_complete(self) -> None:
+        if self.missing:
+            raise VisionLoadError(f"{self.path}: missing tensors {_names(self.missing)}")
+        unexpected = sorted(self.shapes.keys() - self._taken)
+        if unexpected:
+            raise VisionLoadError(
+                f"{self.path}: tensors a Qwen3.5 vision tower doesn't have: {_names(unexpected)}"
+            )
+
+    def block_count(self) -> int:
+        return len({m[1] for name in self.shapes if (m := _BLOCK_INDEX.search(name))})
+
+
+# For one kind of file: the tower's parameter shapes -> a reader per parameter, taken from the file.
+_Layout = Callable[
+    [_FileTensors, dict[str, tuple[int, ...]], VisionConfig], dict[str, Callable[[], torch.Tensor]]
+]
 
 
 def _build(
-    path: Path, config: VisionConfig, tensors: _Tensors, dtype: torch.dtype, device: torch.device | str
+    files: _FileTensors, layout: _Layout, config: VisionConfig, dtype: torch.dtype, device: torch.device | str
 ) -> VisionTower:
     # Checked before building: a block count from the file could ask for a billion empty blocks.
-    blocks = {name.split(".")[1] for name in tensors if name.startswith("blocks.")}
-    if config.depth > len(blocks):
-        raise VisionLoadError(f"{path}: {config.depth} blocks, but the file holds tensors of {len(blocks)}")
+    if config.depth > files.block_count():
+        raise VisionLoadError(
+            f"{files.path}: {config.depth} blocks, but the file holds tensors of {files.block_count()}"
+        )
     with torch.device("meta"):
         tower = VisionTower(config)
     expected = {name: tuple(p.shape) for name, p in tower.state_dict().items()}
-    missing = sorted(expected.keys() - tensors.keys())
-    if missing:
-        raise VisionLoadError(f"{path}: missing tensors {_names(missing)}")
-    unexpected = sorted(tensors.keys() - expected.keys())
-    if unexpected:
-        raise VisionLoadError(f"{path}: tensors a Qwen3.5 vision tower doesn't have: {_names(unexpected)}")
-    for name, shape in expected.items():
-        if tensors[name][0] != shape:
-            raise VisionLoadError(
-                f"{path}: tensor {name} has shape {list(tensors[name][0])}, expected {list(shape)}"
-            )
-    state = {name: read().to(device=device, dtype=dtype) for name, (_, read) in tensors.items()}
-    tower.load_state_dict(state, assign=True)
+    readers = layout(files, expected, config)
+    files.check_complete()
+    tower.load_state_dict({name: read().to(device, dtype) for name, read in readers.items()}, assign=True)
     return tower.eval()
 
 
@@ -155,7 +215,7 @@ class _Keys:
         return tuple(float(x) for x in value)
 
 
-def _read_gguf(path: Path) -> tuple[VisionConfig, _Tensors]:
+def _read_gguf(path: Path) -> tuple[VisionConfig, _FileTensors]:
     try:
         f = GGUFFile(path)
     except GGUFError as e:
@@ -204,68 +264,37 @@ def _read_gguf(path: Path) -> tuple[VisionConfig, _Tensors]:
         )
     except ValueError as e:
         raise keys.error(str(e)) from None
-    return config, _gguf_tensors(f, config)
+
+    def read(name: str) -> torch.Tensor:
+        try:
+            return f.tensors[name].dequantize(torch.float32)
+        except GGUFError as e:
+            raise VisionLoadError(str(e)) from None
+
+    return config, _FileTensors(path, {name: t.shape for name, t in f.tensors.items()}, read)
 
 
-def _gguf_tensors(f: GGUFFile, config: VisionConfig) -> _Tensors:
-    """The file's tensors under the tower's parameter names; the split patch kernel is put back together
-    (and checked) here, the rest is checked by name and shape in _build."""
+def _gguf_name(name: str) -> str:
+    """The converter's name for the tower parameter `name`."""
+    stem, kind = name.rsplit(".", 1)
+    if stem.startswith("blocks."):
+        _, index, part = stem.split(".", 2)
+        return f"v.blk.{index}.{_GGUF_BLOCK_PARTS[part]}.{kind}"
+    return f"{_GGUF_PARTS[stem]}.{kind}"
 
-    def read(name: str) -> Callable[[], torch.Tensor]:
-        def load() -> torch.Tensor:
-            try:
-                return f.tensors[name].dequantize(torch.float32)
-            except GGUFError as e:
-                raise VisionLoadError(str(e)) from None
 
-        return load
-
-    renames = {
-        "v.patch_embd.bias": "patch_embed.bias",
-        "v.position_embd.weight": "pos_embed.weight",
-        "v.post_ln.weight": "merger.norm.weight",
-        "v.post_ln.bias": "merger.norm.bias",
+def _gguf_layout(
+    files: _FileTensors, expected: dict[str, tuple[int, ...]], config: VisionConfig
+) -> dict[str, Callable[[], torch.Tensor]]:
+    readers = {
+        name: files.take(_gguf_name(name), shape) for name, shape in expected.items() if name != _PATCH
     }
-    for suffix in ("weight", "bias"):
-        renames[f"mm.0.{suffix}"] = f"merger.fc1.{suffix}"
-        renames[f"mm.2.{suffix}"] = f"merger.fc2.{suffix}"
-    block_parts = {
-        "ln1": "norm1",
-        "attn_qkv": "attn.qkv",
-        "attn_out": "attn.out",
-        "ln2": "norm2",
-        "ffn_up": "mlp_up",
-        "ffn_down": "mlp_down",
-    }
-    tensors: _Tensors = {}
-    kernels = ("v.patch_embd.weight", "v.patch_embd.weight.1")
-    for name, tensor in f.tensors.items():
-        if name in kernels:
-            continue
-        new = renames.get(name)
-        block = _GGUF_BLOCK_TENSOR.fullmatch(name)
-        if block is not None and block["part"] in block_parts:
-            new = f"blocks.{block['index']}.{block_parts[block['part']]}.{block['kind']}"
-        tensors[new or name] = (tensor.shape, read(name))
-    kernel_shape = (config.hidden_size, config.in_channels, config.patch_size, config.patch_size)
-    for name in kernels:
-        if name not in f.tensors:
-            raise VisionLoadError(
-                f"{f.path}: missing tensor {name} (the patch embedding of frame {name[-1]})"
-            )
-        if f.tensors[name].shape != kernel_shape:
-            raise VisionLoadError(
-                f"{f.path}: tensor {name} has shape {list(f.tensors[name].shape)}, expected {list(kernel_shape)}"
-            )
-
-    def patch_embedding() -> torch.Tensor:
-        # Conv3d kernel [out, channels, frame, row, col] from the two per-frame Conv2d kernels, flattened
-        # in the (channel, frame, row, col) order of the preprocessing's patches.
-        frames = torch.stack([read(name)() for name in kernels], dim=2)
-        return frames.reshape(config.hidden_size, config.patch_values)
-
-    tensors["patch_embed.weight"] = ((config.hidden_size, config.patch_values), patch_embedding)
-    return tensors
+    # The Conv3d kernel [out, channel, frame, row, col] from the converter's two per-frame Conv2d kernels,
+    # flattened in the (channel, frame, row, col) order of the preprocessing's patches.
+    kernel = (config.hidden_size, config.in_channels, config.patch_size, config.patch_size)
+    frames = [files.take(name, kernel) for name in ("v.patch_embd.weight", "v.patch_embd.weight.1")]
+    readers[_PATCH] = lambda: torch.stack([read() for read in frames], dim=2).reshape(expected[_PATCH])
+    return readers
 
 
 # -- Hugging Face checkpoint ----------------------------------------------------------------------------
@@ -281,7 +310,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
-def _read_checkpoint(path: Path) -> tuple[VisionConfig, _Tensors]:
+def _read_checkpoint(path: Path) -> tuple[VisionConfig, _FileTensors]:
     folder = path if path.is_dir() else path.parent
     if not (folder / "config.json").is_file():
         raise VisionLoadError(f"{folder}: no config.json (a Hugging Face checkpoint has one)")
@@ -297,7 +326,7 @@ def _read_checkpoint(path: Path) -> tuple[VisionConfig, _Tensors]:
     files = [path] if path.is_file() else sorted(folder.glob("*.safetensors"))
     if not files:
         raise VisionLoadError(f"{folder}: no .safetensors files")
-    return config, _checkpoint_tensors(files, config)
+    return config, _checkpoint_tensors(folder, files)
 
 
 def _checkpoint_config(folder: Path, vision: dict[str, Any], preprocessor: dict[str, Any]) -> VisionConfig:
@@ -361,17 +390,19 @@ def _checkpoint_config(folder: Path, vision: dict[str, Any], preprocessor: dict[
         raise error(str(e)) from None
 
 
-def _checkpoint_tensors(files: list[Path], config: VisionConfig) -> _Tensors:
-    """The model.visual.* tensors of `files` under the tower's parameter names (the Conv3d patch kernel
-    flattened to the linear map it is)."""
-    renames = {
-        "patch_embed.proj.bias": "patch_embed.bias",
-        "merger.linear_fc1.weight": "merger.fc1.weight",
-        "merger.linear_fc1.bias": "merger.fc1.bias",
-        "merger.linear_fc2.weight": "merger.fc2.weight",
-        "merger.linear_fc2.bias": "merger.fc2.bias",
-    }
-    block_parts = {"attn.proj": "attn.out", "mlp.linear_fc1": "mlp_up", "mlp.linear_fc2": "mlp_down"}
+def _checkpoint_layout(
+    files: _FileTensors, expected: dict[str, tuple[int, ...]], config: VisionConfig
+) -> dict[str, Callable[[], torch.Tensor]]:
+    prefix = next((p for p in _HF_PREFIXES if p + "pos_embed.weight" in files.shapes), _HF_PREFIXES[0])
+
+    def hf_name(name: str) -> str:
+        for ours, theirs in _HF_RENAMES:
+            name = name.replace(ours, theirs)
+        return prefix + name
+
+    readers = {name: files.take(hf_name(name), shape) for name, shape in expected.items() if name != _PATCH}
+    # A Conv3d whose kernel equals its stride is its kernel, flattened in (channel, frame, row, col) order,
+    # applied to each flattened patch.
     kernel = (
         config.hidden_size,
         config.in_channels,
@@ -379,47 +410,28 @@ def _checkpoint_tensors(files: list[Path], config: VisionConfig) -> _Tensors:
         config.patch_size,
         config.patch_size,
     )
-    tensors: _Tensors = {}
+    conv = files.take(prefix + "patch_embed.proj.weight", kernel)
+    readers[_PATCH] = lambda: conv().flatten(1)
+    return readers
+
+
+def _checkpoint_tensors(folder: Path, files: list[Path]) -> _FileTensors:
+    """The tower's tensors (model.visual.* or visual.*) of the checkpoint's safetensors `files`."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    where: dict[str, Path] = {}
     for file in files:
         try:
             with safe_open(file, framework="pt") as handle:
-                names = list(handle.keys())
-                shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in names}
+                names = handle.keys()
+                for name in names:
+                    if name.startswith(_HF_PREFIXES):
+                        shapes[name] = tuple(handle.get_slice(name).get_shape())
+                        where[name] = file
         except (SafetensorError, OSError) as e:
             raise VisionLoadError(f"{file}: not a readable safetensors file ({e})") from None
-        for full in names:
-            prefix = next((p for p in _HF_PREFIXES if full.startswith(p)), None)
-            if prefix is None:
-                continue
-            name = full.removeprefix(prefix)
-            read = _safetensors_reader(file, full)
-            shape = shapes[full]
-            if name == "patch_embed.proj.weight":
-                if shape != kernel:
-                    raise VisionLoadError(
-                        f"{file}: tensor {full} has shape {list(shape)}, expected {list(kernel)}"
-                    )
-                name, shape, read = (
-                    "patch_embed.weight",
-                    (config.hidden_size, config.patch_values),
-                    _flat(read),
-                )
-            elif name.startswith("blocks."):
-                for old, new in block_parts.items():
-                    name = name.replace(f".{old}.", f".{new}.")
-            tensors[renames.get(name, name)] = (shape, read)
-    return tensors
 
-
-def _safetensors_reader(file: Path, name: str) -> Callable[[], torch.Tensor]:
-    def read() -> torch.Tensor:
-        with safe_open(file, framework="pt") as handle:
+    def read(name: str) -> torch.Tensor:
+        with safe_open(where[name], framework="pt") as handle:
             return handle.get_tensor(name).float()
 
-    return read
-
-
-def _flat(read: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    # A Conv3d with kernel == stride over a [channel, frame, row, col] patch is its kernel, flattened in
-    # that order, as one linear map.
-    return lambda: read().flatten(1)
+    return _FileTensors(folder, shapes, read)

@@ -119,7 +119,7 @@ class VisionTower(nn.Module):
         t, h, w = grid
         return t * h * w // self.config.spatial_merge_size**2
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def encode(self, patches: ImagePatches) -> torch.Tensor:
         """The image's embeddings [token_count, out_hidden_size] on the tower's device, in its dtype."""
         t, h, w = self._check(patches)

@@ -34,15 +34,18 @@ def _load(path: Path) -> None:
         ({"clip.vision.is_deepstack_layers": [True, False]}, "deepstack"),
         (
             {"clip.vision.feed_forward_length": 40},
-            r"blocks\.0\.mlp_up\.weight has shape \[48, 32\], expected \[40, 32\]",
+            r"tensor v\.blk\.0\.ffn_up\.weight has shape \[48, 32\], expected \[40, 32\]",
         ),
         (
             {"clip.vision.projection_dim": 48},
-            r"merger\.fc2\.weight has shape \[64, 128\], expected \[48, 128\]",
+            r"tensor mm\.2\.weight has shape \[64, 128\], expected \[48, 128\]",
         ),
         ({"clip.vision.block_count": 3}, "3 blocks, but the file holds tensors of 2"),
         ({"clip.vision.block_count": 10**9}, "1000000000 blocks, but the file holds tensors of 2"),
-        ({"clip.vision.block_count": 1}, r"doesn't have: blocks\.1\.attn\.out\.bias"),
+        (
+            {"clip.vision.block_count": 1},
+            r"doesn't have: v\.blk\.1\.attn_out\.bias, v\.blk\.1\.attn_out\.weight, .* and 6 more",
+        ),
         ({"clip.vision.embedding_length": 16}, "v.position_embd.weight has shape"),
     ],
 )
@@ -57,9 +60,9 @@ def test_bad_metadata(
 @pytest.mark.parametrize(
     ("drop", "message"),
     [
-        (("v.blk.1.ffn_up.weight",), r"missing tensors blocks\.1\.mlp_up\.weight"),
-        (("mm.2.bias",), r"missing tensors merger\.fc2\.bias"),
-        (("v.patch_embd.weight.1",), r"missing tensor v\.patch_embd\.weight\.1"),
+        (("v.blk.1.ffn_up.weight",), r"missing tensors v\.blk\.1\.ffn_up\.weight$"),
+        (("mm.2.bias",), r"missing tensors mm\.2\.bias$"),
+        (("v.patch_embd.weight.1",), r"missing tensors v\.patch_embd\.weight\.1$"),
         (("v.position_embd.weight",), r"missing tensor v\.position_embd\.weight"),
     ],
 )
@@ -151,7 +154,7 @@ def test_checkpoint_tensor_errors(vl_files: dict[str, Path], tmp_path: Path) -> 
         {k: v for k, v in weights.items() if k != "model.visual.blocks.1.attn.qkv.bias"},
         folder / "model.safetensors",
     )
-    with pytest.raises(VisionLoadError, match=r"missing tensors blocks\.1\.attn\.qkv\.bias"):
+    with pytest.raises(VisionLoadError, match=r"missing tensors model\.visual\.blocks\.1\.attn\.qkv\.bias$"):
         _load(folder)
     kernel = weights["model.visual.patch_embed.proj.weight"]
     save_file(
