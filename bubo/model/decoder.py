@@ -542,7 +542,8 @@ class Decoder(nn.Module):
             raise ValueError("this model has no MTP block")
         next_tokens = next_tokens.to(self.device)
         length = next_tokens.shape[1]
-        cos, sin = self._rotary_at(mtp_cache.length + mtp_cache.rope_delta, length)
+        positions = torch.arange(mtp_cache.length, mtp_cache.length + length, device=self.device)
+        cos, sin = self.rotary(positions, self.dtype)
         return self.mtp(hidden, self.embedding(next_tokens), next_tokens, cos, sin, mtp_cache)
 
     def new_mtp_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:

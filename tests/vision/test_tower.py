@@ -3,6 +3,7 @@ from the projector GGUF the fixture writes as llama.cpp's converter would and fr
 checkpoint; pixels from transformers' own image processor, so only the tower is compared. Measured max
 |Δ| over the three image sizes: 3.3e-6 from either source. Tolerance 1e-4."""
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -95,3 +97,20 @@ def test_encode_refuses_patches_that_do_not_fit_the_grid(vl_files: dict[str, Pat
         tower.encode(ImagePatches(pixels=torch.zeros(10, tower.config.patch_values), grid=(1, 4, 4)))
     with pytest.raises(ValueError, match="multiples of 2"):
         tower.encode(ImagePatches(pixels=torch.zeros(15, tower.config.patch_values), grid=(1, 3, 5)))
+
+
+def test_sharded_checkpoint_and_bare_visual_prefix(vl_files: dict[str, Path], tmp_path: Path) -> None:
+    """Released checkpoints come in shards; older conversions name the tower visual.* (no model.)."""
+    weights = load_file(vl_files["checkpoint"] / "model.safetensors")
+    visual = sorted(name for name in weights if name.startswith("model.visual."))
+    shutil.copy(vl_files["checkpoint"] / "config.json", tmp_path / "config.json")
+    shutil.copy(vl_files["checkpoint"] / "preprocessor_config.json", tmp_path / "preprocessor_config.json")
+    for i, names in enumerate((visual[::2], visual[1::2])):
+        bare = {name.removeprefix("model."): weights[name] for name in names}
+        save_file(bare, tmp_path / f"model-0000{i + 1}-of-00002.safetensors")
+    sharded = load_vision_tower(tmp_path, dtype=torch.float32, device="cpu")
+    whole = load_vision_tower(vl_files["checkpoint"], dtype=torch.float32, device="cpu")
+    for (name, ours), (_, theirs) in zip(
+        sharded.state_dict().items(), whole.state_dict().items(), strict=True
+    ):
+        assert torch.equal(ours, theirs), name
