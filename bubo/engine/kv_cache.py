@@ -90,6 +90,10 @@ class KVCache:
         self.ple = ple
         self.max_len = max_len
         self.length = 0
+        # How far the positions of the tokens after a prompt with images run off their index (the
+        # delta of bubo.vision.positions.mrope_positions): a text-only call continues at
+        # length + rope_delta. Set by whoever prefilled the images.
+        self.rope_delta = 0
         # Positions at which the recurrent states are to be copied during the next forward pass (set by
         # the prompt cache), and the copies made: position -> {recurrent state index: copy}.
         self.snapshot_at: tuple[int, ...] = ()

@@ -31,6 +31,7 @@ from bubo.model.indexed_attention import IndexedAttention, QSAIndexer
 from bubo.model.layers import MLP, RMSNorm, RotaryEmbedding
 from bubo.model.moe import Experts, SparseMoE
 from bubo.model.mtp import MultiTokenPredictor
+from bubo.model.multimodal_inputs import MultimodalInputs
 from bubo.model.ngram_embedding import NGramEmbedding, NGramHash, PLELayer
 
 __all__ = [
@@ -461,27 +462,48 @@ class Decoder(nn.Module):
         return not (self.config.hc_count or self.config.indexer or self.config.ple)
 
     def forward(
-        self, tokens: torch.Tensor, cache: KVCache | CacheBatch, last_only: bool = False
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | CacheBatch,
+        last_only: bool = False,
+        multimodal: MultimodalInputs | None = None,
     ) -> torch.Tensor:
         """Logits for every position, or with `last_only` just the last ([B, 1, vocab]): enough for
         generation, and a long prompt's full-vocabulary logits would be large."""
-        return self.output(self.hidden(tokens, cache, last_only)).float()
+        return self.output(self.hidden(tokens, cache, last_only, multimodal)).float()
 
     def hidden(
-        self, tokens: torch.Tensor, cache: KVCache | CacheBatch, last_only: bool = False
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | CacheBatch,
+        last_only: bool = False,
+        multimodal: MultimodalInputs | None = None,
     ) -> torch.Tensor:
         """The final hidden states [B, T or 1, hidden], after the output norm: what the head reads,
-        and what the MTP block continues from. With a CacheBatch row i continues caches[i]."""
+        and what the MTP block continues from. With a CacheBatch row i continues caches[i].
+
+        Positions are `cache.length + cache.rope_delta` onwards (rope_delta: how far the text after an
+        image runs off its token index, see bubo.vision.positions), or with `multimodal` (one sequence)
+        its mRoPE positions, and its image embeddings take the place of the tokens' at its rows. The
+        tokens there stay the image placeholder id, which is what qwen4exp's PLE hashes (spec 4.12)."""
         tokens = tokens.to(self.device)
         length = tokens.shape[1]
         if isinstance(cache, CacheBatch):
             if not self.supports_cache_batch:
                 raise ValueError(f"{self.config.architecture} can't run several caches as one batch")
-            angles = [self._rotary_at(c.length, length) for c in cache.caches]
+            if multimodal is not None:
+                raise ValueError("image inputs run one sequence at a time, not in a cache batch")
+            angles = [self._rotary_at(c.length + c.rope_delta, length) for c in cache.caches]
             cos, sin = torch.stack([a[0] for a in angles]), torch.stack([a[1] for a in angles])
+        elif multimodal is not None:
+            cos, sin = self._multimodal_rotary(tokens, multimodal)
         else:
-            cos, sin = self._rotary_at(cache.length, length)
+            cos, sin = self._rotary_at(cache.length + cache.rope_delta, length)
         x = self.embedding(tokens)
+        if multimodal is not None:
+            # transformers' masked_scatter of the image features into the placeholder embeddings
+            rows = multimodal.rows.to(self.device)
+            x = x.index_copy(1, rows, multimodal.embeds.to(self.device, x.dtype)[None])
         if self.config.hc_count:
             x = expand_streams(x, self.config.hc_count)
         for layer in self.layers:
@@ -490,6 +512,16 @@ class Decoder(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.norm(x)
+
+    def _multimodal_rotary(
+        self, tokens: torch.Tensor, multimodal: MultimodalInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rotary.mrope_axes is None:
+            raise ValueError(f"{self.config.architecture} has no multimodal rope: it can't take image inputs")
+        if tokens.shape[0] != 1:
+            raise ValueError(f"image inputs run one sequence at a time, got a batch of {tokens.shape[0]}")
+        multimodal.check(tokens.shape[1], self.config.hidden_size)
+        return self.rotary(multimodal.positions.to(self.device), self.dtype)
 
     def _rotary_at(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary(torch.arange(start, start + length, device=self.device), self.dtype)
