@@ -28,11 +28,13 @@ _FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """The most an image may take: bytes as sent (after base64) and pixels once decoded. The pixel limit
-    is checked from the header, before the pixels are decoded (a small file can hold a huge image)."""
+    """The most an image may take: bytes as sent (after base64) and pixels once decoded, and the most
+    images one request may hold. The pixel limit is checked from the header, before the pixels are
+    decoded (a small file can hold a huge image)."""
 
     max_bytes: int = 20 << 20
     max_pixels: int = 40_000_000
+    max_images: int = 32
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 dialect takes between validating a body and formatting the answer (model name resolution, rendering
 a chat, tokenizing, the memory guard, running on the slot)."""
 
-import asyncio
 import logging
 import re
 import secrets
@@ -34,15 +33,9 @@ from bubo.gguf.reader import GGUFFile
 from bubo.model.mtp_weights import check_mtp_file, load_mtp_weights
 from bubo.server.chat import ChatRequest, without_image_sources
 from bubo.server.errors import ApiError, bad_field
-from bubo.server.image_fetch import Lookup, fetch_image, system_lookup
-from bubo.server.image_input import (
-    DecodedImage,
-    ImageLimits,
-    ImagePart,
-    decode_image,
-    image_error,
-    inline_bytes,
-)
+from bubo.server.image_fetch import Lookup, system_lookup
+from bubo.server.image_input import DecodedImage, ImageLimits
+from bubo.server.image_prompt import IMAGE_PAD, check_mmproj, load_images, place_images, text_only
 from bubo.server.memory_guard import MemoryGuard, MemoryProbe, SystemMemoryProbe, request_cost, vision_bytes
 from bubo.server.shutdown import StreamCutoff
 from bubo.templates.chat_template import ChatTemplate, ChatTemplateError, TemplateSandboxError
@@ -62,9 +55,6 @@ __all__ = [
 log = logging.getLogger("bubo.server")
 
 SERVED_ALIAS = "bubo"
-# The token the Qwen-VL family's templates put where an image goes (between <|vision_start|> and
-# <|vision_end|>); the prompt repeats it once per image token.
-IMAGE_PAD = "<|image_pad|>"
 # The HTTP request's id (x-request-id), set by the app's error middleware for the request's task, so a
 # failure deep in generation is reported under the id the client sees.
 CURRENT_REQUEST_ID: ContextVar[str | None] = ContextVar("bubo_request_id", default=None)
@@ -165,7 +155,7 @@ class ServerState:
                 "(give its checkpoint's with --mtp-weights PATH, or use --spec-draft 0)"
             )
         if self.settings.mmproj is not None:
-            _check_mmproj(self.settings.mmproj)
+            check_mmproj(self.settings.mmproj)
 
     def _n_ctx(self, trained: int) -> int:
         return min(self.settings.ctx_size or trained, trained)
@@ -339,7 +329,7 @@ class ServerState:
         tools = chat.tools if chat.tool_choice.mode != "none" else None
         images = chat.images
         if images and self.tower is None:
-            raise _text_only(images[0])
+            raise text_only(images[0])
         messages = without_image_sources(chat.messages) if images else chat.messages
         uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
         if uses_tools and not self.template.supports_tools:
@@ -416,7 +406,8 @@ class ServerState:
         ids = self.tokenize(text)
         placed: tuple[PromptImage, ...] = ()
         if images is not None and chat.images:
-            ids, placed = self._place_images(ids, images)
+            pad = self.require_ready().tokenizer.token_to_id(IMAGE_PAD)
+            ids, placed = place_images(ids, pad, images, self.tower)
         return RenderedPrompt(text, ids, reasoning=thinking or opened, in_reasoning=opened, images=placed)
 
     async def load_images(self, chat: ChatRequest) -> list[DecodedImage]:
@@ -427,61 +418,20 @@ class ServerState:
             return []
         self.require_ready()
         if self.tower is None:
-            raise _text_only(parts[0])
-        limits = self.settings.image_limits
-        decoded = []
-        for part in parts:
-            if part.remote:
-                if not self.settings.allow_image_urls:
-                    raise image_error(
-                        part.where,
-                        "this server does not fetch image URLs: send the image inline as a data: URL "
-                        "(base64), or start the server with --allow-image-urls",
-                        "image_url_not_allowed",
-                    )
-                assert part.url is not None
-                data = await fetch_image(part.url, part.where, limits, lookup=self.image_lookup)
-            else:
-                data = inline_bytes(part, limits)
-            decoded.append(await asyncio.to_thread(decode_image, data, part.where, limits))
-        return decoded
-
-    def _place_images(
-        self, ids: list[int], images: Sequence[DecodedImage]
-    ) -> tuple[list[int], tuple[PromptImage, ...]]:
-        """The prompt with each image's pad token repeated `token_count(grid)` times, and where each
-        image's tokens lie."""
-        loaded = self.require_ready()
-        pad = loaded.tokenizer.token_to_id(IMAGE_PAD)
-        at = [i for i, token in enumerate(ids) if token == pad]
-        if pad is None or len(at) != len(images):
-            raise ApiError(
-                400,
-                "image_placeholder_mismatch",
-                f"the prompt holds {len(at)} {IMAGE_PAD} tokens for {len(images)} images: the chat template "
-                f"must render each image part once, and text must not contain {IMAGE_PAD}",
-            )
-        out: list[int] = []
-        placed = []
-        previous = 0
-        for index, image in zip(at, images, strict=True):
-            out += ids[previous:index]
-            grid = tuple(self.tower.grid_for_size(*image.size))
-            count = self.tower.token_count(grid)
-            placed.append(PromptImage(len(out), grid, count, image.digest, image.image))
-            out += [pad] * count
-            previous = index + 1
-        out += ids[previous:]
-        return out, tuple(placed)
+            raise text_only(parts[0])
+        settings = self.settings
+        return await load_images(
+            parts, settings.image_limits, allow_urls=settings.allow_image_urls, lookup=self.image_lookup
+        )
 
     def check_context(self, prompt_ids: list[int], images: Sequence[PromptImage] = ()) -> None:
         if not prompt_ids:
             raise ApiError(
                 400, "empty_prompt", "the prompt is empty: give at least one token", param="prompt"
             )
-        if images and len(prompt_ids) >= self.n_ctx:
-            # The image tokens are what does not fit: no shorter text would make the request fit.
-            image_tokens = sum(image.tokens for image in images)
+        image_tokens = sum(image.tokens for image in images)
+        if images and len(prompt_ids) >= self.n_ctx and len(prompt_ids) - image_tokens < self.n_ctx:
+            # The text alone would fit: the images are what never can.
             raise ApiError(
                 507,
                 "insufficient_memory_permanent",
@@ -600,26 +550,3 @@ class ServerState:
                 if isinstance(event, Finished):
                     return event
         raise RuntimeError("the generation ended without a result")
-
-
-def _text_only(part: ImagePart) -> ApiError:
-    return ApiError(
-        400,
-        "unsupported_content",
-        f"{part.where}: this model takes text only (no vision tower is loaded), not {part.kind!r} parts",
-        param=part.param,
-    )
-
-
-def _check_mmproj(path: Path) -> None:
-    """--mmproj names a file or a checkpoint folder that exists; a GGUF must be a vision projector."""
-    if not path.exists():
-        raise FileNotFoundError(f"--mmproj: vision tower not found: {path}")
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        with GGUFFile(path) as file:
-            architecture = file.metadata.get("general.architecture")
-        if architecture != "clip":
-            raise ValueError(
-                f"--mmproj {path}: general.architecture is {architecture!r}, not 'clip': not a vision "
-                "projector file (the model file goes first, the projector after --mmproj)"
-            )

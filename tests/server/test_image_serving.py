@@ -346,3 +346,112 @@ def test_mmproj_is_checked_before_the_port_opens(vision_llama: LoadedModel, tmp_
     wrong = ServerState(ServerSettings(model_path=vision_llama.path, mmproj=vision_llama.path))
     with pytest.raises(ValueError, match="not 'clip'"):
         wrong.preflight()
+
+
+def test_text_too_long_for_the_context_stays_400_with_an_image(vision_llama: LoadedModel) -> None:
+    small = _serve(vision_llama, ctx_size=64)
+    try:
+        body = _chat({"type": "image_url", "image_url": {"url": _data_url(RED)}}, text="words " * 80)
+        response = small.post("/v1/chat/completions", body)
+        assert response.status_code == 400
+        assert _error(response)["code"] == "context_length_exceeded"
+    finally:
+        small.live.stop()
+
+
+def test_more_images_than_allowed_are_400(vision_llama: LoadedModel) -> None:
+    small = _serve(vision_llama, image_limits=ImageLimits(max_images=1))
+    try:
+        body = _openai(RED)
+        body["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": _data_url(BLUE)}})
+        response = small.post("/v1/chat/completions", body)
+        assert response.status_code == 400
+        error = _error(response)
+        assert error["code"] == "too_many_images" and "content[2]" in error["message"]
+    finally:
+        small.live.stop()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "code"),
+    [
+        (
+            "/v1/messages",
+            {
+                "model": "bubo",
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "source": {"type": "url", "url": "https://a.example/b.png"}}
+                        ],
+                    }
+                ],
+            },
+            "image_url_not_allowed",
+        ),
+        (
+            "/v1/messages",
+            {
+                "model": "bubo",
+                "max_tokens": 4,
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "toolu_1", "name": "look", "input": {}}],
+                    },
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "toolu_1",
+                                "content": [
+                                    {
+                                        "type": "image",
+                                        "source": {
+                                            "type": "base64",
+                                            "media_type": "image/png",
+                                            "data": _b64(RED),
+                                        },
+                                    }
+                                ],
+                            }
+                        ],
+                    },
+                ],
+            },
+            "unsupported_content",
+        ),
+        (
+            "/v1/messages",
+            {
+                "model": "bubo",
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}],
+                    }
+                ],
+            },
+            "invalid_value",
+        ),
+        (
+            "/v1/responses",
+            {
+                "model": "bubo",
+                "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}],
+            },
+            "unsupported_content",
+        ),
+    ],
+)
+def test_image_sources_bubo_cannot_take_are_400(
+    server: VisionServer, path: str, body: dict[str, Any], code: str
+) -> None:
+    response = server.post(path, body)
+    assert response.status_code == 400
+    assert _error(response)["code"] == code
