@@ -177,7 +177,7 @@ def _image(block: Mapping[str, Any], at: str) -> ImagePart:
         data = source.get("data")
         if not isinstance(data, str) or not data:
             raise bad_field(f"{at}.source.data", "must be base64 text")
-        return ImagePart(f"{at}.source.data", at, "image", data=data, media_type=source.get("media_type"))
+        return ImagePart(f"{at}.source.data", at, "image", data=data)
     if kind == "url":
         assert isinstance(source, Mapping)
         url = source.get("url")

@@ -16,6 +16,7 @@ from bubo.server.fields import Body
 from bubo.server.image_input import ImagePart
 
 __all__ = [
+    "IMAGE_PART",
     "REASONING_BUDGETS",
     "REASONING_EFFORTS",
     "ChatRequest",

@@ -15,7 +15,7 @@ import io
 import warnings
 from dataclasses import dataclass
 
-from PIL import Image
+from PIL import Image, ImageOps
 
 from bubo.server.errors import ApiError
 
@@ -43,7 +43,7 @@ class ImagePart:
 
     `where` is the part's path (messages[0].content[1]), `param` the field a text-only model's refusal
     names, `kind` the part's type as sent. The source is `url` (a data:, http: or https: URL) or
-    `data` (base64 text, Anthropic's base64 source, of `media_type`).
+    `data` (base64 text, Anthropic's base64 source; Pillow tells the format from the bytes).
     """
 
     where: str
@@ -51,7 +51,6 @@ class ImagePart:
     kind: str
     url: str | None = None
     data: str | None = None
-    media_type: str | None = None
 
     @property
     def remote(self) -> bool:
@@ -65,7 +64,6 @@ class DecodedImage:
 
     image: Image.Image
     digest: str
-    where: str
 
     @property
     def size(self) -> tuple[int, int]:
@@ -129,8 +127,11 @@ def decode_image(data: bytes, where: str, limits: ImageLimits) -> DecodedImage:
         if width < 1 or height < 1:
             raise image_error(where, f"the image is {width}x{height} pixels")
         image.load()
+        # Photos stored sideways with an EXIF orientation are turned upright, as transformers'
+        # load_image does before the image processor sees them.
+        image = ImageOps.exif_transpose(image)
     except Image.DecompressionBombError:
         raise image_error(where, "the image has too many pixels", "image_too_large") from None
     except (OSError, ValueError, SyntaxError, EOFError, Image.UnidentifiedImageError) as error:
         raise image_error(where, f"not a readable PNG, JPEG, WebP, GIF or BMP image ({error})") from None
-    return DecodedImage(image, hashlib.sha256(data).hexdigest(), where)
+    return DecodedImage(image, hashlib.sha256(data).hexdigest())

@@ -44,6 +44,14 @@ def test_jpeg_webp_and_gif_decode() -> None:
         assert decode_image(buffer.getvalue(), "where", LIMITS).size == (9, 7)
 
 
+def test_an_exif_orientation_is_applied() -> None:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored rotated: display turned 90 degrees clockwise
+    buffer = io.BytesIO()
+    Image.new("RGB", (30, 10), (9, 9, 9)).save(buffer, format="JPEG", exif=exif)
+    assert decode_image(buffer.getvalue(), "where", LIMITS).size == (10, 30)
+
+
 @pytest.mark.parametrize(
     ("data", "code"),
     [
