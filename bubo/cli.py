@@ -137,6 +137,20 @@ def _parser() -> argparse.ArgumentParser:
         help="also snapshot every N prompt tokens (default 1024; 0 = at turn ends only)",
     )
     _add_speculation_args(srv)
+    srv.add_argument(
+        "--mmproj",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="vision tower (projector GGUF, as llama.cpp's --mmproj, or a checkpoint's vision weights): "
+        "the model then takes images",
+    )
+    srv.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch http(s) image URLs in requests (never from private or loopback addresses); "
+        "without it images must be sent inline (data: URLs, base64)",
+    )
     srv.add_argument("--temp", "--temperature", type=float, default=0.8, help="default temperature (0.8)")
     srv.add_argument("--top-k", type=int, default=40, help="default top-k (40; 0 = off)")
     srv.add_argument("--top-p", type=float, default=0.95, help="default top-p (0.95; 1 = off)")
@@ -328,6 +342,8 @@ def _serve(args: argparse.Namespace) -> int:
         ),
         spec_draft=args.spec_draft,
         mtp_weights=args.mtp_weights,
+        mmproj=args.mmproj,
+        allow_image_urls=args.allow_image_urls,
     )
     ServerState(settings).preflight()
     logging.basicConfig(level=logging.INFO, format="bubo: %(levelname)s %(name)s: %(message)s")

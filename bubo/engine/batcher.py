@@ -29,6 +29,7 @@ class _Call:
     tokens: torch.Tensor
     cache: Any
     last_only: bool
+    multimodal: Any = None  # a prefill chunk's image inputs (bubo/engine/prompt_images.py)
     done: bool = False
     result: torch.Tensor | None = None
     error: BaseException | None = None
@@ -36,9 +37,13 @@ class _Call:
 
     def __post_init__(self) -> None:
         cache = self.cache
-        # One token of one sequence (a snapshot wanted inside a pass can't fall within a single step).
+        # One token of one sequence, without image inputs (a snapshot wanted inside a pass can't fall
+        # within a single step).
         self.batchable = (
-            tuple(self.tokens.shape) == (1, 1) and isinstance(cache, KVCache) and cache.batch == 1
+            tuple(self.tokens.shape) == (1, 1)
+            and isinstance(cache, KVCache)
+            and cache.batch == 1
+            and self.multimodal is None
         )
 
 
@@ -66,9 +71,11 @@ class DecodeBatcher:
                 ready = self._take_if_ready()
             self._run(ready)
 
-    def call(self, method: str, tokens: torch.Tensor, cache: Any, last_only: bool) -> torch.Tensor:
+    def call(
+        self, method: str, tokens: torch.Tensor, cache: Any, last_only: bool, multimodal: Any = None
+    ) -> torch.Tensor:
         """The model's `method` on (tokens, cache), run when every member has a call in."""
-        call = _Call(method, tokens, cache, last_only)
+        call = _Call(method, tokens, cache, last_only, multimodal)
         with self._cond:
             self._pending.append(call)
             ready = self._take_if_ready()
@@ -112,7 +119,8 @@ class DecodeBatcher:
         run = self.model if call.method == "forward" else self.model.hidden
         try:
             with torch.inference_mode():
-                call.result = run(call.tokens, call.cache, last_only=call.last_only)
+                images = {} if call.multimodal is None else {"multimodal": call.multimodal}
+                call.result = run(call.tokens, call.cache, last_only=call.last_only, **images)
         except BaseException as error:  # handed to the thread that made the call
             call.error = error
         call.done = True
@@ -148,11 +156,15 @@ class BatchedModel:
         self._model = model
         self._batcher = batcher
 
-    def __call__(self, tokens: torch.Tensor, cache: Any, last_only: bool = False) -> torch.Tensor:
-        return self._batcher.call("forward", tokens, cache, last_only)
+    def __call__(
+        self, tokens: torch.Tensor, cache: Any, last_only: bool = False, multimodal: Any = None
+    ) -> torch.Tensor:
+        return self._batcher.call("forward", tokens, cache, last_only, multimodal)
 
-    def hidden(self, tokens: torch.Tensor, cache: Any, last_only: bool = False) -> torch.Tensor:
-        return self._batcher.call("hidden", tokens, cache, last_only)
+    def hidden(
+        self, tokens: torch.Tensor, cache: Any, last_only: bool = False, multimodal: Any = None
+    ) -> torch.Tensor:
+        return self._batcher.call("hidden", tokens, cache, last_only, multimodal)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)

@@ -8,7 +8,7 @@ closing the iterator.
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -162,6 +162,7 @@ def generate(
     logprobs: int | None = None,
     constraints: Sequence[TokenConstraint] = (),
     drafter: Drafter | None = None,
+    prompt_inputs: Callable[[int, int], Any] | None = None,
 ) -> Iterator[GenerationEvent]:
     """Continue `prompt_ids`, yielding TextDelta pieces and then one GenerationResult.
 
@@ -173,7 +174,9 @@ def generate(
     `logprobs` (None: off) attaches each token's log probability and that many top alternatives.
     `constraints` mask the logits before each draw and see each chosen token (log probabilities stay
     the model's own). `drafter` turns on speculative decoding (bubo/engine/speculative.py): same
-    events, greedy output identical, sampled output from the same distribution.
+    events, greedy output identical, sampled output from the same distribution. `prompt_inputs(start,
+    end)` gives the prefill of prompt positions [start, end) its image inputs (None for none) and sets
+    the cache's rope offset (bubo/engine/prompt_images.py).
     """
     params.validate()
     prompt = list(prompt_ids)
@@ -215,13 +218,15 @@ def generate(
         speculative = SpeculativeDecoder(model, cache, chooser, drafter)
     started = time.perf_counter()
     tokens = torch.tensor([prompt[cached:]], dtype=torch.long, device=device)
+    inputs = prompt_inputs(cached, len(prompt)) if prompt_inputs is not None else None
+    images = {} if inputs is None else {"multimodal": inputs}
     source: Iterator[tuple[int, torch.Tensor]]
     if speculative is None:
         # Only the last position's logits are needed; a long prompt's [T, vocab] logits would be large.
-        logits = model(tokens, cache, last_only=True)[0, -1]
+        logits = model(tokens, cache, last_only=True, **images)[0, -1]
         source = _plain_tokens(model, cache, chooser, logits)
     else:
-        source = speculative.tokens(speculative.prefill(tokens), prompt, limit)
+        source = speculative.tokens(speculative.prefill(tokens, inputs), prompt, limit)
     first_token_at = started
 
     completion: list[int] = []

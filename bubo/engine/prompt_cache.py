@@ -9,6 +9,9 @@ resends the same history plus a new turn, and templates that drop past reasoning
 only after the last user turn) and every `interval` tokens, within a count and byte budget; a new
 prompt resumes from the longest snapshot that lies inside the prefix it shares with the cache.
 
+Prompts are compared as sequences of keys: token ids, and at image positions the image's digest
+(bubo/engine/prompt_images.py), so an image is reused only when its bytes are the same.
+
 The report says what happened (the same fields /debug/cache shows): `cache_miss_reason` is "empty"
 (nothing cached), "prefix_mismatch" (the prompt differs from the cache before any reusable point),
 "no_snapshot" (a recurrent state, and no snapshot inside the shared prefix), "evicted" (there was one,
@@ -17,7 +20,7 @@ differ; `cache_history_rewritten` is true when that token lies in what the previ
 (the template re-rendered the previous answer, e.g. without its reasoning).
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from bubo.engine.kv_cache import CacheSnapshot, KVCache
@@ -26,7 +29,7 @@ from bubo.engine.request import CacheReport
 __all__ = ["PromptCache", "SnapshotPolicy", "common_prefix"]
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     """How many leading tokens `a` and `b` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -61,7 +64,7 @@ class PromptCache:
         self.cache = cache
         self.turn_end_ids = turn_end_ids
         self.policy = policy or SnapshotPolicy()
-        self.tokens: list[int] = []
+        self.tokens: list[Hashable] = []
         self.snapshots: list[CacheSnapshot] = []
         self.skipped = 0
         self._evicted_at: list[int] = []
@@ -72,7 +75,7 @@ class PromptCache:
     def needs_snapshots(self) -> bool:
         return not self.cache.can_rewind and self.policy.max_snapshots > 0
 
-    def prepare(self, prompt: Sequence[int], enabled: bool = True) -> CacheReport:
+    def prepare(self, prompt: Sequence[Hashable], enabled: bool = True) -> CacheReport:
         """Cut the cache back to the longest reusable prefix of `prompt` and report it."""
         cache, held = self.cache, self.tokens
         self.skipped = 0
@@ -130,7 +133,7 @@ class PromptCache:
         self._evicted_at = [p for p in self._evicted_at if p <= keep]
         self.tokens = self.tokens[:keep]
 
-    def snapshot_points(self, prompt: Sequence[int]) -> list[int]:
+    def snapshot_points(self, prompt: Sequence[Hashable]) -> list[int]:
         """Where to stop the prefill of `prompt` (past what the cache holds) to take snapshots."""
         if not self.needs_snapshots:
             return []
@@ -143,13 +146,13 @@ class PromptCache:
         return sorted(p for p in points if start < p < end)
 
     def prefill(
-        self, prompt: Sequence[int], run: Callable[[Sequence[int]], None], enabled: bool = True
+        self, prompt: Sequence[Hashable], run: Callable[[int, int], None], enabled: bool = True
     ) -> None:
         """Arrange the snapshots of `prompt`'s prefill; nothing when the request turned caching off.
 
         A cache whose only unrewindable states are DeltaNet's takes them inside the prefill's one
         forward pass (`KVCache.snapshot_at`; `finish` collects them). Otherwise the prompt is computed
-        up to each point with `run` (a forward over the given tokens into the cache), a snapshot taken
+        up to each point with `run` (a forward over positions [start, end) into the cache), a snapshot taken
         at each: every stop then costs a pass over all the weights.
         """
         if not enabled or not self.needs_snapshots:
@@ -159,7 +162,7 @@ class PromptCache:
             self.cache.snapshot_at = tuple(points)
             return
         for point in points:
-            run(prompt[self.cache.length : point])
+            run(self.cache.length, point)
             self.tokens = list(prompt[:point])
             self._keep(self.cache.snapshot())
 
@@ -177,7 +180,7 @@ class PromptCache:
             self._evicted_at.append(evicted.length)
             self.skipped += 1
 
-    def finish(self, prompt: Sequence[int], generated: Sequence[int]) -> None:
+    def finish(self, prompt: Sequence[Hashable], generated: Sequence[int]) -> None:
         """After a generation: the cache holds the prompt and the generated tokens that went through
         the model (all but the last)."""
         self._generated_from = len(prompt)

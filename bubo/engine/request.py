@@ -8,6 +8,7 @@ about any one API's field names.
 from dataclasses import dataclass, field
 
 from bubo.engine.generate import GenerationResult, TokenConstraint, TokenLogprob
+from bubo.engine.prompt_images import ImageToken, PromptImage, cache_key
 from bubo.engine.sampler import SamplingParams
 from bubo.templates.reasoning import Channel
 from bubo.templates.tool_calls import ToolCall, ToolCallArguments, ToolCallEnd, ToolCallParser, ToolCallStart
@@ -21,7 +22,8 @@ class GenerationRequest:
     whether the prompt already opened it (the generation prompt ends in `<think>\\n`). `logprobs`
     (None: off) asks for each token's log probability and that many alternatives. `constraints`
     (a grammar, a reasoning budget) and `tool_parser` (which turns the answer's tool-call markup into
-    tool-call events) belong to this one request: they keep state as it runs.
+    tool-call events) belong to this one request: they keep state as it runs. `images` are the
+    prompt's images, whose pad tokens `prompt_ids` holds (bubo/engine/prompt_images.py).
     """
 
     request_id: str
@@ -34,6 +36,12 @@ class GenerationRequest:
     constraints: tuple[TokenConstraint, ...] = ()
     tool_parser: ToolCallParser | None = None
     cache_prompt: bool = True
+    images: tuple[PromptImage, ...] = ()
+
+    @property
+    def cache_key(self) -> list[int | ImageToken]:
+        """The prompt as the prompt cache and the slot choice compare it (images by their digest)."""
+        return cache_key(self.prompt_ids, self.images) if self.images else list(self.prompt_ids)
 
 
 @dataclass(frozen=True)

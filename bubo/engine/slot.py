@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -26,6 +26,7 @@ from bubo.engine.block_pool import BlockPool
 from bubo.engine.generate import GenerationResult, Model, Tokenizer, generate
 from bubo.engine.output import OutputStream
 from bubo.engine.prompt_cache import PromptCache, SnapshotPolicy
+from bubo.engine.prompt_images import PromptVision, VisionEncoder
 from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputEvent, Usage
 from bubo.engine.speculative import Drafter
 
@@ -71,6 +72,7 @@ class SlotStats:
     requests_processing: int = 0
     requests_deferred: int = 0
     requests_deferred_total: int = 0
+    images_encoded_total: int = 0  # images run through the vision tower (not those the cache had)
 
 
 class SessionSlot:
@@ -91,9 +93,11 @@ class SessionSlot:
         slot_id: int = 0,
         pool: BlockPool | None = None,
         batcher: DecodeBatcher | None = None,
+        vision: VisionEncoder | None = None,
     ) -> None:
         self.id = slot_id
         self.model = model
+        self.vision = vision  # the vision tower that encodes a prompt's images; None: text only
         self.drafter = drafter  # speculative decoding (bubo/engine/speculative.py); None: off
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
@@ -123,8 +127,8 @@ class SessionSlot:
         return self.prompt_cache.cache.length
 
     @property
-    def cached_token_ids(self) -> tuple[int, ...]:
-        """The tokens whose state the cache holds, in order."""
+    def cached_token_ids(self) -> tuple[Hashable, ...]:
+        """The tokens whose state the cache holds, in order (image positions by digest)."""
         return tuple(self.prompt_cache.tokens)
 
     @property
@@ -214,20 +218,36 @@ class SessionSlot:
             finally:
                 self.last_used = time.monotonic()
 
+    def _vision(self, request: GenerationRequest, device: torch.device) -> PromptVision | None:
+        if not request.images:
+            return None
+        if self.vision is None:
+            raise ValueError("a prompt with images needs a vision tower, and this slot has none")
+        return PromptVision(self.vision, request.images, len(request.prompt_ids), device)
+
     def _generate_with(
         self, model: Model, request: GenerationRequest, cancelled: threading.Event
     ) -> Iterator[OutputEvent]:
         prompt = request.prompt_ids
+        key = request.cache_key
         pc = self.prompt_cache
-        report = pc.prepare(prompt, enabled=request.cache_prompt)
+        report = pc.prepare(key, enabled=request.cache_prompt)
+        vision = self._vision(request, model.device)
+        # A text prompt's positions are its indices; the previous request may have left an image offset.
+        pc.cache.rope_delta = 0
+
+        def run(start: int, end: int) -> None:
+            tokens = torch.tensor([prompt[start:end]], device=model.device)
+            inputs = vision.chunk(pc.cache, start, end) if vision is not None else None
+            if inputs is None:
+                model(tokens, pc.cache)
+            else:
+                model(tokens, pc.cache, multimodal=inputs)
+
         # A hybrid cache snapshots its recurrent states at the prompt's last turn ends (prompt_cache.py).
         started = time.perf_counter()
         with torch.inference_mode():
-            pc.prefill(
-                prompt,
-                lambda tokens: model(torch.tensor([list(tokens)], device=model.device), pc.cache),
-                enabled=request.cache_prompt,
-            )
+            pc.prefill(key, run, enabled=request.cache_prompt)
         segments_seconds = time.perf_counter() - started
         self.last_cache_report = report
         self.last_prompt_tokens = len(prompt)
@@ -247,6 +267,9 @@ class SessionSlot:
                 logprobs=request.logprobs,
                 constraints=request.constraints,
                 drafter=self.drafter,
+                prompt_inputs=None
+                if vision is None
+                else lambda start, end: vision.chunk(pc.cache, start, end),
             ):
                 if isinstance(event, GenerationResult):
                     result = event
@@ -254,7 +277,8 @@ class SessionSlot:
                     yield from output.feed(event)
         finally:
             # Whatever happened, the cache holds exactly the tokens that went through the model.
-            pc.finish(prompt, result.token_ids if result is not None else [])
+            pc.finish(key, result.token_ids if result is not None else [])
+            self.stats.images_encoded_total += 0 if vision is None else vision.encoded
             report = replace(report, cache_snapshots=len(pc.snapshots), cache_snapshots_skipped=pc.skipped)
             self.last_cache_report = report
         yield from output.flush()

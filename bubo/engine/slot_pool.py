@@ -21,13 +21,14 @@ of idle slots are given back, least recently used first.
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import fields
 
 from bubo.engine.batcher import DecodeBatcher
 from bubo.engine.block_pool import DEFAULT_BLOCK_SIZE
 from bubo.engine.generate import Model, Tokenizer
 from bubo.engine.prompt_cache import SnapshotPolicy, common_prefix
+from bubo.engine.prompt_images import VisionEncoder
 from bubo.engine.request import GenerationRequest, OutputEvent
 from bubo.engine.slot import DeviceLostError, SessionSlot, SlotStats
 from bubo.engine.speculative import Drafter
@@ -47,6 +48,7 @@ class SlotPool:
         snapshot_policy: SnapshotPolicy | None = None,
         kv_tokens: int | None = None,
         new_drafter: Callable[[], Drafter | None] | None = None,
+        vision: VisionEncoder | None = None,
     ) -> None:
         if parallel < 1:
             raise ValueError(f"parallel must be at least 1, not {parallel}")
@@ -77,11 +79,12 @@ class SlotPool:
                 slot_id=i,
                 pool=self.pool,
                 batcher=self.batcher,
+                vision=vision,
             )
             for i in range(parallel)
         ]
         self._busy: set[int] = set()
-        self._waiters: deque[tuple[asyncio.Future[SessionSlot], Sequence[int]]] = deque()
+        self._waiters: deque[tuple[asyncio.Future[SessionSlot], Sequence[Hashable]]] = deque()
         self._deferred = 0
         self._deferred_total = 0
 
@@ -127,14 +130,14 @@ class SlotPool:
         """Wait for a slot, then stream the request's events on it; closing the iterator cancels it."""
         if self.device_lost:
             raise DeviceLostError("the accelerator was lost; restart the server")
-        slot = await self._acquire(request.prompt_ids)
+        slot = await self._acquire(request.cache_key)
         try:
             async for event in slot.run(request):
                 yield event
         finally:
             self._release(slot)
 
-    async def _acquire(self, prompt: Sequence[int]) -> SessionSlot:
+    async def _acquire(self, prompt: Sequence[Hashable]) -> SessionSlot:
         if not self._waiters:
             slot = self._choose(prompt)
             if slot is not None:
@@ -169,7 +172,7 @@ class SlotPool:
             future.set_result(chosen)
             return
 
-    def _choose(self, prompt: Sequence[int]) -> SessionSlot | None:
+    def _choose(self, prompt: Sequence[Hashable]) -> SessionSlot | None:
         idle = [s for s in self.slots if s.id not in self._busy]
         if not idle:
             return None

@@ -31,7 +31,7 @@ chained guesses, which are redone from the main model's real hidden states next 
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -93,7 +93,9 @@ class DraftModel(Protocol):
     device: torch.device
     output: nn.Module
 
-    def hidden(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor: ...
+    def hidden(
+        self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False, multimodal: Any = None
+    ) -> torch.Tensor: ...
 
     def draft_hidden(
         self, hidden: torch.Tensor, next_tokens: torch.Tensor, mtp_cache: KVCache
@@ -197,9 +199,11 @@ class SpeculativeDecoder:
         self._verified: list[int] = []  # the last verify pass's tokens, where a rollback reruns them
         drafter.start(cache.max_len)
 
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Run the uncached prompt tokens [1, T]; the last position's logits [vocab]."""
-        self._hidden = self.model.hidden(tokens, self.cache)
+    def prefill(self, tokens: torch.Tensor, multimodal: Any = None) -> torch.Tensor:
+        """Run the uncached prompt tokens [1, T] (with their image inputs, if any); the last position's
+        logits [vocab]."""
+        images = {} if multimodal is None else {"multimodal": multimodal}
+        self._hidden = self.model.hidden(tokens, self.cache, **images)
         return self.model.output(self._hidden[:, -1:])[0, -1].float()
 
     def tokens(

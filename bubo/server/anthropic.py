@@ -34,6 +34,7 @@ from bubo.engine.request import (
 )
 from bubo.engine.sampler import SamplingParams
 from bubo.server.chat import (
+    IMAGE_PART,
     ChatRequest,
     ThinkingChoice,
     ToolChoice,
@@ -45,6 +46,7 @@ from bubo.server.chat import (
 )
 from bubo.server.errors import ApiError, bad_field, error_body
 from bubo.server.fields import Body, read_json, sampling_params, stop_strings
+from bubo.server.image_input import ImagePart
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState, new_id
@@ -60,8 +62,8 @@ _STOP_REASONS = {
     # A cancelled generation has no reader left; the value only has to be a valid one.
     "cancelled": "end_turn",
 }
-# Block types that carry something a text model cannot read.
-_UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
+# Block types that carry something no model here can read (images are read in user turns).
+_UNSUPPORTED_BLOCKS = ("document", "search_result", "container_upload")
 # The sampling fields Anthropic defines; other llama-server knobs are not part of this dialect.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens")
 _EFFORTS = ("low", "medium", "high", "xhigh", "max")
@@ -85,7 +87,7 @@ def _unsupported(kind: str, where: str) -> ApiError:
     return ApiError(
         400,
         "unsupported_content",
-        f"{where}: this model takes text only, not {kind!r} blocks",
+        f"{where}: {kind!r} blocks are not supported",
         param=where,
     )
 
@@ -117,6 +119,13 @@ def _text_blocks(content: Any, where: str) -> str:
     texts = []
     for i, block in enumerate(content):
         kind = _block_type(block, f"{where}[{i}]")
+        if kind == "image":
+            raise ApiError(
+                400,
+                "unsupported_content",
+                f"{where}[{i}]: images are taken in user messages only",
+                param=f"{where}[{i}]",
+            )
         if kind != "text":
             raise bad_field(f"{where}[{i}].type", f"must be text here, got {kind!r}")
         texts.append(_text(block, f"{where}[{i}]"))
@@ -124,28 +133,58 @@ def _text_blocks(content: Any, where: str) -> str:
 
 
 def _user_messages(content: list[Any], where: str) -> list[dict[str, Any]]:
-    """One user turn: its text, and each tool_result as a `tool` message, in the order sent."""
+    """One user turn: its text and images, and each tool_result as a `tool` message, in the order sent."""
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     for i, block in enumerate(content):
         at = f"{where}[{i}]"
         kind = _block_type(block, at)
         if kind == "text":
-            texts.append(_text(block, at))
+            parts.append({"type": "text", "text": _text(block, at)})
+        elif kind == "image":
+            parts.append({"type": IMAGE_PART, "image": _image(block, at)})
         elif kind == "tool_result":
-            if texts:
-                out.append({"role": "user", "content": "\n".join(texts)})
-                texts = []
+            if parts:
+                out.append({"role": "user", "content": _user_content(parts)})
+                parts = []
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or not call_id:
                 raise bad_field(f"{at}.tool_use_id", "must be a non-empty string")
             result = _text_blocks(block.get("content", ""), f"{at}.content")
             out.append({"role": "tool", "tool_call_id": _call_id(call_id), "content": result})
         else:
-            raise bad_field(f"{at}.type", f"a user message takes text and tool_result blocks, not {kind!r}")
-    if texts or not out:
-        out.append({"role": "user", "content": "\n".join(texts)})
+            raise bad_field(
+                f"{at}.type", f"a user message takes text, image and tool_result blocks, not {kind!r}"
+            )
+    if parts or not out:
+        out.append({"role": "user", "content": _user_content(parts)})
     return out
+
+
+def _user_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text only: one string, as the template has always seen it; with images: the parts."""
+    if any(p["type"] == IMAGE_PART for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
+
+
+def _image(block: Mapping[str, Any], at: str) -> ImagePart:
+    """An image block's source: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, Mapping) else None
+    if kind == "base64":
+        assert isinstance(source, Mapping)
+        data = source.get("data")
+        if not isinstance(data, str) or not data:
+            raise bad_field(f"{at}.source.data", "must be base64 text")
+        return ImagePart(f"{at}.source.data", at, "image", data=data)
+    if kind == "url":
+        assert isinstance(source, Mapping)
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise bad_field(f"{at}.source.url", "must be a URL string")
+        return ImagePart(f"{at}.source.url", at, "image", url=url)
+    raise bad_field(f"{at}.source.type", f'must be "base64" or "url"; got {kind!r}')
 
 
 def _assistant_message(content: list[Any], where: str) -> dict[str, Any]:
@@ -378,7 +417,13 @@ async def messages(request: web.Request) -> web.StreamResponse:
     params = _sampling(body, state.settings.defaults, loaded.tokenizer.vocab_size)
     output = body.object("output_config") or {}
     schema = output_schema(output.get("format") or {"type": "text"}, "output_config.format")
-    generation = state.chat_generation(chat, params, schema=schema, schema_field="output_config.format")
+    generation = state.chat_generation(
+        chat,
+        params,
+        schema=schema,
+        schema_field="output_config.format",
+        images=await state.load_images(chat),
+    )
     message_id = new_id("msg_")
     omit = _omit_thinking(body)
     if stream:
@@ -534,7 +579,13 @@ async def count_tokens(request: web.Request) -> web.Response:
             "stream: count_tokens answers with one JSON object, not a stream",
             param="stream",
         )
-    prompt = state.render_prompt(_chat_request(body))
+    chat = _chat_request(body)
+    if chat.images:
+        where = chat.images[0].param
+        raise ApiError(
+            400, "unsupported_content", f"{where}: count_tokens does not count images", param=where
+        )
+    prompt = state.render_prompt(chat)
     return web.json_response({"input_tokens": len(prompt.ids)}, headers={"x-request-id": request[REQUEST_ID]})
 
 

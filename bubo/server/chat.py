@@ -13,21 +13,26 @@ from typing import Any, Literal
 
 from bubo.server.errors import ApiError, bad_field
 from bubo.server.fields import Body
+from bubo.server.image_input import ImagePart
 
 __all__ = [
+    "IMAGE_PART",
     "REASONING_BUDGETS",
     "REASONING_EFFORTS",
     "ChatRequest",
     "ThinkingChoice",
     "ToolChoice",
+    "chat_images",
     "chat_messages",
     "chat_request",
+    "message_content",
     "named_tool_choice",
     "openai_tool_choice",
     "output_schema",
     "text_content",
     "thinking_choice",
     "tool_list",
+    "without_image_sources",
 ]
 
 REASONING_EFFORTS = ("off", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -80,6 +85,10 @@ class ChatRequest:
     add_generation_prompt: bool = True
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
 
+    @property
+    def images(self) -> list[ImagePart]:
+        return chat_images(self.messages)
+
 
 def thinking_choice(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
     """Read `reasoning_effort`, `thinking` and `chat_template_kwargs`; 400 when they disagree.
@@ -131,37 +140,102 @@ def _conflict(field_name: str, message: str) -> ApiError:
 
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
-_MEDIA_PARTS = ("image_url", "image", "input_image", "input_audio", "input_file", "video", "file")
+_MEDIA_PARTS = ("image", "input_audio", "input_file", "video", "file")
+# The neutral image part the dialects put in a message's content: {"type": "image", "image": ImagePart}.
+IMAGE_PART = "image"
 
 
 def text_content(content: Any, where: str) -> str:
     """A message's content as one string: a string as is, an array of text parts (a refusal counts as
-    text) joined by newlines. Media parts are refused: a text model cannot see them."""
+    text) joined by newlines. Media parts are refused here (tool results, assistant turns)."""
+    parts = message_content(content, where, images=False)
+    assert isinstance(parts, str)
+    return parts
+
+
+def message_content(content: Any, where: str, *, images: bool) -> str | list[dict[str, Any]]:
+    """A message's content for the template: a string as is; an array of text parts joined into one
+    string; with image parts (where `images` allows them: user messages), a list of text parts and
+    neutral image parts in the order sent, for the template to put its vision tokens between."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_field(where, "must be a string or an array of content parts")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
+        at = f"{where}[{i}]"
         if not isinstance(part, Mapping):
-            raise bad_field(f"{where}[{i}]", "a content part must be an object")
+            raise bad_field(at, "a content part must be an object")
         kind = part.get("type")
-        key = "refusal" if kind == "refusal" else "text"
-        if kind in _TEXT_PARTS or kind == "refusal":
+        image = _image_part(part, at, where)
+        if image is not None:
+            if not images:
+                raise ApiError(
+                    400, "unsupported_content", f"{at}: images are taken in user messages only", param=where
+                )
+            parts.append({"type": IMAGE_PART, "image": image})
+        elif kind in _TEXT_PARTS or kind == "refusal":
+            key = "refusal" if kind == "refusal" else "text"
             text = part.get(key)
             if not isinstance(text, str):
-                raise bad_field(f"{where}[{i}].{key}", "must be a string")
-            texts.append(text)
+                raise bad_field(f"{at}.{key}", "must be a string")
+            parts.append({"type": "text", "text": text})
         elif kind in _MEDIA_PARTS:
+            raise ApiError(400, "unsupported_content", f"{at}: {kind!r} parts are not supported", param=where)
+        else:
+            raise bad_field(f"{at}.type", f"unknown content part type {kind!r}")
+    if any(p["type"] == IMAGE_PART for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
+
+
+def _image_part(part: Mapping[str, Any], at: str, param: str) -> ImagePart | None:
+    """The image of an OpenAI chat `image_url` part, a Responses `input_image` part, or a neutral image
+    part a dialect made already; None for other parts."""
+    kind = part.get("type")
+    if kind == IMAGE_PART and isinstance(part.get("image"), ImagePart):
+        return part["image"]
+    if kind == "image_url":
+        holder = part.get("image_url")
+        url = holder.get("url") if isinstance(holder, Mapping) else holder
+        where = f"{at}.image_url.url" if isinstance(holder, Mapping) else f"{at}.image_url"
+    elif kind == "input_image":
+        if part.get("file_id") is not None and part.get("image_url") is None:
             raise ApiError(
                 400,
                 "unsupported_content",
-                f"{where}[{i}]: this model takes text only, not {kind!r} parts",
-                param=where,
+                f"{at}.file_id: Bubo keeps no uploaded files; send the image as image_url",
+                param=param,
             )
-        else:
-            raise bad_field(f"{where}[{i}].type", f"unknown content part type {kind!r}")
-    return "\n".join(texts)
+        url, where = part.get("image_url"), f"{at}.image_url"
+    else:
+        return None
+    if not isinstance(url, str) or not url:
+        raise bad_field(where, "must be a URL string (data:image/...;base64,... or https://...)")
+    return ImagePart(where, param, kind, url=url)
+
+
+def chat_images(messages: list[dict[str, Any]]) -> list[ImagePart]:
+    """The image parts of template messages, in the order the template renders them."""
+    return [
+        part["image"]
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if part.get("type") == IMAGE_PART
+    ]
+
+
+def without_image_sources(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as the template sees them: each image part only {"type": "image"}."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            stripped = [{"type": IMAGE_PART} if p.get("type") == IMAGE_PART else p for p in content]
+            message = {**message, "content": stripped}
+        out.append(message)
+    return out
 
 
 def chat_messages(raw: Any, field_name: str = "messages") -> list[dict[str, Any]]:
@@ -191,7 +265,7 @@ def chat_messages(raw: Any, field_name: str = "messages") -> list[dict[str, Any]
             if role != "assistant":
                 raise bad_field(f"{where}.content", "is required")
         else:
-            out["content"] = text_content(content, f"{where}.content")
+            out["content"] = message_content(content, f"{where}.content", images=role == "user")
         calls = message.get("tool_calls")
         if calls is not None:
             out["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")

@@ -35,7 +35,8 @@ async def models(request: web.Request) -> web.Response:
         "context_length": n_ctx,
         "max_model_len": n_ctx,
         "meta": {"n_ctx": n_ctx},
-        "architecture": {"input_modalities": ["text"]},
+        # Images only with a vision tower (--mmproj), which loads with the model.
+        "architecture": {"input_modalities": ["text", "image"] if state.tower is not None else ["text"]},
     }
     return web.json_response({"object": "list", "data": [{"id": i, **entry} for i in state.served_ids]})
 

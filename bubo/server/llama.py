@@ -236,7 +236,7 @@ async def props(request: web.Request) -> web.Response:
                 "params": slot["params"],
             },
             "total_slots": len(state.slots.slots),
-            "modalities": {"vision": False, "audio": False},
+            "modalities": {"vision": state.tower is not None, "audio": False},
             "build_info": BUILD_INFO,
         }
     )

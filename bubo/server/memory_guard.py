@@ -9,16 +9,25 @@ pressure (503 memory_pressure, Retry-After: 5; Linux PSI `full avg10`), or more 
 at all (507 insufficient_memory_permanent, no Retry-After: shorten the prompt).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from bubo.gguf.config import ModelConfig
 from bubo.server.errors import ApiError
 
-__all__ = ["MemoryGuard", "MemoryInfo", "MemoryProbe", "RequestCost", "SystemMemoryProbe", "request_cost"]
+__all__ = [
+    "MemoryGuard",
+    "MemoryInfo",
+    "MemoryProbe",
+    "RequestCost",
+    "SystemMemoryProbe",
+    "request_cost",
+    "vision_bytes",
+]
 
 # PSI "full" means every task was stalled on memory; 10% of the last 10 s is thrashing territory.
 _PRESSURE_FULL_AVG10 = 10.0
@@ -99,18 +108,20 @@ class MemoryGuard:
         self.probe = probe
         self.cost = cost
 
-    def estimate(self, prompt_tokens: int, new_positions: int) -> int:
+    def estimate(self, prompt_tokens: int, new_positions: int, encoding_bytes: int = 0) -> int:
         """Bytes a request needs beyond what is already allocated: KV for the positions it adds to the
-        cache, activations for the prompt it computes, and fixed per-request buffers (logits, sampler)."""
+        cache, activations for the prompt it computes, fixed per-request buffers (logits, sampler), and
+        what encoding its images takes (`vision_bytes`)."""
         c = self.cost
         return (
             new_positions * c.kv_bytes_per_token
             + prompt_tokens * c.activation_bytes_per_token
             + c.fixed_bytes
+            + encoding_bytes
         )
 
-    def check(self, prompt_tokens: int, new_positions: int) -> None:
-        need = self.estimate(prompt_tokens, new_positions)
+    def check(self, prompt_tokens: int, new_positions: int, encoding_bytes: int = 0) -> None:
+        need = self.estimate(prompt_tokens, new_positions, encoding_bytes)
         info = self.probe.read()
         mib = 1 << 20
         if info.total and need > info.total:
@@ -118,7 +129,7 @@ class MemoryGuard:
                 507,
                 "insufficient_memory_permanent",
                 f"this request needs about {need // mib} MiB but the machine has {info.total // mib} MiB in "
-                "all; shorten the prompt or lower max_tokens",
+                "all; shorten the prompt, lower max_tokens or send smaller images",
             )
         if info.under_pressure:
             raise ApiError(
@@ -171,3 +182,16 @@ def request_cost(config: ModelConfig, dtype: torch.dtype) -> RequestCost:
     # Per request: the logits row and the sampler's sort buffers, plus slack for allocator rounding.
     fixed = 16 * config.vocab_size + (64 << 20)
     return RequestCost(kv_bytes_per_token=kv, activation_bytes_per_token=activations, fixed_bytes=fixed)
+
+
+def vision_bytes(config: Any, grids: Sequence[tuple[int, int, int]]) -> int:
+    """A generous bound on what encoding images of these patch grids takes in the vision tower: per
+    patch, float32 activations of the residual stream, q/k/v and the MLP (16 widths), and per image the
+    attention scores of every head over its patches (an image's patches attend to each other)."""
+    width = getattr(config, "hidden_size", None) or config.out_hidden_size
+    heads = getattr(config, "num_heads", None) or 16
+    total = 0
+    for t, h, w in grids:
+        patches = t * h * w
+        total += 4 * (16 * width * patches + heads * patches * patches)
+    return total

@@ -68,7 +68,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     top_logprobs = _chat_logprobs(body)
     schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
     generation = state.chat_generation(
-        chat, params, logprobs=top_logprobs, schema=schema, cache_prompt=body.boolean("cache_prompt", True)
+        chat,
+        params,
+        logprobs=top_logprobs,
+        schema=schema,
+        cache_prompt=body.boolean("cache_prompt", True),
+        images=await state.load_images(chat),
     )
     reply = _Reply(new_id("chatcmpl-"), "chat.completion", model, loaded.tokenizer, top_logprobs)
     if stream:

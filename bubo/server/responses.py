@@ -48,6 +48,7 @@ from bubo.server.chat import (
     ChatRequest,
     ToolChoice,
     chat_messages,
+    message_content,
     named_tool_choice,
     output_schema,
     text_content,
@@ -156,7 +157,8 @@ def input_messages(raw: Any, instructions: str | None = None) -> list[dict[str, 
             role = item.get("role")
             if role not in _MESSAGE_ROLES:
                 raise bad_field(f"{where}.role", f"must be one of {', '.join(_MESSAGE_ROLES)}; got {role!r}")
-            message = {"role": role, "content": text_content(item.get("content"), f"{where}.content")}
+            content = message_content(item.get("content"), f"{where}.content", images=role == "user")
+            message = {"role": role, "content": content}
             if role == "assistant" and reasoning is not None:
                 message["reasoning_content"] = reasoning
                 reasoning = None
@@ -450,7 +452,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         body, state.settings.defaults, loaded.tokenizer.vocab_size, limit_fields=("max_output_tokens",)
     )
     chat = ChatRequest(messages, tools, thinking, kwargs, tool_choice=tool_choice)
-    generation = state.chat_generation(chat, params, schema=schema, schema_field="text.format")
+    generation = state.chat_generation(
+        chat, params, schema=schema, schema_field="text.format", images=await state.load_images(chat)
+    )
     reply = _Reply(model, _echo(body, params, instructions, text))
     if stream:
         return await _stream(request, state, generation, reply)

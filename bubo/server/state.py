@@ -7,7 +7,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -22,6 +22,7 @@ from bubo.engine.generate import TokenConstraint
 from bubo.engine.grammar import GrammarError, GrammarMatcher, gbnf_grammar, json_schema_grammar, lark_grammar
 from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.prompt_cache import SnapshotPolicy
+from bubo.engine.prompt_images import PromptImage
 from bubo.engine.request import Finished, GenerationRequest, OutputEvent
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import DeviceLostError
@@ -30,9 +31,12 @@ from bubo.engine.speculative import mtp_drafter
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.mtp_weights import check_mtp_file, load_mtp_weights
-from bubo.server.chat import ChatRequest
+from bubo.server.chat import ChatRequest, without_image_sources
 from bubo.server.errors import ApiError, bad_field
-from bubo.server.memory_guard import MemoryGuard, MemoryProbe, SystemMemoryProbe, request_cost
+from bubo.server.image_fetch import Lookup, system_lookup
+from bubo.server.image_input import DecodedImage, ImageLimits
+from bubo.server.image_prompt import IMAGE_PAD, check_mmproj, load_images, place_images, text_only
+from bubo.server.memory_guard import MemoryGuard, MemoryProbe, SystemMemoryProbe, request_cost, vision_bytes
 from bubo.server.shutdown import StreamCutoff
 from bubo.templates.chat_template import ChatTemplate, ChatTemplateError, TemplateSandboxError
 from bubo.templates.tool_calls import ToolCallParser, tool_call_format
@@ -92,6 +96,11 @@ class ServerSettings:
     # with an MTP block, see bubo.engine.speculative.mtp_drafter), and the checkpoint to take it from.
     spec_draft: int | None = None
     mtp_weights: Path | None = None
+    # The vision tower (a projector GGUF, like llama.cpp's --mmproj, or a checkpoint's vision weights);
+    # without one, image parts are refused. http(s) image URLs are fetched only when allowed.
+    mmproj: Path | None = None
+    allow_image_urls: bool = False
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,7 @@ class RenderedPrompt:
     ids: list[int]
     reasoning: bool
     in_reasoning: bool
+    images: tuple[PromptImage, ...] = ()
 
 
 class ServerState:
@@ -113,6 +123,9 @@ class ServerState:
         self.model_id = settings.served_model_name or model_id_from_path(settings.model_path)
         self.context_length: int | None = None
         self.loaded: LoadedModel | None = None
+        self.tower: Any = None  # bubo.vision.tower.VisionTower, with --mmproj
+        # How image URLs' hosts are resolved (tests give their own).
+        self.image_lookup: Lookup = system_lookup
         self.slots: SlotPool | None = None
         self.template: ChatTemplate | None = None
         self.guard: MemoryGuard | None = None
@@ -141,6 +154,8 @@ class ServerState:
                 f"--spec-draft {self.settings.spec_draft}: this model has no MTP block to draft with "
                 "(give its checkpoint's with --mtp-weights PATH, or use --spec-draft 0)"
             )
+        if self.settings.mmproj is not None:
+            check_mmproj(self.settings.mmproj)
 
     def _n_ctx(self, trained: int) -> int:
         return min(self.settings.ctx_size or trained, trained)
@@ -155,13 +170,22 @@ class ServerState:
             )
             if self.settings.mtp_weights is not None:
                 load_mtp_weights(loaded.model, self.settings.mtp_weights)
-            self.attach(loaded)
+            tower = None
+            if self.settings.mmproj is not None:
+                # Imported here: only a server with a vision tower needs the vision package.
+                from bubo.vision.loader import check_tower_fits, load_vision_tower
+
+                tower = load_vision_tower(
+                    self.settings.mmproj, dtype=self.settings.dtype, device=loaded.model.device
+                )
+                check_tower_fits(tower, loaded.config)
+            self.attach(loaded, tower)
         except BaseException as error:
             self.load_error = error
             raise
 
-    def attach(self, loaded: LoadedModel) -> None:
-        """Serve an already loaded model (the tests' shortcut past `load`)."""
+    def attach(self, loaded: LoadedModel, tower: Any = None) -> None:
+        """Serve an already loaded model, and its vision tower if any (the tests' shortcut past `load`)."""
         config = loaded.config
         n_ctx = self._n_ctx(config.context_length)
         self.context_length = n_ctx
@@ -198,7 +222,9 @@ class ServerState:
             settings.snapshots,
             settings.kv_tokens,
             new_drafter=lambda: mtp_drafter(loaded.model, spec_draft),
+            vision=tower,
         )
+        self.tower = tower
         self.loaded = loaded
         self._ready.set()
 
@@ -301,7 +327,10 @@ class ServerState:
         if chat.thinking.effort is not None:
             kwargs["reasoning_effort"] = chat.thinking.effort
         tools = chat.tools if chat.tool_choice.mode != "none" else None
-        messages = chat.messages
+        images = chat.images
+        if images and self.tower is None:
+            raise text_only(images[0])
+        messages = without_image_sources(chat.messages) if images else chat.messages
         uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
         if uses_tools and not self.template.supports_tools:
             messages, tools = with_tools_in_messages(messages, tools), None
@@ -325,11 +354,13 @@ class ServerState:
         schema: Mapping[str, Any] | None = None,
         schema_field: str = "response_format",
         cache_prompt: bool = True,
+        images: Sequence[DecodedImage] = (),
     ) -> GenerationRequest:
         """A chat's generation request: its prompt, its reasoning budget, the tool-call parser when tools
         are offered (and the grammar that forces a call for tool_choice "required" or a named tool), or
-        the grammar of a JSON schema answer."""
-        prompt = self.render_prompt(chat)
+        the grammar of a JSON schema answer. `images` are the chat's images (`load_images`)."""
+        assert len(images) == len(chat.images), "the chat's images come from load_images"
+        prompt = self.render_prompt(chat, images)
         assert self.template is not None
         choice = chat.tool_choice
         parser, grammar = None, None
@@ -359,20 +390,53 @@ class ServerState:
             grammar=grammar,
             tool_parser=parser,
             cache_prompt=cache_prompt,
+            images=prompt.images,
         )
 
-    def render_prompt(self, chat: ChatRequest) -> RenderedPrompt:
+    def render_prompt(
+        self, chat: ChatRequest, images: Sequence[DecodedImage] | None = None
+    ) -> RenderedPrompt:
+        """The chat's prompt text and tokens. With `images` (the chat's images, decoded), each image's
+        pad token is repeated once per token the vision tower gives it; without, an image is the one pad
+        token the template wrote (what /apply-template and /debug/prompt show)."""
         text = self.render(chat)
         assert self.template is not None
         thinking = self.template.supports_thinking and chat.thinking.enabled is not False
         opened = text.rstrip().endswith("<think>")
         ids = self.tokenize(text)
-        return RenderedPrompt(text, ids, reasoning=thinking or opened, in_reasoning=opened)
+        placed: tuple[PromptImage, ...] = ()
+        if images is not None and chat.images:
+            pad = self.require_ready().tokenizer.token_to_id(IMAGE_PAD)
+            ids, placed = place_images(ids, pad, images, self.tower)
+        return RenderedPrompt(text, ids, reasoning=thinking or opened, in_reasoning=opened, images=placed)
 
-    def check_context(self, prompt_ids: list[int]) -> None:
+    async def load_images(self, chat: ChatRequest) -> list[DecodedImage]:
+        """The chat's images, fetched (http(s) URLs, with --allow-image-urls) and decoded off the event
+        loop; 400 for a text-only model, a refused URL, a corrupt or oversized image."""
+        parts = chat.images
+        if not parts:
+            return []
+        self.require_ready()
+        if self.tower is None:
+            raise text_only(parts[0])
+        settings = self.settings
+        return await load_images(
+            parts, settings.image_limits, allow_urls=settings.allow_image_urls, lookup=self.image_lookup
+        )
+
+    def check_context(self, prompt_ids: list[int], images: Sequence[PromptImage] = ()) -> None:
         if not prompt_ids:
             raise ApiError(
                 400, "empty_prompt", "the prompt is empty: give at least one token", param="prompt"
+            )
+        image_tokens = sum(image.tokens for image in images)
+        if images and len(prompt_ids) >= self.n_ctx and len(prompt_ids) - image_tokens < self.n_ctx:
+            # The text alone would fit: the images are what never can.
+            raise ApiError(
+                507,
+                "insufficient_memory_permanent",
+                f"the prompt has {len(prompt_ids)} tokens, {image_tokens} of them for its {len(images)} "
+                f"images, but the context holds {self.n_ctx}; send fewer or smaller images",
             )
         if len(prompt_ids) >= self.n_ctx:
             raise ApiError(
@@ -395,16 +459,18 @@ class ServerState:
         grammar: str | None = None,
         tool_parser: ToolCallParser | None = None,
         cache_prompt: bool = True,
+        images: tuple[PromptImage, ...] = (),
     ) -> GenerationRequest:
         """The neutral request, after the context check and the memory guard. A reasoning budget and a
         grammar (from `compile_schema` or a tool-call grammar) become the request's constraints."""
         loaded = self.require_ready()
-        self.check_context(prompt_ids)
+        self.check_context(prompt_ids, images)
         assert self.guard is not None and self.slots is not None
         limit = params.token_limit
         total = min(len(prompt_ids) + (self.n_ctx if limit is None else limit), self.n_ctx)
         cached = max((s.cached_tokens for s in self.slots.slots), default=0)
-        self.guard.check(len(prompt_ids), max(0, total - cached))
+        encoding = vision_bytes(self.tower.config, [image.grid for image in images]) if images else 0
+        self.guard.check(len(prompt_ids), max(0, total - cached), encoding)
         if self.slots.pool is not None:
             pool = self.slots.pool
             self.guard.check_blocks(
@@ -430,6 +496,7 @@ class ServerState:
             tuple(constraints),
             tool_parser,
             cache_prompt,
+            images,
         )
 
     def compile_gbnf(self, source: str, field_name: str = "grammar") -> str:

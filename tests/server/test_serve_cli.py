@@ -41,6 +41,19 @@ def test_debug_hooks_refuse_a_non_loopback_host(tiny_llama_path: Path) -> None:
     assert "--debug-hooks needs a loopback --host" in result.stderr
 
 
+@pytest.mark.parametrize("which", ["absent", "the model itself"])
+def test_a_bad_mmproj_is_one_line_before_the_port_opens(
+    tiny_llama_path: Path, tmp_path: Path, which: str
+) -> None:
+    mmproj = tmp_path / "absent.gguf" if which == "absent" else tiny_llama_path
+    port = free_port()
+    result = _run("--model", str(tiny_llama_path), "--mmproj", str(mmproj), "--port", str(port))
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--mmproj" in lines[0], result.stderr
+    assert "listening" not in result.stderr
+
+
 @pytest.mark.parametrize(
     ("flag", "value"),
     [

@@ -1,0 +1,137 @@
+"""Image parts of a chat request, whatever their dialect: where the bytes come from, and decoding them.
+
+Each dialect turns its image part (OpenAI chat's `image_url`, Responses' `input_image`, Anthropic's
+`image` block) into an `ImagePart` while it reads the body, without looking at the bytes yet: a model
+without a vision tower refuses every image part with the same 400 whatever is inside. A model with one
+gets the bytes (`part_bytes`: a data: URL or base64 source decoded here, an http(s) URL fetched by
+bubo/server/image_fetch.py when the server allows it) and decodes them with Pillow (`decode_image`),
+within byte and pixel limits. Every failure is a 400 that names the part's path in the request.
+"""
+
+import base64
+import binascii
+import hashlib
+import io
+import warnings
+from dataclasses import dataclass
+
+from PIL import Image, ImageOps
+
+from bubo.server.errors import ApiError
+
+__all__ = ["DecodedImage", "ImageLimits", "ImagePart", "decode_image", "image_error", "inline_bytes"]
+
+# The formats Pillow may open: the ones clients send photos and screenshots in. Others (PSD, EPS, …)
+# bring large parsers and nothing a chat needs.
+_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """The most an image may take: bytes as sent (after base64) and pixels once decoded, and the most
+    images one request may hold. The pixel limit is checked from the header, before the pixels are
+    decoded (a small file can hold a huge image)."""
+
+    max_bytes: int = 20 << 20
+    max_pixels: int = 40_000_000
+    max_images: int = 32
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image a request refers to, not fetched or decoded yet.
+
+    `where` is the part's path (messages[0].content[1]), `param` the field a text-only model's refusal
+    names, `kind` the part's type as sent. The source is `url` (a data:, http: or https: URL) or
+    `data` (base64 text, Anthropic's base64 source; Pillow tells the format from the bytes).
+    """
+
+    where: str
+    param: str
+    kind: str
+    url: str | None = None
+    data: str | None = None
+
+    @property
+    def remote(self) -> bool:
+        """Whether the bytes are elsewhere (an http or https URL)."""
+        return self.url is not None and self.url.lower().startswith(("http://", "https://"))
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    """An image's decoded pixels and the sha256 of its bytes (what the prompt cache compares)."""
+
+    image: Image.Image
+    digest: str
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.image.size
+
+
+def image_error(where: str, message: str, code: str = "invalid_image") -> ApiError:
+    return ApiError(400, code, f"{where}: {message}", param=where)
+
+
+def inline_bytes(part: ImagePart, limits: ImageLimits) -> bytes:
+    """The bytes of a part that carries them (a data: URL, a base64 source); 400 when it is neither
+    that nor an http(s) URL, when they are not valid base64 or larger than the limit."""
+    if part.data is not None:
+        text, where = part.data, part.where
+    else:
+        assert part.url is not None
+        header, comma, text = part.url.partition(",")
+        where = part.where
+        if not header.lower().startswith("data:"):
+            raise image_error(where, "must be a data: URL (data:image/png;base64,...) or an http(s) URL")
+        if not comma or not header.endswith(";base64"):
+            raise image_error(where, "a data: URL must be data:image/...;base64,<data>")
+    # base64 grows bytes by 4/3: a text this long decodes to more than the limit.
+    if len(text) > (limits.max_bytes + 2) // 3 * 4 + 4:
+        raise _too_large(where, limits)
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise image_error(where, "is not valid base64") from None
+    if len(data) > limits.max_bytes:
+        raise _too_large(where, limits)
+    return data
+
+
+def _too_large(where: str, limits: ImageLimits) -> ApiError:
+    return image_error(
+        where, f"the image is larger than the {limits.max_bytes >> 20} MiB allowed", "image_too_large"
+    )
+
+
+def decode_image(data: bytes, where: str, limits: ImageLimits) -> DecodedImage:
+    """The image in `data` decoded; 400 invalid_image when Pillow cannot read it, 400 image_too_large
+    when it has more pixels than the limit (known from the header, before decoding)."""
+    if not data:
+        raise image_error(where, "the image is empty")
+    if len(data) > limits.max_bytes:
+        raise _too_large(where, limits)
+    try:
+        with warnings.catch_warnings():
+            # Pillow warns about large images; the pixel limit below answers them.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=_FORMATS)
+        width, height = image.size
+        if width * height > limits.max_pixels:
+            raise image_error(
+                where,
+                f"the image is {width}x{height} pixels, more than the {limits.max_pixels} allowed",
+                "image_too_large",
+            )
+        if width < 1 or height < 1:
+            raise image_error(where, f"the image is {width}x{height} pixels")
+        image.load()
+        # Photos stored sideways with an EXIF orientation are turned upright, as transformers'
+        # load_image does before the image processor sees them.
+        image = ImageOps.exif_transpose(image)
+    except Image.DecompressionBombError:
+        raise image_error(where, "the image has too many pixels", "image_too_large") from None
+    except (OSError, ValueError, SyntaxError, EOFError, Image.UnidentifiedImageError) as error:
+        raise image_error(where, f"not a readable PNG, JPEG, WebP, GIF or BMP image ({error})") from None
+    return DecodedImage(image, hashlib.sha256(data).hexdigest())

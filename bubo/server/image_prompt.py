@@ -1,0 +1,107 @@
+"""A chat's images on their way into the prompt: refused for a model without a vision tower, fetched and
+decoded (`load_images`), and each image's template placeholder expanded to the tower's tokens
+(`place_images`)."""
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bubo.engine.prompt_images import PromptImage
+from bubo.gguf.reader import GGUFFile
+from bubo.server.errors import ApiError
+from bubo.server.image_fetch import Lookup, fetch_image
+from bubo.server.image_input import (
+    DecodedImage,
+    ImageLimits,
+    ImagePart,
+    decode_image,
+    image_error,
+    inline_bytes,
+)
+
+__all__ = ["IMAGE_PAD", "check_mmproj", "load_images", "place_images", "text_only"]
+
+# The token the Qwen-VL family's templates put where an image goes (between <|vision_start|> and
+# <|vision_end|>); the prompt repeats it once per image token.
+IMAGE_PAD = "<|image_pad|>"
+
+
+def text_only(part: ImagePart) -> ApiError:
+    """The refusal of an image part by a model without a vision tower."""
+    return ApiError(
+        400,
+        "unsupported_content",
+        f"{part.where}: this model takes text only (no vision tower is loaded), not {part.kind!r} parts",
+        param=part.param,
+    )
+
+
+async def load_images(
+    parts: Sequence[ImagePart], limits: ImageLimits, *, allow_urls: bool, lookup: Lookup
+) -> list[DecodedImage]:
+    """The parts' images: inline bytes decoded, http(s) URLs fetched when `allow_urls`; Pillow runs off
+    the event loop. 400 for too many images, a refused URL, a corrupt or oversized image."""
+    if len(parts) > limits.max_images:
+        raise image_error(
+            parts[limits.max_images].where,
+            f"a request takes at most {limits.max_images} images",
+            "too_many_images",
+        )
+    decoded = []
+    for part in parts:
+        if part.remote:
+            if not allow_urls:
+                raise image_error(
+                    part.where,
+                    "this server does not fetch image URLs: send the image inline as a data: URL "
+                    "(base64), or start the server with --allow-image-urls",
+                    "image_url_not_allowed",
+                )
+            assert part.url is not None
+            data = await fetch_image(part.url, part.where, limits, lookup=lookup)
+        else:
+            data = inline_bytes(part, limits)
+        decoded.append(await asyncio.to_thread(decode_image, data, part.where, limits))
+    return decoded
+
+
+def place_images(
+    ids: list[int], pad: int | None, images: Sequence[DecodedImage], tower: Any
+) -> tuple[list[int], tuple[PromptImage, ...]]:
+    """The prompt with each image's pad token repeated `tower.token_count(grid)` times, and where each
+    image's tokens lie; 400 when the prompt does not hold exactly one pad token per image."""
+    at = [i for i, token in enumerate(ids) if token == pad]
+    if pad is None or len(at) != len(images):
+        raise ApiError(
+            400,
+            "image_placeholder_mismatch",
+            f"the prompt holds {len(at)} {IMAGE_PAD} tokens for {len(images)} images: the chat template "
+            f"must render each image part once, and text must not contain {IMAGE_PAD}",
+        )
+    out: list[int] = []
+    placed = []
+    previous = 0
+    for index, image in zip(at, images, strict=True):
+        out += ids[previous:index]
+        grid = tuple(tower.grid_for_size(*image.size))
+        count = tower.token_count(grid)
+        placed.append(PromptImage(len(out), grid, count, image.digest, image.image))
+        out += [pad] * count
+        previous = index + 1
+    out += ids[previous:]
+    return out, tuple(placed)
+
+
+def check_mmproj(path: Path) -> None:
+    """--mmproj names a file or a checkpoint folder that exists; a GGUF must be a vision projector."""
+    if not path.exists():
+        raise FileNotFoundError(f"--mmproj: vision tower not found: {path}")
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        with GGUFFile(path) as file:
+            architecture = file.metadata.get("general.architecture")
+        if architecture != "clip":
+            raise ValueError(
+                f"--mmproj {path}: general.architecture is {architecture!r}, not 'clip': not a vision "
+                "projector file (the model file goes first, the projector after --mmproj)"
+            )
