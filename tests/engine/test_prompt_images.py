@@ -29,10 +29,7 @@ from tests.fixtures.vision_doubles import (
     RecordingCache,
     RecordingModel,
     png,
-    vision_modules,  # noqa: F401 (a fixture, used by name)
 )
-
-pytestmark = pytest.mark.usefixtures("vision_modules")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 TEXT = [40, 41, 42]

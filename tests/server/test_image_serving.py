@@ -28,11 +28,8 @@ from tests.fixtures.vision_doubles import (
     FakeTower,
     RecordingModel,
     png,
-    vision_modules,  # noqa: F401 (a fixture, used by name)
 )
 from tests.server.live_server import LiveServer, scripted, serve_loaded
-
-pytestmark = pytest.mark.usefixtures("vision_modules")
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
