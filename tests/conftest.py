@@ -5,6 +5,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+# Triton reads TRITON_INTERPRET when it is first imported (transformers and torch._dynamo import it),
+# so it is set here, before anything else: without an NVIDIA device the Triton kernels run in its
+# interpreter on CPU tensors (tests/kernels/test_triton_*.py); with one they compile for it.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
