@@ -1,0 +1,350 @@
+"""The gated delta rule of Gated DeltaNet (bubo/model/deltanet.py) in Triton: a fused recurrent step for
+decode and the chunked form for prefill. Both take and return what deltanet.py's torch functions do
+(`recurrent_gated_delta_rule`, `chunked_gated_delta_rule`, their references), state updated in place.
+
+Recurrent: one program per (sequence, value head, slice of dv) keeps its [dk, BV] part of the state
+in registers across the tokens; nothing but q, k, v, g, beta and the state is read or written.
+
+Chunked (Yang et al., "Gated Delta Networks", the WY/UT form deltanet.py describes): within a chunk
+of C tokens from state S0, the written values δ solve the unit lower-triangular system
+(I + A) δ = βv − β e^γ K S0 with A_ij = β_i (k_i·k_j) e^{γ_i−γ_j} (j < i). A first kernel, parallel
+over every chunk, inverts I + A by forward substitution and keeps u = (I+A)⁻¹ βv and
+w = (I+A)⁻¹ β e^γ K, so that δ = u − w S0; a second one walks the chunks in order per (sequence,
+value head, slice of dv), the only sequential part: a few C×dk×dv products per chunk.
+
+Every product runs in float32 ("ieee"), as the torch reference does: the state carries the whole
+sequence, so rounding it to TF32 would drift over a long prompt.
+
+Importing this module imports triton; callers import it lazily (bubo/kernels/triton_support.py).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["chunked_gated_delta_rule", "recurrent_gated_delta_rule"]
+
+# dv columns of the state per program. 32 of 128 gives a decode step of the flagship's 48 value heads
+# 192 programs at batch 1, enough to occupy an H100's 132 SMs.
+STATE_COLUMNS = 32
+# tl.dot's smallest operand side on NVIDIA GPUs.
+MIN_DOT = 16
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """Batch, head and time strides of a [B, H, T, ...] tensor."""
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+@triton.jit
+def _recurrent_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,  # [B, H, K, V] float32, contiguous
+    out_ptr,  # [B, H, T, V] float32, contiguous
+    qk_sb,
+    qk_sh,
+    qk_st,
+    v_sb,
+    v_sh,
+    v_st,
+    g_sb,
+    g_sh,
+    g_st,
+    length,
+    num_heads,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    seq_head = tl.program_id(0)
+    seq, head = seq_head // num_heads, seq_head % num_heads
+    dk = tl.arange(0, BK)
+    dv = tl.program_id(1) * BV + tl.arange(0, BV)
+    dk_ok, dv_ok = dk < K, dv < V
+    state_offsets = seq_head * K * V + dk[:, None] * V + dv[None, :]
+    state_ok = dk_ok[:, None] & dv_ok[None, :]
+    s = tl.load(state_ptr + state_offsets, mask=state_ok, other=0.0)
+    qk_base = seq * qk_sb + head * qk_sh
+    v_base = seq * v_sb + head * v_sh
+    g_base = seq * g_sb + head * g_sh
+    for t in range(length):
+        k = tl.load(k_ptr + qk_base + t * qk_st + dk, mask=dk_ok, other=0.0)
+        q = tl.load(q_ptr + qk_base + t * qk_st + dk, mask=dk_ok, other=0.0)
+        v = tl.load(v_ptr + v_base + t * v_st + dv, mask=dv_ok, other=0.0)
+        g = tl.load(g_ptr + g_base + t * g_st)
+        beta = tl.load(beta_ptr + g_base + t * g_st)
+        s = s * tl.exp(g)
+        # Only what the memory does not already recall for k is written (the delta rule).
+        delta = (v - tl.sum(s * k[:, None], 0)) * beta
+        s = s + k[:, None] * delta[None, :]
+        out = tl.sum(s * q[:, None], 0)
+        tl.store(out_ptr + (seq_head * length + t) * V + dv, out, mask=dv_ok)
+    tl.store(state_ptr + state_offsets, s, mask=state_ok)
+
+
+@triton.jit
+def _chunk_prepare_kernel(
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    u_ptr,  # [B, H, chunks * C, V] float32
+    w_ptr,  # [B, H, chunks * C, K] float32
+    gamma_ptr,  # [B, H, chunks * C] float32
+    qk_sb,
+    qk_sh,
+    qk_st,
+    v_sb,
+    v_sh,
+    v_st,
+    g_sb,
+    g_sh,
+    g_st,
+    length,
+    num_heads,
+    padded_length,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BVF: tl.constexpr,
+    C: tl.constexpr,
+):
+    seq_head = tl.program_id(0)
+    seq, head = seq_head // num_heads, seq_head % num_heads
+    rows = tl.arange(0, C)
+    pos = tl.program_id(1) * C + rows
+    pos_ok = pos < length
+    dk = tl.arange(0, BK)
+    dv = tl.arange(0, BVF)
+    dk_ok, dv_ok = dk < K, dv < V
+    # Positions past the end load as k = v = 0, g = beta = 0: they write nothing and decay nothing.
+    k = tl.load(
+        k_ptr + seq * qk_sb + head * qk_sh + pos[:, None] * qk_st + dk[None, :],
+        mask=pos_ok[:, None] & dk_ok[None, :],
+        other=0.0,
+    )
+    v = tl.load(
+        v_ptr + seq * v_sb + head * v_sh + pos[:, None] * v_st + dv[None, :],
+        mask=pos_ok[:, None] & dv_ok[None, :],
+        other=0.0,
+    )
+    g = tl.load(g_ptr + seq * g_sb + head * g_sh + pos * g_st, mask=pos_ok, other=0.0)
+    beta = tl.load(beta_ptr + seq * g_sb + head * g_sh + pos * g_st, mask=pos_ok, other=0.0)
+    gamma = tl.cumsum(g, 0)
+
+    k_beta = k * beta[:, None]
+    below = rows[:, None] > rows[None, :]
+    # The upper triangle is masked before exp, where γ_i − γ_j > 0 could overflow.
+    decay = tl.exp(tl.where(below, gamma[:, None] - gamma[None, :], float("-inf")))
+    a = tl.dot(k_beta, tl.trans(k), input_precision="ieee") * decay
+
+    # (I + A)⁻¹ row by row: row i is e_i − Σ_{j<i} A_ij row_j, rows j < i being final already.
+    inverse = tl.zeros([C, C], tl.float32)
+    for i in range(C):
+        a_row = tl.sum(tl.where(rows[:, None] == i, a, 0.0), 0)
+        row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
+        inverse = tl.where(rows[:, None] == i, row[None, :], inverse)
+
+    u = tl.dot(inverse, v * beta[:, None], input_precision="ieee")
+    w = tl.dot(inverse, k_beta * tl.exp(gamma)[:, None], input_precision="ieee")
+    out_rows = seq_head * padded_length + pos
+    tl.store(u_ptr + out_rows[:, None] * V + dv[None, :], u, mask=dv_ok[None, :])
+    tl.store(w_ptr + out_rows[:, None] * K + dk[None, :], w, mask=dk_ok[None, :])
+    tl.store(gamma_ptr + out_rows, gamma)
+
+
+@triton.jit
+def _chunk_recurrence_kernel(
+    q_ptr,
+    k_ptr,
+    u_ptr,
+    w_ptr,
+    gamma_ptr,
+    state_ptr,  # [B, H, K, V] float32, contiguous
+    out_ptr,  # [B, H, chunks * C, V] float32
+    qk_sb,
+    qk_sh,
+    qk_st,
+    length,
+    num_heads,
+    padded_length,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+):
+    seq_head = tl.program_id(0)
+    seq, head = seq_head // num_heads, seq_head % num_heads
+    rows = tl.arange(0, C)
+    dk = tl.arange(0, BK)
+    dv = tl.program_id(1) * BV + tl.arange(0, BV)
+    dk_ok, dv_ok = dk < K, dv < V
+    state_offsets = seq_head * K * V + dk[:, None] * V + dv[None, :]
+    state_ok = dk_ok[:, None] & dv_ok[None, :]
+    s = tl.load(state_ptr + state_offsets, mask=state_ok, other=0.0)
+    causal = rows[:, None] >= rows[None, :]
+    qk_base = seq * qk_sb + head * qk_sh
+    for start in range(0, length, C):
+        pos = start + rows
+        pos_ok = pos < length
+        qk_ok = pos_ok[:, None] & dk_ok[None, :]
+        q = tl.load(q_ptr + qk_base + pos[:, None] * qk_st + dk[None, :], mask=qk_ok, other=0.0)
+        k = tl.load(k_ptr + qk_base + pos[:, None] * qk_st + dk[None, :], mask=qk_ok, other=0.0)
+        scratch_rows = seq_head * padded_length + pos
+        w = tl.load(w_ptr + scratch_rows[:, None] * K + dk[None, :], mask=dk_ok[None, :], other=0.0)
+        u = tl.load(u_ptr + scratch_rows[:, None] * V + dv[None, :], mask=dv_ok[None, :], other=0.0)
+        gamma = tl.load(gamma_ptr + scratch_rows)
+        gamma_end = tl.sum(tl.where(rows == C - 1, gamma, 0.0), 0)
+
+        delta = u - tl.dot(w, s, input_precision="ieee")
+        decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf")))
+        intra = tl.dot(q, tl.trans(k), input_precision="ieee") * decay
+        out = tl.dot(q * tl.exp(gamma)[:, None], s, input_precision="ieee")
+        out += tl.dot(intra, delta, input_precision="ieee")
+        tl.store(
+            out_ptr + scratch_rows[:, None] * V + dv[None, :], out, mask=pos_ok[:, None] & dv_ok[None, :]
+        )
+
+        k_end = k * tl.exp(gamma_end - gamma)[:, None]
+        s = s * tl.exp(gamma_end) + tl.dot(tl.trans(k_end), delta, input_precision="ieee")
+    tl.store(state_ptr + state_offsets, s, mask=state_ok)
+
+
+def _checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """The inputs in the layout the kernels index: float32, unit stride along the feature dims."""
+    if q.shape != k.shape or v.shape[:3] != k.shape[:3] or g.shape != k.shape[:3] or beta.shape != g.shape:
+        raise ValueError(
+            f"mismatched shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+            f"g {tuple(g.shape)} beta {tuple(beta.shape)}"
+        )
+    if state.shape != (k.shape[0], k.shape[1], k.shape[3], v.shape[3]) or state.dtype != torch.float32:
+        raise ValueError(f"state {tuple(state.shape)} {state.dtype} does not fit q/k/v")
+    q, k, v = (x.float() if x.stride(-1) == 1 else x.float().contiguous() for x in (q, k, v))
+    g, beta = g.float(), beta.float()
+    if g.stride() != beta.stride():
+        g, beta = g.contiguous(), beta.contiguous()
+    if q.stride() != k.stride():
+        q, k = q.contiguous(), k.contiguous()
+    return q, k, v, g, beta
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """The gated delta rule one token at a time; arguments and result as deltanet.py's
+    `recurrent_gated_delta_rule`: q, k [B, H, T, dk], v [B, H, T, dv], g, beta [B, H, T], state
+    [B, H, dk, dv] float32 updated in place. Returns o [B, H, T, dv] float32."""
+    q, k, v, g, beta = _checked(q, k, v, g, beta, state)
+    batch, heads, length, dk = k.shape
+    dv = v.shape[-1]
+    work = state if state.is_contiguous() else state.contiguous()
+    out = torch.empty(batch, heads, length, dv, dtype=torch.float32, device=v.device)
+    block_v = min(STATE_COLUMNS, triton.next_power_of_2(dv))
+    _recurrent_kernel[(batch * heads, triton.cdiv(dv, block_v))](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        work,
+        out,
+        *_strides(q),
+        *_strides(v),
+        *g.stride(),
+        length,
+        heads,
+        K=dk,
+        V=dv,
+        BK=triton.next_power_of_2(dk),
+        BV=block_v,
+    )
+    if work is not state:
+        state.copy_(work)
+    return out
+
+
+def chunked_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """The same recurrence a chunk of `chunk_size` tokens at a time (a power of two of at least 16);
+    arguments and result as `recurrent_gated_delta_rule` (and deltanet.py's `chunked_gated_delta_rule`)."""
+    if chunk_size < MIN_DOT or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two of at least {MIN_DOT}, not {chunk_size}")
+    q, k, v, g, beta = _checked(q, k, v, g, beta, state)
+    batch, heads, length, dk = k.shape
+    dv = v.shape[-1]
+    chunks = triton.cdiv(length, chunk_size)
+    padded = chunks * chunk_size
+    scratch = dict(dtype=torch.float32, device=v.device)
+    u = torch.empty(batch, heads, padded, dv, **scratch)
+    w = torch.empty(batch, heads, padded, dk, **scratch)
+    gamma = torch.empty(batch, heads, padded, **scratch)
+    block_k = max(MIN_DOT, triton.next_power_of_2(dk))
+    _chunk_prepare_kernel[(batch * heads, chunks)](
+        k,
+        v,
+        g,
+        beta,
+        u,
+        w,
+        gamma,
+        *_strides(k),
+        *_strides(v),
+        *g.stride(),
+        length,
+        heads,
+        padded,
+        K=dk,
+        V=dv,
+        BK=block_k,
+        BVF=max(MIN_DOT, triton.next_power_of_2(dv)),
+        C=chunk_size,
+    )
+    work = state if state.is_contiguous() else state.contiguous()
+    out = torch.empty(batch, heads, padded, dv, **scratch)
+    block_v = max(MIN_DOT, min(STATE_COLUMNS, triton.next_power_of_2(dv)))
+    _chunk_recurrence_kernel[(batch * heads, triton.cdiv(dv, block_v))](
+        q,
+        k,
+        u,
+        w,
+        gamma,
+        work,
+        out,
+        *_strides(k),
+        length,
+        heads,
+        padded,
+        K=dk,
+        V=dv,
+        BK=block_k,
+        BV=block_v,
+        C=chunk_size,
+    )
+    if work is not state:
+        state.copy_(work)
+    return out[:, :, :length]
