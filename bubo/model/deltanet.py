@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bubo.kernels.triton_support import use_triton
+
 __all__ = ["DeltaNetState", "GatedDeltaNet", "chunked_gated_delta_rule", "recurrent_gated_delta_rule"]
 
 ValueHeadOrder = Literal["grouped", "tiled"]
@@ -348,6 +350,13 @@ class GatedDeltaNet(nn.Module):
         state: torch.Tensor,
     ) -> torch.Tensor:
         # One decode token needs no intra-chunk matrices; anything longer is a prefill.
+        if use_triton(v):
+            from bubo.kernels import triton_gated_delta as kernels
+
+            if v.shape[2] == 1:
+                return kernels.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+            # The kernel's own chunk length (any length gives the same recurrence).
+            return kernels.chunked_gated_delta_rule(q, k, v, g, beta, state)
         if v.shape[2] == 1:
             return recurrent_gated_delta_rule(q, k, v, g, beta, state)
         return chunked_gated_delta_rule(q, k, v, g, beta, state, self.chunk_size)

@@ -1,0 +1,52 @@
+"""One decode step of attention read straight from the block pool by the Triton paged-attention kernel
+(bubo/kernels/triton_paged_attention.py), for the CUDA path of `Attention`: the new keys and values go
+into each sequence's blocks, then one kernel call attends every sequence over its own blocks, with no
+gather of scattered blocks into a contiguous copy and one launch for all the rows of a CacheBatch."""
+
+from collections.abc import Sequence
+
+import torch
+
+from bubo.engine.kv_cache import KVCache
+
+__all__ = ["paged_decode_attention"]
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[KVCache], layer: int
+) -> torch.Tensor:
+    """q [B, heads, 1, D], k and v [B, kv_heads, 1, D] of one new token per sequence; the sequences are
+    the rows of `caches` in order (one cache of B rows, or B single-row caches of a CacheBatch). Stores
+    k, v at each cache's `length` in `layer` and returns the attention output [B, heads, 1, D]."""
+    from bubo.kernels.triton_paged_attention import paged_attention_decode
+
+    row = 0
+    for cache in caches:
+        cache.write(layer, k[row : row + cache.batch], v[row : row + cache.batch])
+        row += cache.batch
+    # The server's slots share one pool: one call for all rows. Caches on separate pools: one each.
+    shared = all(cache.pool is caches[0].pool for cache in caches)
+    groups = [list(caches)] if shared else [[cache] for cache in caches]
+    outputs, row = [], 0
+    for group in groups:
+        rows = sum(cache.batch for cache in group)
+        pool = group[0].pool
+        tables, lengths = _block_tables(group, q.device)
+        out = paged_attention_decode(
+            q[row : row + rows, :, 0], pool.keys[layer], pool.values[layer], tables, lengths, pool.block_size
+        )
+        outputs.append(out)
+        row += rows
+    return torch.cat(outputs)[:, :, None]
+
+
+def _block_tables(caches: Sequence[KVCache], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's block table, zero-padded to the longest, and its length after this step's token."""
+    tables = [table for cache in caches for table in cache.tables]
+    lengths = [cache.length + 1 for cache in caches for _ in cache.tables]
+    width = max(len(table) for table in tables)
+    padded = [table + [0] * (width - len(table)) for table in tables]
+    return (
+        torch.tensor(padded, dtype=torch.int32).to(device),
+        torch.tensor(lengths, dtype=torch.int32).to(device),
+    )
