@@ -19,11 +19,12 @@ import triton.language as tl
 
 __all__ = ["paged_attention_decode"]
 
-# Positions per program: a multiple of TILE. Large enough that the partials stay few, small enough
-# that a 4k-token sequence still spreads over 8 programs per KV head.
+# Positions per program (a power of two, so a multiple of the tile). Large enough that the partials
+# stay few, small enough that a 4k-token sequence still spreads over 8 programs per KV head.
 PARTITION = 512
-# Positions loaded and scored at once: one [TILE, head_dim] tile of keys, then of values.
-TILE = 64
+# Values of one [tile, head_dim] float32 tile of keys (then of values) scored at once: 64 positions of
+# a 128-wide head, 32 of the flagship's 256-wide ones, so a tile stays within the registers.
+TILE_VALUES = 8192
 # tl.dot's smallest operand side on NVIDIA GPUs.
 MIN_DOT = 16
 
@@ -203,7 +204,7 @@ def paged_attention_decode(
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         PART=partition,
-        TILE_N=min(TILE, partition),
+        TILE_N=min(partition, max(MIN_DOT, TILE_VALUES // block_d)),
         PRECISION=precision,
     )
     out = torch.empty(batch, num_heads, head_dim, dtype=out_dtype, device=q.device)
