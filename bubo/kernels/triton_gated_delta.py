@@ -27,6 +27,9 @@ __all__ = ["chunked_gated_delta_rule", "recurrent_gated_delta_rule"]
 # dv columns of the state per program. 32 of 128 gives a decode step of the flagship's 48 value heads
 # 192 programs at batch 1, enough to occupy an H100's 132 SMs.
 STATE_COLUMNS = 32
+# A chunk kernel holds several [C, dk] float32 tiles (q, k, w at C = 64, dk = 128: 24k values): spread
+# over 8 warps they fit the registers, over 4 they would spill.
+CHUNK_WARPS = 8
 # tl.dot's smallest operand side on NVIDIA GPUs.
 MIN_DOT = 16
 
@@ -323,6 +326,7 @@ def chunked_gated_delta_rule(
         BK=block_k,
         BVF=max(MIN_DOT, triton.next_power_of_2(dv)),
         C=chunk_size,
+        num_warps=CHUNK_WARPS,
     )
     work = state if state.is_contiguous() else state.contiguous()
     out = torch.empty(batch, heads, padded, dv, **scratch)
@@ -344,6 +348,7 @@ def chunked_gated_delta_rule(
         BK=block_k,
         BV=block_v,
         C=chunk_size,
+        num_warps=CHUNK_WARPS,
     )
     if work is not state:
         state.copy_(work)

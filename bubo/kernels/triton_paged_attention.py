@@ -23,7 +23,7 @@ __all__ = ["paged_attention_decode"]
 # stay few, small enough that a 4k-token sequence still spreads over 8 programs per KV head.
 PARTITION = 512
 # Values of one [tile, head_dim] float32 tile of keys (then of values) scored at once: 64 positions of
-# a 128-wide head, 32 of the flagship's 256-wide ones, so a tile stays within the registers.
+# a 128-wide head, 32 of the flagship's 256-wide ones (with 8 warps), so a tile stays in registers.
 TILE_VALUES = 8192
 # tl.dot's smallest operand side on NVIDIA GPUs.
 MIN_DOT = 16
@@ -132,7 +132,9 @@ def _combine_kernel(
     total = tl.sum(weights * tl.load(sum_ptr + row, mask=part_ok, other=0.0), 0)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    acc = tl.load(acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=part_ok[:, None] & dim_ok[None, :])
+    acc = tl.load(
+        acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=part_ok[:, None] & dim_ok[None, :], other=0.0
+    )
     out = tl.sum(acc * weights[:, None], 0) / total
     tl.store(
         out_ptr + (seq * num_heads + head) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok
@@ -206,6 +208,7 @@ def paged_attention_decode(
         PART=partition,
         TILE_N=min(partition, max(MIN_DOT, TILE_VALUES // block_d)),
         PRECISION=precision,
+        num_warps=8 if block_d >= 256 else 4,
     )
     out = torch.empty(batch, num_heads, head_dim, dtype=out_dtype, device=q.device)
     _combine_kernel[(batch, num_heads)](
