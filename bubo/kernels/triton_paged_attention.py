@@ -36,6 +36,7 @@ def _partition_kernel(
     v_pool_ptr,
     tables_ptr,  # [B, max_blocks] int32
     lengths_ptr,  # [B] int32
+    positions_ptr,  # [B, max_length] int32 when SELECTED: the positions to attend
     max_ptr,  # [B, Hq, partitions] float32
     sum_ptr,  # [B, Hq, partitions] float32
     acc_ptr,  # [B, Hq, partitions, D] float32
@@ -45,6 +46,7 @@ def _partition_kernel(
     stride_ph,
     stride_pp,
     stride_tb,
+    stride_sb,
     num_partitions,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -54,6 +56,7 @@ def _partition_kernel(
     PART: tl.constexpr,
     TILE_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    SELECTED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,8 +83,12 @@ def _partition_kernel(
     v_base = v_pool_ptr + kv_head.to(tl.int64) * stride_ph
     end = tl.minimum(start + PART, length)
     for tile_start in range(start, end, TILE_N):
-        pos = tile_start + tl.arange(0, TILE_N)
-        pos_ok = pos < end
+        index = tile_start + tl.arange(0, TILE_N)
+        pos_ok = index < end
+        if SELECTED:  # noqa: SIM108  (a constexpr branch, Triton's idiom: only one side is compiled)
+            pos = tl.load(positions_ptr + seq * stride_sb + index, mask=pos_ok, other=0)
+        else:
+            pos = index
         block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=pos_ok, other=0)
         pool_pos = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         offsets = pool_pos[:, None] * stride_pp + dims[None, :]
@@ -150,9 +157,11 @@ def paged_attention_decode(
     block_size: int,
     scale: float | None = None,
     partition: int = PARTITION,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q kᵀ · scale) v for one query token per sequence, over each sequence's first `lengths[b]`
-    cached positions.
+    cached positions, or with `positions` [B, n] (int, any order) over positions[b, :lengths[b]] only
+    (QSA's selection).
 
     q [B, Hq, D]; key_pool / value_pool [Hkv, num_blocks * block_size, D] (one layer of a BlockPool);
     block_tables [B, max_blocks] int32 (row b's block ids, padded anyhow past its last block); lengths
@@ -174,7 +183,9 @@ def paged_attention_decode(
     q = q.float().contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     lengths = lengths.to(torch.int32).contiguous()
-    max_len = block_tables.shape[1] * block_size
+    if positions is not None:
+        positions = positions.to(torch.int32).contiguous()
+    max_len = block_tables.shape[1] * block_size if positions is None else positions.shape[1]
     num_partitions = triton.cdiv(max_len, partition)
 
     stats = torch.empty(2, batch, num_heads, num_partitions, dtype=torch.float32, device=q.device)
@@ -190,6 +201,7 @@ def paged_attention_decode(
         value_pool,
         block_tables,
         lengths,
+        block_tables if positions is None else positions,
         stats[0],
         stats[1],
         acc,
@@ -199,6 +211,7 @@ def paged_attention_decode(
         key_pool.stride(0),
         key_pool.stride(1),
         block_tables.stride(0),
+        0 if positions is None else positions.stride(0),
         num_partitions,
         GROUP=group,
         GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)),
@@ -208,6 +221,7 @@ def paged_attention_decode(
         PART=partition,
         TILE_N=min(partition, max(MIN_DOT, TILE_VALUES // block_d)),
         PRECISION=precision,
+        SELECTED=positions is not None,
         num_warps=8 if block_d >= 256 else 4,
     )
     out = torch.empty(batch, num_heads, head_dim, dtype=out_dtype, device=q.device)

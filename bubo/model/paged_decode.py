@@ -13,11 +13,18 @@ __all__ = ["paged_decode_attention"]
 
 
 def paged_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: Sequence[KVCache], layer: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    caches: Sequence[KVCache],
+    layer: int,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, heads, 1, D], k and v [B, kv_heads, 1, D] of one new token per sequence; the sequences are
     the rows of `caches` in order (one cache of B rows, or B single-row caches of a CacheBatch). Stores
-    k, v at each cache's `length` in `layer` and returns the attention output [B, heads, 1, D]."""
+    k, v at each cache's `length` in `layer` and returns the attention output [B, heads, 1, D] over
+    every cached position (the new one included), or over `positions` [B, n] alone (QSA's selection;
+    one cache only)."""
     from bubo.kernels.triton_paged_attention import paged_attention_decode
 
     row = 0
@@ -32,8 +39,16 @@ def paged_decode_attention(
         rows = sum(cache.batch for cache in group)
         pool = group[0].pool
         tables, lengths = _block_tables(group, q.device)
+        if positions is not None:
+            lengths = torch.full_like(lengths, positions.shape[1])
         out = paged_attention_decode(
-            q[row : row + rows, :, 0], pool.keys[layer], pool.values[layer], tables, lengths, pool.block_size
+            q[row : row + rows, :, 0],
+            pool.keys[layer],
+            pool.values[layer],
+            tables,
+            lengths,
+            pool.block_size,
+            positions=positions,
         )
         outputs.append(out)
         row += rows

@@ -99,6 +99,32 @@ def test_shared_prefix_blocks_and_half_precision() -> None:
     torch.testing.assert_close(out.float(), _reference(q, [source, follower]), atol=2e-2, rtol=2e-2)
 
 
+def test_selected_positions_only() -> None:
+    """With `positions` (QSA's selection), each row attends to the positions it lists, in any order."""
+    torch.manual_seed(2)
+    kv_heads, head_dim, block_size = 2, 16, 4
+    lengths = [30, 45]
+    pool, caches = _filled_caches(lengths, kv_heads, head_dim, block_size, torch.float32)
+    count = 21
+    generator = torch.Generator().manual_seed(3)
+    positions = torch.stack([torch.randperm(n, generator=generator)[:count] for n in lengths]).to(DEVICE)
+    q = torch.randn(2, 6, head_dim, device=DEVICE)
+    tables, _ = _tables(caches)
+    lens = torch.full((2,), count, dtype=torch.int32, device=DEVICE)
+    out = paged_attention_decode(
+        q, pool.keys[LAYER], pool.values[LAYER], tables, lens, block_size, partition=16, positions=positions
+    )
+    expected = []
+    for i, cache in enumerate(caches):
+        k, v = cache.read(LAYER)
+        keep = positions[i].sort().values
+        rows = F.scaled_dot_product_attention(
+            q[i : i + 1, :, None], k[:, :, keep], v[:, :, keep], enable_gqa=True
+        )
+        expected.append(rows[:, :, 0])
+    torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
+
+
 def test_uneven_head_groups_are_refused() -> None:
     pool = BlockPool(1, 2, 16, 2, 8, torch.float32, DEVICE)
     q = torch.zeros(1, 3, 16, device=DEVICE)

@@ -1,6 +1,7 @@
-"""The CUDA wiring of the Triton kernels (Attention's paged decode, GatedDeltaNet's delta rule), run on
-the CPU through Triton's interpreter by making `use_triton` say yes: a tiny qwen35moe model's logits
-over a prompt and batched decode steps on interleaved blocks must match its plain torch paths."""
+"""The CUDA wiring of the Triton kernels (Attention's and QSA's paged decode, GatedDeltaNet's delta
+rule), run on the CPU through Triton's interpreter by making `use_triton` say yes: tiny qwen35moe and
+qwen4exp models' logits over a prompt and decode steps (batched, on interleaved blocks; past the QSA
+budget) must match their plain torch paths."""
 
 import pytest
 import torch
@@ -9,9 +10,10 @@ pytest.importorskip("triton")
 
 from bubo.engine.kv_cache import CacheBatch
 from bubo.engine.loaded_model import LoadedModel, load_model
-from bubo.model import attention, deltanet
+from bubo.model import attention, deltanet, indexed_attention
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.fixtures.hybrid_models import tiny_hybrid
+from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG, write_qwen4exp_gguf
 
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11, 64, 2], [8, 8, 31], [300, 1, 2, 3, 4, 5, 6]]
 STEPS = 3
@@ -26,9 +28,9 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return load_model(write_gguf(model, tmp_path_factory.mktemp("wiring") / "tiny-qwen35moe.gguf"))
 
 
-def _run(model, batched: bool) -> list[torch.Tensor]:
-    """Logits of each prompt, then of STEPS greedy decode steps (as one CacheBatch when `batched`),
-    on caches whose blocks interleave in one pool."""
+def _run(model) -> list[torch.Tensor]:
+    """Logits of each prompt, then of STEPS greedy decode steps (row by row, then as one CacheBatch, in
+    turn), on caches whose blocks interleave in one pool."""
     pool = model.new_block_pool(positions=128, block_size=4)
     caches = [model.new_cache(max_len=40, pool=pool) for _ in PROMPTS]
     logits = []
@@ -36,8 +38,8 @@ def _run(model, batched: bool) -> list[torch.Tensor]:
         for prompt, cache in zip(PROMPTS, caches, strict=True):
             logits.append(model(torch.tensor([prompt]), cache)[0])
         step = torch.tensor([[12], [13], [14]])
-        for _ in range(STEPS):
-            if batched:
+        for step_index in range(STEPS):
+            if step_index % 2:
                 out = model(step, CacheBatch(caches))
             else:
                 out = torch.cat([model(step[i : i + 1], c) for i, c in enumerate(caches)])
@@ -46,23 +48,55 @@ def _run(model, batched: bool) -> list[torch.Tensor]:
     return logits
 
 
-@pytest.mark.parametrize("batched", [False, True])
-def test_the_kernels_give_the_torch_paths_logits(
-    hybrid: LoadedModel, batched: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    expected = _run(hybrid.model, batched)
-    calls = {"attention": 0, "deltanet": 0}
+def _force_triton(monkeypatch: pytest.MonkeyPatch, *modules) -> dict[str, int]:
+    """Make each module's `use_triton` say yes, counting the calls per module."""
+    calls = {}
+    for module in modules:
+        name = module.__name__
+        calls[name] = 0
 
-    def counting(name: str):
-        def use(_: torch.Tensor) -> bool:
+        def use(_: torch.Tensor, name: str = name) -> bool:
             calls[name] += 1
             return True
 
-        return use
+        monkeypatch.setattr(module, "use_triton", use)
+    return calls
 
-    monkeypatch.setattr(attention, "use_triton", counting("attention"))
-    monkeypatch.setattr(deltanet, "use_triton", counting("deltanet"))
-    got = _run(hybrid.model, batched)
-    assert calls["attention"] > 0 and calls["deltanet"] > 0
+
+def test_the_kernels_give_the_torch_paths_logits(
+    hybrid: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = _run(hybrid.model)
+    calls = _force_triton(monkeypatch, attention, deltanet)
+    got = _run(hybrid.model)
+    assert all(calls.values())
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+
+
+def test_qsa_decode_reads_the_selected_positions(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """qwen4exp (spec 7.1's config: budget 2 blocks of 4, so queries past position 11 select): a
+    20-token prompt then 6 greedy steps, kernels against torch."""
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    reference = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**TINY_QWEN4EXP_CONFIG))
+    randomize_(reference)
+    model = load_model(write_qwen4exp_gguf(reference, tmp_path_factory.mktemp("qsa") / "model.gguf")).model
+    prompt = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(4))
+
+    def run() -> list[torch.Tensor]:
+        cache = model.new_cache(max_len=32)
+        with torch.inference_mode():
+            logits = [model(prompt, cache)[0, -1]]
+            for _ in range(6):
+                logits.append(model(logits[-1].argmax().view(1, 1), cache)[0, -1])
+        return logits
+
+    expected = run()
+    calls = _force_triton(monkeypatch, indexed_attention, deltanet)
+    got = run()
+    assert all(calls.values())
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
