@@ -46,7 +46,8 @@ from bubo.gguf.config import (  # noqa: E402
     ValueHeadOrder,
 )
 from bubo.gguf.quants import block_size, type_size  # noqa: E402
-from bubo.model.decoder import Decoder, DeltaNetMixer, HyperConnectedLayer  # noqa: E402
+from bubo.kernels.triton_support import use_triton  # noqa: E402
+from bubo.model.decoder import Decoder, DeltaNetMixer, HyperConnectedLayer, IndexedAttentionMixer  # noqa: E402
 from bubo.model.hyper_connections import expand_streams  # noqa: E402
 from bubo.model.moe import Experts, QuantizedExpertMatrices, SparseMoE  # noqa: E402
 from bubo.model.quantized_linear import QuantizedEmbedding, QuantizedLinear  # noqa: E402
@@ -147,12 +148,13 @@ def random_blocks(shape: tuple[int, ...], kind: GGMLQuantizationType, device: to
     rows, width = shape[:-1], shape[-1]
     if width % block_size(kind):
         raise ValueError(f"rows of {width} values don't hold whole {kind.name} blocks")
-    raw = torch.randint(0, 256, (*rows, width // block_size(kind) * type_size(kind)), dtype=torch.uint8)
+    row_bytes = width // block_size(kind) * type_size(kind)
+    raw = torch.randint(0, 256, (*rows, row_bytes), dtype=torch.uint8, device=device)
     words = raw.view(-1, type_size(kind)).view(torch.int16)
     for offset in _SCALE_FIELDS[kind]:
-        scales = (torch.rand(words.shape[0]) * 2e-3 + 1e-3).to(torch.float16)
+        scales = (torch.rand(words.shape[0], device=device) * 2e-3 + 1e-3).to(torch.float16)
         words[:, offset // 2] = scales.view(torch.int16)
-    return raw.to(device)
+    return raw
 
 
 class RandomWeights:
@@ -256,9 +258,16 @@ def state_bytes_per_token(layer: HyperConnectedLayer, cache: KVCache, context: i
     if isinstance(layer.attention, DeltaNetMixer):
         state = cache.recurrent[layer.attention.state_index]
         return 2 * (state.recurrent_state.nbytes + state.conv_state.nbytes)
-    # Every cached key and value is read: Bubo's QSA layers also read them all and mask.
-    pool = cache.pool
-    return 2 * context * pool.keys[0].shape[0] * pool.keys[0].shape[2] * pool.keys[0].element_size()
+    keys = cache.pool.keys[0]
+    per_position = 2 * keys.shape[0] * keys.shape[2] * keys.element_size()
+    if not isinstance(layer.attention, IndexedAttentionMixer):
+        return context * per_position
+    # QSA scores every complete block's key; the paged kernel then reads the selected positions
+    # alone, where the torch path reads every position and masks.
+    indexer = cache.indexers[layer.attention.state_index]
+    block_keys = indexer.num_blocks * indexer.block_keys.shape[-1] * indexer.block_keys.element_size()
+    read = layer.attention.attention.selected_count(context) if use_triton(keys) else context
+    return read * per_position + block_keys
 
 
 class Stopwatch:

@@ -246,7 +246,7 @@ class IndexedAttention(Attention):
         q, k, v, gate = self.project(x, cos, sin)
         if x.shape[1] == 1 and use_triton(q):
             # A decode step on CUDA: the paged kernel reads the selected positions' blocks alone.
-            selected = self._selected(cache.length + 1)
+            selected = self.selected_count(cache.length + 1)
             positions = None
             if selected <= cache.length:
                 # Every row selects exactly `selected` positions; their order doesn't matter to softmax.
@@ -255,7 +255,7 @@ class IndexedAttention(Attention):
             return self.output(out.transpose(1, 2), gate)
         return self.attend(q, k, v, gate, cache, mask[:, None])
 
-    def _selected(self, visible: int) -> int:
+    def selected_count(self, visible: int) -> int:
         """How many of `visible` tokens a query keeps: all of them while they make at most the budget's
         complete blocks, else the budget's blocks and the tail."""
         r, budget = self.indexer.compress_ratio, self.indexer.block_budget

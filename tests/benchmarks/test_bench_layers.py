@@ -75,6 +75,9 @@ def test_cpu_small_run_reports_every_kind(tmp_path: Path) -> None:
         context = run["decode_context"]
         assert context == run["prompt_tokens"] + 3
         assert run["kinds"]["attention"]["bytes_per_token"]["cache"] == 2 * context * 2 * 64 * f4
+        # The torch QSA path reads every key and value, plus the indexer's key of each complete block.
+        qsa_cache = 2 * context * 2 * 64 * f4 + context // 4 * 32 * f4
+        assert run["kinds"]["qsa"]["bytes_per_token"]["cache"] == qsa_cache
         model = run["model"]
         assert model["decode_s_per_token"] == pytest.approx(
             36 * run["kinds"]["deltanet"]["decode_s"]["layer"]
