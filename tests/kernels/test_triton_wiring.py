@@ -15,6 +15,9 @@ from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.fixtures.hybrid_models import tiny_hybrid
 from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG, write_qwen4exp_gguf
 
+# On a CUDA machine the kernels compile for the GPU and the model runs there; elsewhere both paths run
+# on the CPU, the kernels in the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11, 64, 2], [8, 8, 31], [300, 1, 2, 3, 4, 5, 6]]
 STEPS = 3
 
@@ -25,7 +28,8 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
         "qwen35moe", ["linear_attention", "full_attention"] * 2, vocab_size=320, max_position_embeddings=256
     )
     randomize_(model)
-    return load_model(write_gguf(model, tmp_path_factory.mktemp("wiring") / "tiny-qwen35moe.gguf"))
+    path = write_gguf(model, tmp_path_factory.mktemp("wiring") / "tiny-qwen35moe.gguf")
+    return load_model(path, device=DEVICE)
 
 
 def _run(model) -> list[torch.Tensor]:
@@ -48,8 +52,8 @@ def _run(model) -> list[torch.Tensor]:
     return logits
 
 
-def _force_triton(monkeypatch: pytest.MonkeyPatch, *modules) -> dict[str, int]:
-    """Make each module's `use_triton` say yes, counting the calls per module."""
+def _set_triton(monkeypatch: pytest.MonkeyPatch, on: bool, *modules) -> dict[str, int]:
+    """Make each module's `use_triton` answer `on`, counting the calls per module."""
     calls = {}
     for module in modules:
         name = module.__name__
@@ -57,7 +61,7 @@ def _force_triton(monkeypatch: pytest.MonkeyPatch, *modules) -> dict[str, int]:
 
         def use(_: torch.Tensor, name: str = name) -> bool:
             calls[name] += 1
-            return True
+            return on
 
         monkeypatch.setattr(module, "use_triton", use)
     return calls
@@ -66,8 +70,9 @@ def _force_triton(monkeypatch: pytest.MonkeyPatch, *modules) -> dict[str, int]:
 def test_the_kernels_give_the_torch_paths_logits(
     hybrid: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _set_triton(monkeypatch, False, attention, deltanet)
     expected = _run(hybrid.model)
-    calls = _force_triton(monkeypatch, attention, deltanet)
+    calls = _set_triton(monkeypatch, True, attention, deltanet)
     got = _run(hybrid.model)
     assert all(calls.values())
     for g, e in zip(got, expected, strict=True):
@@ -83,7 +88,8 @@ def test_qsa_decode_reads_the_selected_positions(
 
     reference = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**TINY_QWEN4EXP_CONFIG))
     randomize_(reference)
-    model = load_model(write_qwen4exp_gguf(reference, tmp_path_factory.mktemp("qsa") / "model.gguf")).model
+    path = write_qwen4exp_gguf(reference, tmp_path_factory.mktemp("qsa") / "model.gguf")
+    model = load_model(path, device=DEVICE).model
     prompt = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(4))
 
     def run() -> list[torch.Tensor]:
@@ -94,8 +100,9 @@ def test_qsa_decode_reads_the_selected_positions(
                 logits.append(model(logits[-1].argmax().view(1, 1), cache)[0, -1])
         return logits
 
+    _set_triton(monkeypatch, False, indexed_attention, deltanet)
     expected = run()
-    calls = _force_triton(monkeypatch, indexed_attention, deltanet)
+    calls = _set_triton(monkeypatch, True, indexed_attention, deltanet)
     got = run()
     assert all(calls.values())
     for g, e in zip(got, expected, strict=True):
