@@ -27,6 +27,8 @@ __all__ = ["chunked_gated_delta_rule", "recurrent_gated_delta_rule"]
 # dv columns of the state per program. 32 of 128 gives a decode step of the flagship's 48 value heads
 # 192 programs at batch 1, enough to occupy an H100's 132 SMs.
 STATE_COLUMNS = 32
+# Tokens per chunk: the longest chunk whose [C, C] matrices and [C, dk] tiles stay in registers.
+CHUNK = 64
 # A chunk kernel holds several [C, dk] float32 tiles (q, k, w at C = 64, dk = 128: 24k values): spread
 # over 8 warps they fit the registers, over 4 they would spill.
 CHUNK_WARPS = 8
@@ -146,9 +148,10 @@ def _chunk_prepare_kernel(
     decay = tl.exp(tl.where(below, gamma[:, None] - gamma[None, :], float("-inf")))
     a = tl.dot(k_beta, tl.trans(k), input_precision="ieee") * decay
 
-    # (I + A)⁻¹ row by row: row i is e_i − Σ_{j<i} A_ij row_j, rows j < i being final already.
-    inverse = tl.zeros([C, C], tl.float32)
-    for i in range(C):
+    # (I + A)⁻¹ row by row: row i is e_i − Σ_{j<i} A_ij row_j, rows j < i being final already. Row 0
+    # and the rows past the end (A's row is zero there) are those of the identity.
+    inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    for i in range(1, tl.minimum(C, length - tl.program_id(1) * C)):
         a_row = tl.sum(tl.where(rows[:, None] == i, a, 0.0), 0)
         row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
         inverse = tl.where(rows[:, None] == i, row[None, :], inverse)
@@ -291,10 +294,14 @@ def chunked_gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """The same recurrence a chunk of `chunk_size` tokens at a time (a power of two of at least 16);
-    arguments and result as `recurrent_gated_delta_rule` (and deltanet.py's `chunked_gated_delta_rule`)."""
+    """The same recurrence a chunk of `chunk_size` tokens at a time (a power of two of at least 16;
+    default 64, or the smallest that holds a shorter input, so a few tokens of speculative decoding
+    don't pay for 64); arguments and result as `recurrent_gated_delta_rule` (and deltanet.py's
+    `chunked_gated_delta_rule`)."""
+    if chunk_size is None:
+        chunk_size = min(CHUNK, max(MIN_DOT, triton.next_power_of_2(k.shape[2])))
     if chunk_size < MIN_DOT or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two of at least {MIN_DOT}, not {chunk_size}")
     q, k, v, g, beta = _checked(q, k, v, g, beta, state)
