@@ -55,13 +55,26 @@ def paged_decode_attention(
     return torch.cat(outputs)[:, :, None]
 
 
+# The last tables sent to the device, (key, tensors): every attention layer of a decode step reads
+# the same tables (the first layer's write took any new block), so they are copied over once per step.
+# One tuple, replaced whole, so concurrent slots at worst copy their own again.
+_last_tables: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
 def _block_tables(caches: Sequence[KVCache], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row's block table, zero-padded to the longest, and its length after this step's token."""
-    tables = [table for cache in caches for table in cache.tables]
+    global _last_tables
+    tables = [tuple(table) for cache in caches for table in cache.tables]
     lengths = [cache.length + 1 for cache in caches for _ in cache.tables]
+    key = (device, *tables, *lengths)
+    last = _last_tables
+    if last is not None and last[0] == key:
+        return last[1]
     width = max(len(table) for table in tables)
-    padded = [table + [0] * (width - len(table)) for table in tables]
-    return (
+    padded = [table + (0,) * (width - len(table)) for table in tables]
+    on_device = (
         torch.tensor(padded, dtype=torch.int32).to(device),
         torch.tensor(lengths, dtype=torch.int32).to(device),
     )
+    _last_tables = (key, on_device)
+    return on_device
