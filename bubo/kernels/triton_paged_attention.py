@@ -19,9 +19,12 @@ import triton.language as tl
 
 __all__ = ["paged_attention_decode"]
 
-# Positions per program (a power of two, so a multiple of the tile). Large enough that the partials
-# stay few, small enough that a 4k-token sequence still spreads over 8 programs per KV head.
-PARTITION = 512
+# Positions per program (a power of two, so a multiple of the tile): the largest of these that still
+# gives TARGET_PROGRAMS programs (two per SM of an H100/H200), so that a lone sequence with two KV heads
+# fills the GPU at 32k tokens, and at 4k uses 128-position partitions rather than 16 programs.
+MAX_PARTITION = 512
+MIN_PARTITION = 128
+TARGET_PROGRAMS = 256
 # Values of one [tile, head_dim] float32 tile of keys (then of values) scored at once: 64 positions of
 # a 128-wide head, 32 of the flagship's 256-wide ones (with 8 warps), so a tile stays in registers.
 TILE_VALUES = 8192
@@ -156,7 +159,7 @@ def paged_attention_decode(
     lengths: torch.Tensor,
     block_size: int,
     scale: float | None = None,
-    partition: int = PARTITION,
+    partition: int | None = None,
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q kᵀ · scale) v for one query token per sequence, over each sequence's first `lengths[b]`
@@ -166,8 +169,8 @@ def paged_attention_decode(
     q [B, Hq, D]; key_pool / value_pool [Hkv, num_blocks * block_size, D] (one layer of a BlockPool);
     block_tables [B, max_blocks] int32 (row b's block ids, padded anyhow past its last block); lengths
     [B] int32, each at least 1. Query head h reads KV head h // (Hq / Hkv), as SDPA's enable_gqa.
-    `scale` defaults to 1/sqrt(D). `partition`: positions per program, a power of two of at least 16.
-    Returns [B, Hq, D] in q's dtype.
+    `scale` defaults to 1/sqrt(D). `partition`: positions per program, a power of two of at least 16
+    (default: chosen from the batch and length). Returns [B, Hq, D] in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = key_pool.shape[0]
@@ -175,8 +178,6 @@ def paged_attention_decode(
         raise ValueError(f"{num_heads} query heads can't share {num_kv_heads} KV heads evenly")
     if key_pool.stride(-1) != 1 or value_pool.stride() != key_pool.stride():
         raise ValueError("the key and value pools must share one layout with contiguous head dims")
-    if partition < MIN_DOT or partition & (partition - 1):
-        raise ValueError(f"partition must be a power of two of at least {MIN_DOT}, not {partition}")
     group = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
     out_dtype = q.dtype
@@ -186,6 +187,15 @@ def paged_attention_decode(
     if positions is not None:
         positions = positions.to(torch.int32).contiguous()
     max_len = block_tables.shape[1] * block_size if positions is None else positions.shape[1]
+    if partition is None:
+        partition = MAX_PARTITION
+        while (
+            partition > MIN_PARTITION
+            and batch * num_kv_heads * triton.cdiv(max_len, partition) < TARGET_PROGRAMS
+        ):
+            partition //= 2
+    if partition < MIN_DOT or partition & (partition - 1):
+        raise ValueError(f"partition must be a power of two of at least {MIN_DOT}, not {partition}")
     num_partitions = triton.cdiv(max_len, partition)
 
     stats = torch.empty(2, batch, num_heads, num_partitions, dtype=torch.float32, device=q.device)

@@ -59,10 +59,10 @@ def _reference(q: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size", "partition"),
-    [(6, 2, 16, 8, 16), (4, 4, 24, 16, 32), (8, 1, 32, 4, 512)],
+    [(6, 2, 16, 8, 16), (4, 4, 24, 16, 32), (8, 1, 32, 4, None)],
 )
 def test_matches_sdpa_over_the_cache(
-    heads: int, kv_heads: int, head_dim: int, block_size: int, partition: int
+    heads: int, kv_heads: int, head_dim: int, block_size: int, partition: int | None
 ) -> None:
     torch.manual_seed(0)
     lengths = [1, 13, 40, 77]
@@ -125,10 +125,12 @@ def test_selected_positions_only() -> None:
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
 
 
-def test_uneven_head_groups_are_refused() -> None:
+def test_uneven_head_groups_and_bad_partitions_are_refused() -> None:
     pool = BlockPool(1, 2, 16, 2, 8, torch.float32, DEVICE)
     q = torch.zeros(1, 3, 16, device=DEVICE)
     tables = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
     lens = torch.ones(1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="3 query heads"):
         paged_attention_decode(q, pool.keys[0], pool.values[0], tables, lens, 8)
+    with pytest.raises(ValueError, match="partition"):
+        paged_attention_decode(q[:, :2], pool.keys[0], pool.values[0], tables, lens, 8, partition=24)
