@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["chunked_gated_delta_rule", "recurrent_gated_delta_rule"]
+__all__ = ["chunked_gated_delta_rule", "fused_recurrent_step", "recurrent_gated_delta_rule"]
 
 # dv columns of the state per program. 32 of 128 gives a decode step of the flagship's 48 value heads
 # 192 programs at batch 1, enough to occupy an H100's 132 SMs.
@@ -46,10 +46,12 @@ def _recurrent_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
-    g_ptr,
-    beta_ptr,
+    g_ptr,  # g, or with RAW_GATES the pre-activation a
+    beta_ptr,  # beta, or with RAW_GATES the pre-activation b
+    decay_ptr,  # RAW_GATES: [H] ssm_a (= -exp(A_log))
+    bias_ptr,  # RAW_GATES: [H] ssm_dt, added to a
     state_ptr,  # [B, H, K, V] float32, contiguous
-    out_ptr,  # [B, H, T, V] float32, contiguous
+    out_ptr,  # float32
     qk_sb,
     qk_sh,
     qk_st,
@@ -59,36 +61,56 @@ def _recurrent_kernel(
     g_sb,
     g_sh,
     g_st,
+    o_sb,
+    o_sh,
+    o_st,
     length,
     num_heads,
+    num_key_heads,
+    scale,
+    eps,
     K: tl.constexpr,
     V: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    TILED: tl.constexpr,
+    RAW_GATES: tl.constexpr,
 ):
     seq_head = tl.program_id(0)
     seq, head = seq_head // num_heads, seq_head % num_heads
+    # The key head of this value head: j % Hk in the tiled order, j // (Hv / Hk) in the grouped one.
+    key_head = head % num_key_heads if TILED else head // (num_heads // num_key_heads)
     dk = tl.arange(0, BK)
     dv = tl.program_id(1) * BV + tl.arange(0, BV)
     dk_ok, dv_ok = dk < K, dv < V
     state_offsets = seq_head * K * V + dk[:, None] * V + dv[None, :]
     state_ok = dk_ok[:, None] & dv_ok[None, :]
     s = tl.load(state_ptr + state_offsets, mask=state_ok, other=0.0)
-    qk_base = seq * qk_sb + head * qk_sh
+    qk_base = seq * qk_sb + key_head * qk_sh
     v_base = seq * v_sb + head * v_sh
     g_base = seq * g_sb + head * g_sh
+    o_base = seq * o_sb + head * o_sh
     for t in range(length):
-        k = tl.load(k_ptr + qk_base + t * qk_st + dk, mask=dk_ok, other=0.0)
-        q = tl.load(q_ptr + qk_base + t * qk_st + dk, mask=dk_ok, other=0.0)
-        v = tl.load(v_ptr + v_base + t * v_st + dv, mask=dv_ok, other=0.0)
-        g = tl.load(g_ptr + g_base + t * g_st)
-        beta = tl.load(beta_ptr + g_base + t * g_st)
+        k = tl.load(k_ptr + qk_base + t * qk_st + dk, mask=dk_ok, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + qk_base + t * qk_st + dk, mask=dk_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + v_base + t * v_st + dv, mask=dv_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + g_base + t * g_st).to(tl.float32)
+        beta = tl.load(beta_ptr + g_base + t * g_st).to(tl.float32)
+        if RAW_GATES:
+            # GatedDeltaNet's own prologue: l2-normed q (scaled) and k, g = ssm_a softplus(a + dt)
+            # (torch's softplus, linear above 20), beta = sigmoid(b).
+            q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
+            shifted = g + tl.load(bias_ptr + head).to(tl.float32)
+            softplus = tl.where(shifted > 20.0, shifted, tl.log(1.0 + tl.exp(tl.minimum(shifted, 20.0))))
+            g = tl.load(decay_ptr + head).to(tl.float32) * softplus
+            beta = tl.sigmoid(beta)
         s = s * tl.exp(g)
         # Only what the memory does not already recall for k is written (the delta rule).
         delta = (v - tl.sum(s * k[:, None], 0)) * beta
         s = s + k[:, None] * delta[None, :]
         out = tl.sum(s * q[:, None], 0)
-        tl.store(out_ptr + (seq_head * length + t) * V + dv, out, mask=dv_ok)
+        tl.store(out_ptr + o_base + t * o_st + dv, out, mask=dv_ok)
     tl.store(state_ptr + state_offsets, s, mask=state_ok)
 
 
@@ -259,32 +281,109 @@ def recurrent_gated_delta_rule(
     `recurrent_gated_delta_rule`: q, k [B, H, T, dk], v [B, H, T, dv], g, beta [B, H, T], state
     [B, H, dk, dv] float32 updated in place. Returns o [B, H, T, dv] float32."""
     q, k, v, g, beta = _checked(q, k, v, g, beta, state)
-    batch, heads, length, dk = k.shape
-    dv = v.shape[-1]
-    work = state if state.is_contiguous() else state.contiguous()
-    out = torch.empty(batch, heads, length, dv, dtype=torch.float32, device=v.device)
-    block_v = min(STATE_COLUMNS, triton.next_power_of_2(dv))
-    _recurrent_kernel[(batch * heads, triton.cdiv(dv, block_v))](
-        q,
-        k,
-        v,
-        g,
-        beta,
-        work,
-        out,
-        *_strides(q),
-        *_strides(v),
-        *g.stride(),
+    batch, heads, length, _ = k.shape
+    out = torch.empty(batch, heads, length, v.shape[-1], dtype=torch.float32, device=v.device)
+    _launch_recurrent(
+        (q, k, v, g, beta, g, g, state, out),
+        (*_strides(q), *_strides(v), *g.stride(), *_strides(out)),
         length,
         heads,
+        heads,
+        tiled=False,
+        raw_gates=False,
+    )
+    return out
+
+
+def fused_recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    ssm_a: torch.Tensor,
+    ssm_dt: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    tiled: bool,
+    eps: float,
+) -> torch.Tensor:
+    """GatedDeltaNet's decode step from the conv output on, but the output norm, in one kernel: q, k
+    [B, T, Hk, dk] l2-normed (q also scaled by 1/sqrt(dk), `eps` inside the root), each value head
+    reading its key head in the `tiled` (j % Hk) or grouped (j // (Hv/Hk)) order, g = ssm_a ·
+    softplus(a + ssm_dt) and beta = sigmoid(b) from a, b [B, T, Hv], then the delta rule over v
+    [B, T, Hv, dv] from `state` [B, Hv, dk, dv] float32 (updated in place). Returns o [B, T, Hv, dv]
+    float32. Saves the dozen small kernels those steps take in torch, per layer and token."""
+    batch, length, key_heads, _ = k.shape
+    heads, dv = v.shape[2], v.shape[3]
+    if q.shape != k.shape or heads % key_heads or a.shape != (batch, length, heads) or b.shape != a.shape:
+        raise ValueError(
+            f"mismatched shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+            f"a {tuple(a.shape)} b {tuple(b.shape)}"
+        )
+    if state.shape != (batch, heads, k.shape[3], dv) or state.dtype != torch.float32:
+        raise ValueError(f"state {tuple(state.shape)} {state.dtype} does not fit q/k/v")
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if q.stride() != k.stride():
+        q, k = q.contiguous(), k.contiguous()
+    if a.stride() != b.stride():
+        a, b = a.contiguous(), b.contiguous()
+    out = torch.empty(batch, length, heads, dv, dtype=torch.float32, device=v.device)
+
+    def strides(x: torch.Tensor) -> tuple[int, int, int]:  # batch, head, time
+        return x.stride(0), x.stride(2), x.stride(1)
+
+    _launch_recurrent(
+        (q, k, v, a, b, ssm_a, ssm_dt, state, out),
+        (*strides(q), *strides(v), a.stride(0), a.stride(2), a.stride(1), *strides(out)),
+        length,
+        heads,
+        key_heads,
+        tiled=tiled,
+        raw_gates=True,
+        scale=k.shape[3] ** -0.5,
+        eps=eps,
+    )
+    return out
+
+
+def _launch_recurrent(
+    tensors: tuple[torch.Tensor, ...],
+    strides: tuple[int, ...],
+    length: int,
+    heads: int,
+    key_heads: int,
+    *,
+    tiled: bool,
+    raw_gates: bool,
+    scale: float = 1.0,
+    eps: float = 0.0,
+) -> None:
+    """Run `_recurrent_kernel` on (q, k, v, g|a, beta|b, ssm_a, ssm_dt, state, out), the state worked
+    on in a contiguous copy if it is not contiguous itself."""
+    *inputs, state, out = tensors
+    dk, dv = state.shape[2], state.shape[3]
+    work = state if state.is_contiguous() else state.contiguous()
+    block_v = min(STATE_COLUMNS, triton.next_power_of_2(dv))
+    _recurrent_kernel[(state.shape[0] * heads, triton.cdiv(dv, block_v))](
+        *inputs,
+        work,
+        out,
+        *strides,
+        length,
+        heads,
+        key_heads,
+        scale,
+        eps,
         K=dk,
         V=dv,
         BK=triton.next_power_of_2(dk),
         BV=block_v,
+        TILED=tiled,
+        RAW_GATES=raw_gates,
     )
     if work is not state:
         state.copy_(work)
-    return out
 
 
 def chunked_gated_delta_rule(
