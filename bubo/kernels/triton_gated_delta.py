@@ -1,9 +1,12 @@
-"""The gated delta rule of Gated DeltaNet (bubo/model/deltanet.py) in Triton: a fused recurrent step for
-decode and the chunked form for prefill. Both take and return what deltanet.py's torch functions do
-(`recurrent_gated_delta_rule`, `chunked_gated_delta_rule`, their references), state updated in place.
+"""The gated delta rule of Gated DeltaNet (bubo/model/deltanet.py) in Triton: the recurrent form for
+decode and the chunked form for prefill. `recurrent_gated_delta_rule` and `chunked_gated_delta_rule`
+take and return what deltanet.py's torch functions of those names do (their references), state
+updated in place; `fused_recurrent_step` is a decode step that also does GatedDeltaNet's prologue
+(q/k norms, key head per value head, the gates) in the same kernel.
 
 Recurrent: one program per (sequence, value head, slice of dv) keeps its [dk, BV] part of the state
-in registers across the tokens; nothing but q, k, v, g, beta and the state is read or written.
+in registers across the tokens; nothing but q, k, v, g, beta (or their raw forms) and the state is
+read or written.
 
 Chunked (Yang et al., "Gated Delta Networks", the WY/UT form deltanet.py describes): within a chunk
 of C tokens from state S0, the written values δ solve the unit lower-triangular system
@@ -284,7 +287,7 @@ def recurrent_gated_delta_rule(
     batch, heads, length, _ = k.shape
     out = torch.empty(batch, heads, length, v.shape[-1], dtype=torch.float32, device=v.device)
     _launch_recurrent(
-        (q, k, v, g, beta, g, g, state, out),
+        (q, k, v, g, beta, g, g, state, out),  # g again where ssm_a / ssm_dt go: unread without raw gates
         (*_strides(q), *_strides(v), *g.stride(), *_strides(out)),
         length,
         heads,
