@@ -5,8 +5,19 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+# Triton reads TRITON_INTERPRET when it is first imported (transformers and torch._dynamo import it),
+# so it is set before those: without CUDA the Triton kernels run in its interpreter on CPU tensors
+# (tests/kernels/test_triton_*.py); with CUDA they compile for the GPU. No NVIDIA device node is decided
+# before torch loads (in case a CUDA build of torch imports triton); a device torch can't use, after.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bubo.default_model import DefaultModelMissingError, default_model_path

@@ -144,6 +144,12 @@ class KVCache:
         """Store k, v [batch, kv_heads, T, head_dim] at positions length..length+T-1 of `layer`;
         return that layer's keys and values for positions 0..length+T-1 (views of the pool when each
         sequence's blocks form one run, gathered copies otherwise)."""
+        self.write(layer, k, v)
+        return self.read(layer, self.length + k.shape[2])
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [batch, kv_heads, T, head_dim] at positions length..length+T-1 of `layer`, for a
+        reader that finds them through the block tables itself (the paged-attention kernel)."""
         start, end = self.length, self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache full: {start} + {k.shape[2]} positions exceed max_len {self.max_len}")
@@ -157,7 +163,6 @@ class KVCache:
             else:
                 keys.index_copy_(1, layout[start:end], k[row])
                 values.index_copy_(1, layout[start:end], v[row])
-        return self.read(layer, end)
 
     def read(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [batch, kv_heads, end, head_dim] of positions 0..end-1 (default: `length`)."""

@@ -6,7 +6,9 @@ from torch import nn
 
 from bubo.engine.kv_cache import CacheBatch, KVCache
 from bubo.gguf.config import ModelConfig
+from bubo.kernels.triton_support import use_triton
 from bubo.model.layers import RMSNorm, apply_rotary
+from bubo.model.paged_decode import paged_decode_attention
 
 __all__ = ["Attention", "causal_mask"]
 
@@ -55,9 +57,15 @@ class Attention(nn.Module):
         """x [B, T, hidden] at positions cache.length .. cache.length + T - 1 -> [B, T, hidden].
 
         With a CacheBatch, row i continues caches[i] (at its own length): the projections run on the
-        whole batch, attention row by row over each row's cache.
+        whole batch, attention row by row over each row's cache. A decode step on CUDA with triton
+        installed runs the paged-attention kernel over every row at once instead.
         """
         q, k, v, gate = self.project(x, cos, sin)
+        if x.shape[1] == 1 and use_triton(q):
+            # One token per sequence on CUDA: the paged kernel reads every row's blocks in place.
+            caches = cache.caches if isinstance(cache, CacheBatch) else [cache]
+            out = paged_decode_attention(q, k, v, caches, self.layer_index)
+            return self.output(out.transpose(1, 2), gate)
         if isinstance(cache, CacheBatch):
             rows = [
                 self.attend(

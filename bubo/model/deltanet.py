@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bubo.kernels.triton_support import use_triton
+
 __all__ = ["DeltaNetState", "GatedDeltaNet", "chunked_gated_delta_rule", "recurrent_gated_delta_rule"]
 
 ValueHeadOrder = Literal["grouped", "tiled"]
@@ -301,10 +303,53 @@ class GatedDeltaNet(nn.Module):
         mixed = F.silu(conv).transpose(1, 2).to(x.dtype)
 
         q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q = q.reshape(batch, length, hk, dk)
+        k = k.reshape(batch, length, hk, dk)
+        v = v.reshape(batch, length, hv, dv)
+        if length == 1 and use_triton(x):
+            # A decode step on CUDA: the norms, the gates and the recurrence in one kernel.
+            from bubo.kernels.triton_gated_delta import fused_recurrent_step
+
+            o = fused_recurrent_step(
+                q,
+                k,
+                v,
+                a,
+                b,
+                self.ssm_a,
+                self.ssm_dt,
+                state.recurrent_state,
+                tiled=self.value_head_order == "tiled",
+                eps=L2NORM_EPS,
+            )
+            kept = []
+        else:
+            o, kept = self._delta_rule_pieces(q, k, v, a, b, state.recurrent_state, cuts, conv_at)
+
+        # Gated RMSNorm per head (Qwen3_5RMSNormGated): gamma is used as stored (no +1), the gate in fp32.
+        normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        gate = F.silu(z.float()) if self.gate_activation == "silu" else torch.sigmoid(z.float())
+        y = (self.ssm_norm * normed.to(x.dtype)) * gate
+        return self.ssm_out(y.to(x.dtype).reshape(batch, length, hv * dv)), kept
+
+    def _delta_rule_pieces(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        state: torch.Tensor,
+        cuts: Sequence[int],
+        conv_at: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[DeltaNetState]]:
+        """q, k [B, T, Hk, dk], v [B, T, Hv, dv] and the pre-activation a, b [B, T, Hv] through the
+        norms, gates and delta rule, continuing `state`: o [B, T, Hv, dv] float32, and the states after
+        each of `cuts` tokens (with `conv_at`, their conv histories)."""
+        length = v.shape[1]
+        dk = k.shape[-1]
         # Heads first, float32 from here to the norm, as transformers' delta-rule kernels compute.
-        q = q.reshape(batch, length, hk, dk).transpose(1, 2).float()
-        k = k.reshape(batch, length, hk, dk).transpose(1, 2).float()
-        v = v.reshape(batch, length, hv, dv).transpose(1, 2).float()
+        q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
         q = _l2norm(q) * dk**-0.5
         k = _l2norm(k)
         q, k = self._keys_per_value_head(q), self._keys_per_value_head(k)
@@ -319,24 +364,13 @@ class GatedDeltaNet(nn.Module):
             piece = slice(begin, end)
             pieces.append(
                 self._delta_rule(
-                    q[:, :, piece],
-                    k[:, :, piece],
-                    v[:, :, piece],
-                    g[:, :, piece],
-                    beta[:, :, piece],
-                    state.recurrent_state,
+                    q[:, :, piece], k[:, :, piece], v[:, :, piece], g[:, :, piece], beta[:, :, piece], state
                 )
             )
             if end < length:
-                kept.append(DeltaNetState(conv_at[len(kept)], state.recurrent_state.clone()))
+                kept.append(DeltaNetState(conv_at[len(kept)], state.clone()))
             begin = end
-        o = torch.cat(pieces, dim=2).transpose(1, 2)  # [B, T, Hv, dv]
-
-        # Gated RMSNorm per head (Qwen3_5RMSNormGated): gamma is used as stored (no +1), the gate in fp32.
-        normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-        gate = F.silu(z.float()) if self.gate_activation == "silu" else torch.sigmoid(z.float())
-        y = (self.ssm_norm * normed.to(x.dtype)) * gate
-        return self.ssm_out(y.to(x.dtype).reshape(batch, length, hv * dv)), kept
+        return torch.cat(pieces, dim=2).transpose(1, 2), kept
 
     def _delta_rule(
         self,
@@ -348,6 +382,13 @@ class GatedDeltaNet(nn.Module):
         state: torch.Tensor,
     ) -> torch.Tensor:
         # One decode token needs no intra-chunk matrices; anything longer is a prefill.
+        if use_triton(v):
+            from bubo.kernels import triton_gated_delta as kernels
+
+            if v.shape[2] == 1:
+                return kernels.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+            # The kernel's own chunk length (any length gives the same recurrence).
+            return kernels.chunked_gated_delta_rule(q, k, v, g, beta, state)
         if v.shape[2] == 1:
             return recurrent_gated_delta_rule(q, k, v, g, beta, state)
         return chunked_gated_delta_rule(q, k, v, g, beta, state, self.chunk_size)

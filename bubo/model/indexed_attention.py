@@ -37,8 +37,10 @@ from torch import nn
 
 from bubo.engine.kv_cache import KVCache
 from bubo.gguf.config import ModelConfig, RopeStyle
+from bubo.kernels.triton_support import use_triton
 from bubo.model.attention import Attention
 from bubo.model.layers import RMSNorm, apply_rotary
+from bubo.model.paged_decode import paged_decode_attention
 
 __all__ = ["IndexedAttention", "IndexerState", "QSAIndexer"]
 
@@ -242,4 +244,21 @@ class IndexedAttention(Attention):
         mask = self.indexer(x, cos, sin, state)
         # Attention's projections, norms, rope and gate; only the mask passed to SDPA differs.
         q, k, v, gate = self.project(x, cos, sin)
+        if x.shape[1] == 1 and use_triton(q):
+            # A decode step on CUDA: the paged kernel reads the selected positions' blocks alone.
+            selected = self.selected_count(cache.length + 1)
+            positions = None
+            if selected <= cache.length:
+                # Every row selects exactly `selected` positions; their order doesn't matter to softmax.
+                positions = mask[:, 0].to(torch.int32).topk(selected, dim=-1).indices
+            out = paged_decode_attention(q, k, v, [cache], self.layer_index, positions)
+            return self.output(out.transpose(1, 2), gate)
         return self.attend(q, k, v, gate, cache, mask[:, None])
+
+    def selected_count(self, visible: int) -> int:
+        """How many of `visible` tokens a query keeps: all of them while they make at most the budget's
+        complete blocks, else the budget's blocks and the tail."""
+        r, budget = self.indexer.compress_ratio, self.indexer.block_budget
+        if visible // r <= budget:
+            return visible
+        return budget * r + visible % r
