@@ -1,0 +1,216 @@
+"""In-kernel dequantization of ggml blocks, read straight from the file's bytes, for the Triton kernels.
+
+`dequantize_tile` turns any tile of a quantized matrix (uint8 [rows, row_bytes], blocks as the GGUF
+file stores them, nothing repacked) into float32 weights: every element finds its block, its code
+byte(s) and its scale fields by address arithmetic and loads them. Neighbouring elements along a
+row read neighbouring code bytes of the same block, so a warp's loads of the codes coalesce into
+a few wide transactions; the per-block scale fields are the same address for 16-256 elements and
+come from L1. The arithmetic mirrors bubo.gguf.quants (same products in the same order), so a
+tile is bit-exact against the torch dequantizers, which are bit-exact against gguf's.
+
+The layouts, per block (offsets in bytes; "nibble i" of a 32-byte run: low nibbles give weights
+0-31 of a group, high nibbles the next 32; for the 32-weight types, byte j holds weights j and j+16):
+    Q8_0  (32 w, 34 B)  d f16 @0, qs int8[32] @2                       w = d*q
+    Q4_0  (32 w, 18 B)  d @0, qs[16] @2                                w = d*(q-8)
+    Q4_1  (32 w, 20 B)  d @0, m @2, qs[16] @4                          w = d*q + m
+    Q5_0  (32 w, 22 B)  d @0, qh u32 @2 (bit i: 5th bit of weight i), qs @6     w = d*(q-16)
+    Q5_1  (32 w, 24 B)  d @0, m @2, qh @4, qs @8                       w = d*q + m
+    IQ4_NL(32 w, 18 B)  d @0, qs[16] @2                                w = d*codebook[q]
+    Q2_K  (256 w, 84 B) scales[16] @0 (lo: scale, hi: min), qs[64] @16 (2-bit planes), d @80, dmin @82
+    Q3_K  (256 w, 110 B) hmask[32] @0, qs[64] @32, 16 6-bit scales @96, d @108
+    Q4_K  (256 w, 144 B) d @0, dmin @2, 8 6-bit scales + 8 6-bit mins @4, qs[128] @16
+    Q5_K  (256 w, 176 B) as Q4_K with qh[32] @16 (bit g of byte j: 5th bit of weight 32g+j), qs @48
+    Q6_K  (256 w, 210 B) ql[128] @0, qh[64] @128, scales int8[16] @192, d @208
+    IQ4_XS(256 w, 136 B) d @0, scales_h u16 @2, scales_l[4] @4, qs[128] @8 (8 groups of 16 bytes)
+"""
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType
+
+from bubo.gguf.quants import IQ4_CODEBOOK, block_size, type_size
+from bubo.kernels.triton_support import TRITON_TYPES
+
+__all__ = ["TRITON_TYPES", "check_weight", "codebook", "dequantize_tile", "fp16_view", "interpreting"]
+
+T = GGMLQuantizationType
+
+# The ggml type ids, as compile-time constants the kernels branch on.
+Q4_0: tl.constexpr = tl.constexpr(int(T.Q4_0))
+Q4_1: tl.constexpr = tl.constexpr(int(T.Q4_1))
+Q5_0: tl.constexpr = tl.constexpr(int(T.Q5_0))
+Q5_1: tl.constexpr = tl.constexpr(int(T.Q5_1))
+Q8_0: tl.constexpr = tl.constexpr(int(T.Q8_0))
+Q2_K: tl.constexpr = tl.constexpr(int(T.Q2_K))
+Q3_K: tl.constexpr = tl.constexpr(int(T.Q3_K))
+Q4_K: tl.constexpr = tl.constexpr(int(T.Q4_K))
+Q5_K: tl.constexpr = tl.constexpr(int(T.Q5_K))
+Q6_K: tl.constexpr = tl.constexpr(int(T.Q6_K))
+IQ4_NL: tl.constexpr = tl.constexpr(int(T.IQ4_NL))
+IQ4_XS: tl.constexpr = tl.constexpr(int(T.IQ4_XS))
+
+_codebooks: dict[torch.device, torch.Tensor] = {}
+
+
+def codebook(device: torch.device) -> torch.Tensor:
+    """The IQ4 codebook as float32 on `device` (every kernel takes it; only the IQ4 types read it)."""
+    table = _codebooks.get(device)
+    if table is None:
+        table = _codebooks[device] = torch.tensor(IQ4_CODEBOOK, dtype=torch.float32, device=device)
+    return table
+
+
+def fp16_view(raw: torch.Tensor) -> torch.Tensor:
+    """The same bytes as float16, which is how the kernels load a block's fp16 fields."""
+    if raw.shape[-1] % 2:
+        raise ValueError(f"a row of ggml blocks has an even number of bytes, got {raw.shape[-1]}")
+    return raw.view(torch.float16)
+
+
+@triton.jit
+def _byte(w_ptr, addr, mask):
+    return tl.load(w_ptr + addr, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _half(h_ptr, addr, mask):
+    # Every fp16 field sits at an even offset of a block, and every block size is even.
+    return tl.load(h_ptr + addr // 2, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _nibble(w_ptr, addr, high, mask):
+    byte = _byte(w_ptr, addr, mask)
+    return tl.where(high, byte >> 4, byte & 0x0F)
+
+
+@triton.jit
+def _q4_k_scale_min(w_ptr, base, g, mask):
+    """Q4_K / Q5_K: the 6-bit scale and min of group g (0-7), packed in the 12 bytes s[] at base + 4.
+
+    g < 4: scale = s[g] & 63, min = s[g+4] & 63; g >= 4: the low four bits of both come from
+    s[g+4], the top two of the scale from s[g-4] and of the min from s[g].
+    """
+    s_g = _byte(w_ptr, base + 4 + g, mask)
+    s_g4 = _byte(w_ptr, base + 8 + g, mask)
+    s_gm4 = _byte(w_ptr, base + g, mask)  # s[g-4] where g >= 4 (ignored below that)
+    low = g < 4
+    scale = tl.where(low, s_g & 0x3F, (s_g4 & 0x0F) | ((s_gm4 >> 6) << 4))
+    minimum = tl.where(low, s_g4 & 0x3F, (s_g4 >> 4) | ((s_g >> 6) << 4))
+    return scale, minimum
+
+
+@triton.jit
+def dequantize_tile(w_ptr, h_ptr, lut_ptr, rows, cols, mask, row_bytes, QTYPE: tl.constexpr):
+    """float32 weights at (rows, cols) of a quantized matrix (rows and cols broadcast to the tile).
+
+    w_ptr: the matrix's bytes (uint8, row-major, `row_bytes` per row); h_ptr: the same bytes as
+    fp16; lut_ptr: the IQ4 codebook. `mask` marks the elements inside the matrix (others read 0).
+    """
+    # Chains of == rather than `in`: triton's compiler has no `in` operator.
+    if QTYPE == Q8_0 or QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q5_0 or QTYPE == Q5_1 or QTYPE == IQ4_NL:  # noqa: SIM109
+        if QTYPE == Q8_0:
+            size = 34
+        elif QTYPE == Q4_0 or QTYPE == IQ4_NL:  # noqa: SIM109
+            size = 18
+        elif QTYPE == Q4_1:
+            size = 20
+        elif QTYPE == Q5_0:
+            size = 22
+        else:
+            size = 24
+        base = rows.to(tl.int64) * row_bytes + (cols // 32) * size
+        i = cols % 32
+        d = _half(h_ptr, base, mask)
+        if QTYPE == Q8_0:
+            q = _byte(w_ptr, base + 2 + i, mask)
+            w = ((q ^ 0x80) - 0x80).to(tl.float32) * d
+        elif QTYPE == Q4_0:
+            w = (_nibble(w_ptr, base + 2 + i % 16, i >= 16, mask) - 8).to(tl.float32) * d
+        elif QTYPE == IQ4_NL:
+            q = _nibble(w_ptr, base + 2 + i % 16, i >= 16, mask)
+            w = tl.load(lut_ptr + q) * d
+        elif QTYPE == Q4_1:
+            q = _nibble(w_ptr, base + 4 + i % 16, i >= 16, mask)
+            w = q.to(tl.float32) * d + _half(h_ptr, base + 2, mask)
+        else:
+            qh_at = 2 if QTYPE == Q5_0 else 4
+            high = (_byte(w_ptr, base + qh_at + i // 8, mask) >> (i % 8)) & 1
+            q = _nibble(w_ptr, base + qh_at + 4 + i % 16, i >= 16, mask) | (high << 4)
+            if QTYPE == Q5_0:
+                w = (q - 16).to(tl.float32) * d
+            else:
+                w = q.to(tl.float32) * d + _half(h_ptr, base + 2, mask)
+    elif QTYPE == Q4_K or QTYPE == Q5_K:  # noqa: SIM109
+        size = 144 if QTYPE == Q4_K else 176
+        base = rows.to(tl.int64) * row_bytes + (cols // 256) * size
+        i = cols % 256
+        g = i // 32
+        scale, minimum = _q4_k_scale_min(w_ptr, base, g, mask)
+        dl = _half(h_ptr, base, mask) * scale.to(tl.float32)
+        ml = _half(h_ptr, base + 2, mask) * minimum.to(tl.float32)
+        if QTYPE == Q4_K:
+            q = _nibble(w_ptr, base + 16 + (g // 2) * 32 + i % 32, (g % 2) == 1, mask)
+        else:
+            high = (_byte(w_ptr, base + 16 + i % 32, mask) >> g) & 1
+            q = _nibble(w_ptr, base + 48 + (g // 2) * 32 + i % 32, (g % 2) == 1, mask) | (high << 4)
+        w = q.to(tl.float32) * dl - ml
+    elif QTYPE == Q6_K:
+        base = rows.to(tl.int64) * row_bytes + (cols // 256) * 210
+        i = cols % 256
+        half = i // 128
+        low = _nibble(w_ptr, base + half * 64 + i % 64, ((i % 128) // 64) == 1, mask)
+        high = (_byte(w_ptr, base + 128 + half * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
+        scale = _byte(w_ptr, base + 192 + i // 16, mask)
+        dl = _half(h_ptr, base + 208, mask) * ((scale ^ 0x80) - 0x80).to(tl.float32)
+        w = ((low | (high << 4)) - 32).to(tl.float32) * dl
+    elif QTYPE == Q2_K:
+        base = rows.to(tl.int64) * row_bytes + (cols // 256) * 84
+        i = cols % 256
+        q = (_byte(w_ptr, base + 16 + (i // 128) * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
+        scale = _byte(w_ptr, base + i // 16, mask)
+        dl = _half(h_ptr, base + 80, mask) * (scale & 0x0F).to(tl.float32)
+        ml = _half(h_ptr, base + 82, mask) * (scale >> 4).to(tl.float32)
+        w = q.to(tl.float32) * dl - ml
+    elif QTYPE == Q3_K:
+        base = rows.to(tl.int64) * row_bytes + (cols // 256) * 110
+        i = cols % 256
+        low = (_byte(w_ptr, base + 32 + (i // 128) * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
+        # A clear hmask bit means "subtract 4".
+        set_bit = (_byte(w_ptr, base + i % 32, mask) >> (i // 32)) & 1
+        s = i // 16
+        scale_low = (_byte(w_ptr, base + 96 + s % 8, mask) >> (4 * (s // 8))) & 0x0F
+        scale_high = (_byte(w_ptr, base + 104 + s % 4, mask) >> (2 * (s // 4))) & 3
+        dl = _half(h_ptr, base + 108, mask) * ((scale_low | (scale_high << 4)) - 32).to(tl.float32)
+        w = (low - 4 * (1 - set_bit)).to(tl.float32) * dl
+    else:
+        tl.static_assert(QTYPE == IQ4_XS, "dequantize_tile: unsupported ggml type")
+        base = rows.to(tl.int64) * row_bytes + (cols // 256) * 136
+        i = cols % 256
+        g = i // 32
+        scale_low = (_byte(w_ptr, base + 4 + g // 2, mask) >> (4 * (g % 2))) & 0x0F
+        scale_high = (_byte(w_ptr, base + 2 + g // 4, mask) >> (2 * (g % 4))) & 3
+        dl = _half(h_ptr, base, mask) * ((scale_low | (scale_high << 4)) - 32).to(tl.float32)
+        q = _nibble(w_ptr, base + 8 + g * 16 + i % 16, (i % 32) >= 16, mask)
+        w = tl.load(lut_ptr + q) * dl
+    return w
+
+
+def interpreting() -> bool:
+    """Whether the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1: the tests)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def check_weight(raw: torch.Tensor, ggml_type: GGMLQuantizationType, in_features: int) -> None:
+    """Raise ValueError unless `raw` holds `in_features`-wide rows of `ggml_type` blocks the kernels can read."""
+    if ggml_type not in TRITON_TYPES:
+        raise ValueError(f"the Triton kernels do not read {ggml_type.name} blocks")
+    weights, size = block_size(ggml_type), type_size(ggml_type)
+    if raw.dtype != torch.uint8 or not raw.is_contiguous():
+        raise ValueError(f"quantized weights must be contiguous uint8 blocks, got {raw.dtype}")
+    if in_features % weights or raw.shape[-1] != in_features // weights * size:
+        raise ValueError(
+            f"{ggml_type.name}: rows of {raw.shape[-1]} bytes do not hold {in_features} weights "
+            f"({weights} per {size}-byte block)"
+        )
