@@ -2,6 +2,13 @@
 random llama GGUF files (a real decoder, fast) with the fixture chat templates."""
 
 import os
+
+# The Triton kernels (tests/kernels/test_triton_*) run in triton's CPU interpreter, on CPU tensors.
+# triton reads TRITON_INTERPRET when a function is decorated, its own library's included, and
+# torch / transformers import triton.language below: so it is set here, before anything imports.
+# A default only: on a GPU machine TRITON_INTERPRET=0 runs the same tests on the compiled kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from collections.abc import Iterator
 from pathlib import Path
 

@@ -4,8 +4,8 @@ Each program computes a [BLOCK_M, BLOCK_N] tile of y: per K step it loads the x 
 the matching [BLOCK_K, BLOCK_N] tile of W from the file's bytes in registers (triton_quant) and
 feeds both to tl.dot (tensor cores; float32 accumulation). The dequantized W tile is used by all
 BLOCK_M rows, which is what amortizes the unpacking; programs are ordered in groups of GROUP_M
-row tiles so that neighbours share W tiles in L2. Operands go to the dot in x's dtype (fp16 /
-bf16), or as IEEE float32 for a float32 x (no TF32: a float32 model asked for float32 numerics).
+row tiles so that neighbours share W tiles in L2. Operands go to the dot in x's dtype (see
+triton_quant.dot_dtype).
 
 `quantized_matmul` is the entry point: it sends up to MAX_GEMV_ROWS rows to the GEMV kernel.
 """
@@ -16,7 +16,15 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from bubo.kernels.triton_gemv import MAX_GEMV_ROWS, quantized_gemv
-from bubo.kernels.triton_quant import check_weight, codebook, dequantize_tile, fp16_view, interpreting
+from bubo.kernels.triton_quant import (
+    check_weight,
+    codebook,
+    dequantize_tile,
+    dot,
+    dot_dtype,
+    fp16_view,
+    interpreting,
+)
 
 __all__ = ["quantized_gemm", "quantized_matmul"]
 
@@ -64,6 +72,7 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -95,10 +104,7 @@ def _gemm_kernel(
             row_bytes,
             QTYPE,
         )
-        if x_ptr.dtype.element_ty == tl.float32:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w.to(x_ptr.dtype.element_ty), acc)
+        acc = dot(x, w, acc, DOT_DTYPE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -131,6 +137,7 @@ def quantized_gemm(
         QTYPE=int(ggml_type),
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
+        DOT_DTYPE=dot_dtype(x.dtype),
     )
     return out
 

@@ -32,7 +32,16 @@ from gguf import GGMLQuantizationType
 from bubo.gguf.quants import IQ4_CODEBOOK, block_size, type_size
 from bubo.kernels.triton_support import TRITON_TYPES
 
-__all__ = ["TRITON_TYPES", "check_weight", "codebook", "dequantize_tile", "fp16_view", "interpreting"]
+__all__ = [
+    "TRITON_TYPES",
+    "check_weight",
+    "codebook",
+    "dequantize_tile",
+    "dot",
+    "dot_dtype",
+    "fp16_view",
+    "interpreting",
+]
 
 T = GGMLQuantizationType
 
@@ -200,6 +209,31 @@ def dequantize_tile(w_ptr, h_ptr, lut_ptr, rows, cols, mask, row_bytes, QTYPE: t
 def interpreting() -> bool:
     """Whether the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1: the tests)."""
     return bool(triton.knobs.runtime.interpret)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def dot_dtype(dtype: torch.dtype) -> tl.dtype:
+    """The operand type of the tensor-core dot for activations of `dtype`.
+
+    The activations' own type on a GPU. Triton's interpreter computes a bfloat16 dot on the raw
+    bits (garbage), so there bfloat16 operands are widened to float32 instead.
+    """
+    if dtype not in _TL_DTYPES:
+        raise ValueError(f"the Triton kernels take float32, float16 or bfloat16 activations, not {dtype}")
+    if dtype == torch.bfloat16 and interpreting():
+        return tl.float32
+    return _TL_DTYPES[dtype]
+
+
+@triton.jit
+def dot(x, w, acc, DOT_DTYPE: tl.constexpr):
+    """acc + x @ w with both operands cast to DOT_DTYPE; float32 as IEEE float32 (no TF32: a
+    float32 model asked for float32 numerics)."""
+    if DOT_DTYPE == tl.float32:  # noqa: SIM300  (a constexpr against a dtype, not a Yoda condition)
+        return tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc)
 
 
 def check_weight(raw: torch.Tensor, ggml_type: GGMLQuantizationType, in_features: int) -> None:
