@@ -14,11 +14,13 @@ from gguf import GGMLQuantizationType
 
 from bubo.kernels.triton_quant import check_weight, codebook, dequantize_tile, fp16_view, interpreting
 
-__all__ = ["MAX_GEMV_ROWS", "quantized_gemv"]
+__all__ = ["MAX_GEMV_ROWS", "fitting_configs", "quantized_gemv"]
 
 # Rows of x one launch reduces together; the [M, BLOCK_N, BLOCK_K] products live in registers,
 # so beyond a few rows the tensor-core GEMM (triton_gemm) is the better kernel.
 MAX_GEMV_ROWS = 4
+# Products held per thread at most (of the [BLOCK_M, BLOCK_N, BLOCK_K] tile): past this, registers spill.
+PRODUCTS_PER_THREAD = 64
 
 
 def _configs() -> list[triton.Config]:
@@ -26,11 +28,28 @@ def _configs() -> list[triton.Config]:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 128})]
     # Few output rows per program keeps enough programs to fill the GPU's SMs on the narrow
     # matrices (N = 1-4k); long K tiles keep each warp's loads wide.
-    shapes = [(8, 256, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 256, 8)]
+    shapes = [
+        (8, 128, 4), (8, 256, 4), (16, 128, 4), (16, 256, 4), (16, 512, 4),
+        (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 256, 8),
+    ]  # fmt: skip
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in shapes]
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "QTYPE", "BLOCK_M"])
+def fitting_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """The configs whose product tile fits PRODUCTS_PER_THREAD for this many rows (else the smallest)."""
+
+    def products(config: triton.Config) -> int:
+        return kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"]
+
+    fitting = [c for c in configs if products(c) <= PRODUCTS_PER_THREAD * 32 * c.num_warps]
+    return fitting or [min(configs, key=products)]
+
+
+@triton.autotune(
+    configs=_configs(),
+    key=["N", "K", "QTYPE", "BLOCK_M"],
+    prune_configs_by={"early_config_prune": fitting_configs},
+)
 @triton.jit
 def _gemv_kernel(
     x_ptr,

@@ -7,9 +7,11 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton
+
 from bubo.kernels import triton_gemm
 from bubo.kernels.triton_gemm import quantized_gemm, quantized_matmul
-from bubo.kernels.triton_gemv import MAX_GEMV_ROWS, quantized_gemv
+from bubo.kernels.triton_gemv import MAX_GEMV_ROWS, fitting_configs, quantized_gemv
 from bubo.kernels.triton_support import triton_enabled
 from bubo.model import quantized_linear
 from bubo.model.quantized_linear import QuantizedLinear
@@ -83,6 +85,13 @@ def test_gemv_refuses_too_many_rows() -> None:
     raw, _, x = _case(Q.Q4_0, MAX_GEMV_ROWS + 1, seed=0)
     with pytest.raises(ValueError, match=f"1 to {MAX_GEMV_ROWS} rows"):
         quantized_gemv(x, raw, Q.Q4_0)
+
+
+def test_gemv_configs_are_pruned_to_what_fits_in_registers() -> None:
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": 256}, num_warps=4) for n in (8, 16, 64)]
+    assert fitting_configs(configs, {}, BLOCK_M=1) == configs[:2]  # 64 x 256 = 128 products a thread
+    assert fitting_configs(configs, {}, BLOCK_M=4) == configs[:1]
+    assert fitting_configs(configs[1:], {}, BLOCK_M=4) == configs[1:2]  # none fits: the smallest
 
 
 def test_switch(monkeypatch) -> None:

@@ -4,18 +4,20 @@ import gguf
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
+pytest.importorskip("triton")
 
-from bubo.kernels.triton_quant import (  # noqa: E402  (after the skip)
+import triton
+import triton.language as tl
+
+from bubo.kernels.triton_quant import (
     check_weight,
     codebook,
     dequantize_tile,
     fp16_view,
     interpreting,
 )
-from bubo.kernels.triton_support import TRITON_TYPES  # noqa: E402
-from tests.kernels.quant_blocks import ALL_TYPES, device, ragged_width, random_blocks, reference_weight  # noqa: E402
+from bubo.kernels.triton_support import TRITON_TYPES
+from tests.kernels.quant_blocks import ALL_TYPES, device, ragged_width, random_blocks, reference_weight
 
 Q = gguf.GGMLQuantizationType
 
