@@ -94,15 +94,8 @@ def _gemm_kernel(
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_in[:, None] & k_in[None, :], other=0.0
         )
-        w = dequantize_tile(
-            w_ptr,
-            h_ptr,
-            lut_ptr,
-            offs_n[None, :],
-            cols[:, None],
-            k_in[:, None] & n_in[None, :],
-            row_bytes,
-            QTYPE,
+        w = tl.trans(
+            dequantize_tile(w_ptr, h_ptr, lut_ptr, offs_n, n_in, k0, K, row_bytes, QTYPE, BLOCK_N, BLOCK_K)
         )
         acc = dot(x, w, acc, DOT_DTYPE)
     if HAS_BIAS:

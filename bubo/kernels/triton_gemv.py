@@ -78,16 +78,7 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         k_in = cols < K
-        w = dequantize_tile(
-            w_ptr,
-            h_ptr,
-            lut_ptr,
-            offs_n[:, None],
-            cols[None, :],
-            n_in[:, None] & k_in[None, :],
-            row_bytes,
-            QTYPE,
-        )
+        w = dequantize_tile(w_ptr, h_ptr, lut_ptr, offs_n, n_in, k0, K, row_bytes, QTYPE, BLOCK_N, BLOCK_K)
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_in[:, None] & k_in[None, :], other=0.0
         ).to(tl.float32)

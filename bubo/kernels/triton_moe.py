@@ -124,13 +124,16 @@ def _gate_up_kernel(
             mask=m_in[:, None] & k_in[None, :],
             other=0.0,
         )
-        w_mask = k_in[:, None] & n_in[None, :]
-        w_gate = dequantize_tile(
-            gate_ptr, gate_h_ptr, lut_ptr, rows[None, :], cols[:, None], w_mask, gate_row_bytes, GATE_TYPE
+        w_gate = tl.trans(
+            dequantize_tile(
+                gate_ptr, gate_h_ptr, lut_ptr, rows, n_in, k0, K, gate_row_bytes, GATE_TYPE, BLOCK_N, BLOCK_K
+            )
         )
         gate = dot(x, w_gate, gate, DOT_DTYPE)
-        w_up = dequantize_tile(
-            up_ptr, up_h_ptr, lut_ptr, rows[None, :], cols[:, None], w_mask, up_row_bytes, UP_TYPE
+        w_up = tl.trans(
+            dequantize_tile(
+                up_ptr, up_h_ptr, lut_ptr, rows, n_in, k0, K, up_row_bytes, UP_TYPE, BLOCK_N, BLOCK_K
+            )
         )
         up = dot(x, w_up, up, DOT_DTYPE)
     act = gate * tl.sigmoid(gate) * up
@@ -179,15 +182,10 @@ def _down_kernel(
             mask=m_in[:, None] & k_in[None, :],
             other=0.0,
         )
-        w = dequantize_tile(
-            down_ptr,
-            down_h_ptr,
-            lut_ptr,
-            rows[None, :],
-            cols[:, None],
-            k_in[:, None] & n_in[None, :],
-            row_bytes,
-            QTYPE,
+        w = tl.trans(
+            dequantize_tile(
+                down_ptr, down_h_ptr, lut_ptr, rows, n_in, k0, K, row_bytes, QTYPE, BLOCK_N, BLOCK_K
+            )
         )
         acc = dot(a, w, acc, DOT_DTYPE)
     # Rounded to the output dtype before the routing weight, as the unfused path's down product is.

@@ -1,12 +1,14 @@
 """In-kernel dequantization of ggml blocks, read straight from the file's bytes, for the Triton kernels.
 
-`dequantize_tile` turns any tile of a quantized matrix (uint8 [rows, row_bytes], blocks as the GGUF
-file stores them, nothing repacked) into float32 weights: every element finds its block, its code
-byte(s) and its scale fields by address arithmetic and loads them. Neighbouring elements along a
-row read neighbouring code bytes of the same block, so a warp's loads of the codes coalesce into
-a few wide transactions; the per-block scale fields are the same address for 16-256 elements and
-come from L1. The arithmetic mirrors bubo.gguf.quants (same products in the same order), so a
-tile is bit-exact against the torch dequantizers, which are bit-exact against gguf's.
+`dequantize_tile` turns a [BLOCK_N, BLOCK_K] tile of a quantized matrix (uint8 [rows, row_bytes],
+blocks as the GGUF file stores them, nothing repacked) into float32 weights. Each weight finds its
+code byte(s) by address arithmetic; neighbouring weights of a row read neighbouring bytes of the
+same block, so a warp's code loads coalesce into a few wide transactions (the file's layout is
+already contiguous per row, which is why no repacking is needed). Scale fields are loaded once per
+run of 16 or 32 weights that share them, and broadcast over the run through a reshape of the tile.
+The arithmetic mirrors bubo.gguf.quants (the same products in the same order), so under the
+interpreter a tile is bit-exact against gguf's dequantizers; compiled, a multiply-then-subtract may
+fuse into one FMA (one rounding instead of two: within an ulp).
 
 The layouts, per block (offsets in bytes; "nibble i" of a 32-byte run: low nibbles give weights
 0-31 of a group, high nibbles the next 32; for the 32-weight types, byte j holds weights j and j+16):
@@ -111,12 +113,52 @@ def _q4_k_scale_min(w_ptr, base, g, mask):
 
 
 @triton.jit
-def dequantize_tile(w_ptr, h_ptr, lut_ptr, rows, cols, mask, row_bytes, QTYPE: tl.constexpr):
-    """float32 weights at (rows, cols) of a quantized matrix (rows and cols broadcast to the tile).
+def _runs(row_base, n_in, k0, K, size, WEIGHTS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """For each GROUP-weight run of the tile (blocks of WEIGHTS weights, `size` bytes): the address
+    of its block, the index of its first weight in the block, and whether it is inside the matrix."""
+    first = k0 + tl.arange(0, BLOCK_K // GROUP) * GROUP
+    inside = n_in[:, None] & (first < K)[None, :]
+    return row_base + (first // WEIGHTS)[None, :] * size, (first % WEIGHTS)[None, :], inside
+
+
+@triton.jit
+def _grouped(codes, dl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """codes [BLOCK_N, BLOCK_K] times the scale of their GROUP-weight run, dl [BLOCK_N, BLOCK_K // GROUP]."""
+    grouped = tl.reshape(codes, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * dl[:, :, None]
+    return tl.reshape(grouped, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _grouped_affine(codes, dl, ml, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """codes * dl - ml per GROUP-weight run (dl, ml [BLOCK_N, BLOCK_K // GROUP])."""
+    grouped = tl.reshape(codes, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * dl[:, :, None] - ml[:, :, None]
+    return tl.reshape(grouped, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def dequantize_tile(
+    w_ptr,
+    h_ptr,
+    lut_ptr,
+    rows,
+    n_in,
+    k0,
+    K,
+    row_bytes,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """float32 [BLOCK_N, BLOCK_K]: weights k0 .. k0 + BLOCK_K - 1 of matrix rows `rows` [BLOCK_N].
 
     w_ptr: the matrix's bytes (uint8, row-major, `row_bytes` per row); h_ptr: the same bytes as
-    fp16; lut_ptr: the IQ4 codebook. `mask` marks the elements inside the matrix (others read 0).
+    fp16; lut_ptr: the IQ4 codebook. Rows where `n_in` is false and weights past K read as 0.
+    Codes are unpacked per weight; the scale fields per run of 16 or 32 weights sharing them
+    (one load each, broadcast over the run), so BLOCK_K is a multiple of 32.
     """
+    row_base = rows.to(tl.int64)[:, None] * row_bytes
+    cols = k0 + tl.arange(0, BLOCK_K)
+    mask = n_in[:, None] & (cols < K)[None, :]
     # Chains of == rather than `in`: triton's compiler has no `in` operator.
     if QTYPE == Q8_0 or QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q5_0 or QTYPE == Q5_1 or QTYPE == IQ4_NL:  # noqa: SIM109
         if QTYPE == Q8_0:
@@ -129,80 +171,97 @@ def dequantize_tile(w_ptr, h_ptr, lut_ptr, rows, cols, mask, row_bytes, QTYPE: t
             size = 22
         else:
             size = 24
-        base = rows.to(tl.int64) * row_bytes + (cols // 32) * size
-        i = cols % 32
-        d = _half(h_ptr, base, mask)
+        base = row_base + (cols // 32)[None, :] * size
+        i = (cols % 32)[None, :]
+        block_base, _, block_mask = _runs(row_base, n_in, k0, K, size, 32, 32, BLOCK_K)
+        d = _half(h_ptr, block_base, block_mask)
         if QTYPE == Q8_0:
-            q = _byte(w_ptr, base + 2 + i, mask)
-            w = ((q ^ 0x80) - 0x80).to(tl.float32) * d
+            codes = (_byte(w_ptr, base + 2 + i, mask) ^ 0x80) - 0x80
+            w = _grouped(codes.to(tl.float32), d, BLOCK_N, BLOCK_K, 32)
         elif QTYPE == Q4_0:
-            w = (_nibble(w_ptr, base + 2 + i % 16, i >= 16, mask) - 8).to(tl.float32) * d
+            codes = _nibble(w_ptr, base + 2 + i % 16, i >= 16, mask) - 8
+            w = _grouped(codes.to(tl.float32), d, BLOCK_N, BLOCK_K, 32)
         elif QTYPE == IQ4_NL:
-            q = _nibble(w_ptr, base + 2 + i % 16, i >= 16, mask)
-            w = tl.load(lut_ptr + q) * d
+            values = tl.load(lut_ptr + _nibble(w_ptr, base + 2 + i % 16, i >= 16, mask))
+            w = _grouped(values, d, BLOCK_N, BLOCK_K, 32)
         elif QTYPE == Q4_1:
-            q = _nibble(w_ptr, base + 4 + i % 16, i >= 16, mask)
-            w = q.to(tl.float32) * d + _half(h_ptr, base + 2, mask)
+            codes = _nibble(w_ptr, base + 4 + i % 16, i >= 16, mask)
+            # q*d + m, written as q*d - (-m): the same float (negation is exact).
+            m = _half(h_ptr, block_base + 2, block_mask)
+            w = _grouped_affine(codes.to(tl.float32), d, -m, BLOCK_N, BLOCK_K, 32)
         else:
             qh_at = 2 if QTYPE == Q5_0 else 4
             high = (_byte(w_ptr, base + qh_at + i // 8, mask) >> (i % 8)) & 1
-            q = _nibble(w_ptr, base + qh_at + 4 + i % 16, i >= 16, mask) | (high << 4)
+            codes = _nibble(w_ptr, base + qh_at + 4 + i % 16, i >= 16, mask) | (high << 4)
             if QTYPE == Q5_0:
-                w = (q - 16).to(tl.float32) * d
+                w = _grouped((codes - 16).to(tl.float32), d, BLOCK_N, BLOCK_K, 32)
             else:
-                w = q.to(tl.float32) * d + _half(h_ptr, base + 2, mask)
-    elif QTYPE == Q4_K or QTYPE == Q5_K:  # noqa: SIM109
-        size = 144 if QTYPE == Q4_K else 176
-        base = rows.to(tl.int64) * row_bytes + (cols // 256) * size
-        i = cols % 256
-        g = i // 32
-        scale, minimum = _q4_k_scale_min(w_ptr, base, g, mask)
-        dl = _half(h_ptr, base, mask) * scale.to(tl.float32)
-        ml = _half(h_ptr, base + 2, mask) * minimum.to(tl.float32)
-        if QTYPE == Q4_K:
-            q = _nibble(w_ptr, base + 16 + (g // 2) * 32 + i % 32, (g % 2) == 1, mask)
-        else:
-            high = (_byte(w_ptr, base + 16 + i % 32, mask) >> g) & 1
-            q = _nibble(w_ptr, base + 48 + (g // 2) * 32 + i % 32, (g % 2) == 1, mask) | (high << 4)
-        w = q.to(tl.float32) * dl - ml
-    elif QTYPE == Q6_K:
-        base = rows.to(tl.int64) * row_bytes + (cols // 256) * 210
-        i = cols % 256
-        half = i // 128
-        low = _nibble(w_ptr, base + half * 64 + i % 64, ((i % 128) // 64) == 1, mask)
-        high = (_byte(w_ptr, base + 128 + half * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
-        scale = _byte(w_ptr, base + 192 + i // 16, mask)
-        dl = _half(h_ptr, base + 208, mask) * ((scale ^ 0x80) - 0x80).to(tl.float32)
-        w = ((low | (high << 4)) - 32).to(tl.float32) * dl
-    elif QTYPE == Q2_K:
-        base = rows.to(tl.int64) * row_bytes + (cols // 256) * 84
-        i = cols % 256
-        q = (_byte(w_ptr, base + 16 + (i // 128) * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
-        scale = _byte(w_ptr, base + i // 16, mask)
-        dl = _half(h_ptr, base + 80, mask) * (scale & 0x0F).to(tl.float32)
-        ml = _half(h_ptr, base + 82, mask) * (scale >> 4).to(tl.float32)
-        w = q.to(tl.float32) * dl - ml
-    elif QTYPE == Q3_K:
-        base = rows.to(tl.int64) * row_bytes + (cols // 256) * 110
-        i = cols % 256
-        low = (_byte(w_ptr, base + 32 + (i // 128) * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
-        # A clear hmask bit means "subtract 4".
-        set_bit = (_byte(w_ptr, base + i % 32, mask) >> (i // 32)) & 1
-        s = i // 16
-        scale_low = (_byte(w_ptr, base + 96 + s % 8, mask) >> (4 * (s // 8))) & 0x0F
-        scale_high = (_byte(w_ptr, base + 104 + s % 4, mask) >> (2 * (s // 4))) & 3
-        dl = _half(h_ptr, base + 108, mask) * ((scale_low | (scale_high << 4)) - 32).to(tl.float32)
-        w = (low - 4 * (1 - set_bit)).to(tl.float32) * dl
+                m = _half(h_ptr, block_base + 2, block_mask)
+                w = _grouped_affine(codes.to(tl.float32), d, -m, BLOCK_N, BLOCK_K, 32)
     else:
-        tl.static_assert(QTYPE == IQ4_XS, "dequantize_tile: unsupported ggml type")
-        base = rows.to(tl.int64) * row_bytes + (cols // 256) * 136
-        i = cols % 256
-        g = i // 32
-        scale_low = (_byte(w_ptr, base + 4 + g // 2, mask) >> (4 * (g % 2))) & 0x0F
-        scale_high = (_byte(w_ptr, base + 2 + g // 4, mask) >> (2 * (g % 4))) & 3
-        dl = _half(h_ptr, base, mask) * ((scale_low | (scale_high << 4)) - 32).to(tl.float32)
-        q = _nibble(w_ptr, base + 8 + g * 16 + i % 16, (i % 32) >= 16, mask)
-        w = tl.load(lut_ptr + q) * dl
+        if QTYPE == Q4_K:
+            size = 144
+        elif QTYPE == Q5_K:
+            size = 176
+        elif QTYPE == Q6_K:
+            size = 210
+        elif QTYPE == Q2_K:
+            size = 84
+        elif QTYPE == Q3_K:
+            size = 110
+        else:
+            tl.static_assert(QTYPE == IQ4_XS, "dequantize_tile: unsupported ggml type")
+            size = 136
+        base = row_base + (cols // 256)[None, :] * size
+        i = (cols % 256)[None, :]
+        if QTYPE == Q4_K or QTYPE == Q5_K or QTYPE == IQ4_XS:  # noqa: SIM109
+            group_base, gi, group_mask = _runs(row_base, n_in, k0, K, size, 256, 32, BLOCK_K)
+        else:
+            group_base, gi, group_mask = _runs(row_base, n_in, k0, K, size, 256, 16, BLOCK_K)
+        if QTYPE == Q4_K or QTYPE == Q5_K:  # noqa: SIM109
+            g = i // 32
+            if QTYPE == Q4_K:
+                codes = _nibble(w_ptr, base + 16 + (g // 2) * 32 + i % 32, (g % 2) == 1, mask)
+            else:
+                high = (_byte(w_ptr, base + 16 + i % 32, mask) >> g) & 1
+                codes = _nibble(w_ptr, base + 48 + (g // 2) * 32 + i % 32, (g % 2) == 1, mask) | (high << 4)
+            scale, minimum = _q4_k_scale_min(w_ptr, group_base, gi // 32, group_mask)
+            dl = _half(h_ptr, group_base, group_mask) * scale.to(tl.float32)
+            ml = _half(h_ptr, group_base + 2, group_mask) * minimum.to(tl.float32)
+            w = _grouped_affine(codes.to(tl.float32), dl, ml, BLOCK_N, BLOCK_K, 32)
+        elif QTYPE == Q6_K:
+            half = i // 128
+            low = _nibble(w_ptr, base + half * 64 + i % 64, ((i % 128) // 64) == 1, mask)
+            high = (_byte(w_ptr, base + 128 + half * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
+            scale = _byte(w_ptr, group_base + 192 + gi // 16, group_mask)
+            dl = _half(h_ptr, group_base + 208, group_mask) * ((scale ^ 0x80) - 0x80).to(tl.float32)
+            w = _grouped(((low | (high << 4)) - 32).to(tl.float32), dl, BLOCK_N, BLOCK_K, 16)
+        elif QTYPE == Q2_K:
+            codes = (_byte(w_ptr, base + 16 + (i // 128) * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
+            scale = _byte(w_ptr, group_base + gi // 16, group_mask)
+            dl = _half(h_ptr, group_base + 80, group_mask) * (scale & 0x0F).to(tl.float32)
+            ml = _half(h_ptr, group_base + 82, group_mask) * (scale >> 4).to(tl.float32)
+            w = _grouped_affine(codes.to(tl.float32), dl, ml, BLOCK_N, BLOCK_K, 16)
+        elif QTYPE == Q3_K:
+            low = (_byte(w_ptr, base + 32 + (i // 128) * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
+            # A clear hmask bit means "subtract 4".
+            set_bit = (_byte(w_ptr, base + i % 32, mask) >> (i // 32)) & 1
+            s = gi // 16
+            scale_low = (_byte(w_ptr, group_base + 96 + s % 8, group_mask) >> (4 * (s // 8))) & 0x0F
+            scale_high = (_byte(w_ptr, group_base + 104 + s % 4, group_mask) >> (2 * (s // 4))) & 3
+            dl = _half(h_ptr, group_base + 108, group_mask) * ((scale_low | (scale_high << 4)) - 32).to(
+                tl.float32
+            )
+            w = _grouped((low - 4 * (1 - set_bit)).to(tl.float32), dl, BLOCK_N, BLOCK_K, 16)
+        else:
+            g = gi // 32
+            scale_low = (_byte(w_ptr, group_base + 4 + g // 2, group_mask) >> (4 * (g % 2))) & 0x0F
+            scale_high = (_byte(w_ptr, group_base + 2 + g // 4, group_mask) >> (2 * (g % 4))) & 3
+            dl = _half(h_ptr, group_base, group_mask) * ((scale_low | (scale_high << 4)) - 32).to(tl.float32)
+            values = tl.load(
+                lut_ptr + _nibble(w_ptr, base + 8 + (i // 32) * 16 + i % 16, (i % 32) >= 16, mask)
+            )
+            w = _grouped(values, dl, BLOCK_N, BLOCK_K, 32)
     return w
 
 

@@ -36,9 +36,10 @@ def _dequantize_kernel(
     BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k0 = tl.program_id(1) * BLOCK_K
+    cols = k0 + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < N) & (cols[None, :] < K)
-    w = dequantize_tile(w_ptr, h_ptr, lut_ptr, rows[:, None], cols[None, :], mask, row_bytes, QTYPE)
+    w = dequantize_tile(w_ptr, h_ptr, lut_ptr, rows, rows < N, k0, K, row_bytes, QTYPE, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + rows[:, None] * K + cols[None, :], w, mask=mask)
 
 
