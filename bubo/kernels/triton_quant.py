@@ -80,32 +80,33 @@ def fp16_view(raw: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _byte(w_ptr, addr, mask):
-    return tl.load(w_ptr + addr, mask=mask, other=0).to(tl.int32)
+def _byte(row_w, offset, mask):
+    """The bytes at `offset` of the rows starting at `row_w`, as int32."""
+    return tl.load(row_w + offset, mask=mask, other=0).to(tl.int32)
 
 
 @triton.jit
-def _half(h_ptr, addr, mask):
+def _half(row_h, offset, mask):
     # Every fp16 field sits at an even offset of a block, and every block size is even.
-    return tl.load(h_ptr + addr // 2, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(row_h + offset // 2, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _nibble(w_ptr, addr, high, mask):
-    byte = _byte(w_ptr, addr, mask)
+def _nibble(row_w, offset, high, mask):
+    byte = _byte(row_w, offset, mask)
     return tl.where(high, byte >> 4, byte & 0x0F)
 
 
 @triton.jit
-def _q4_k_scale_min(w_ptr, base, g, mask):
+def _q4_k_scale_min(row_w, base, g, mask):
     """Q4_K / Q5_K: the 6-bit scale and min of group g (0-7), packed in the 12 bytes s[] at base + 4.
 
     g < 4: scale = s[g] & 63, min = s[g+4] & 63; g >= 4: the low four bits of both come from
     s[g+4], the top two of the scale from s[g-4] and of the min from s[g].
     """
-    s_g = _byte(w_ptr, base + 4 + g, mask)
-    s_g4 = _byte(w_ptr, base + 8 + g, mask)
-    s_gm4 = _byte(w_ptr, base + g, mask)  # s[g-4] where g >= 4 (ignored below that)
+    s_g = _byte(row_w, base + 4 + g, mask)
+    s_g4 = _byte(row_w, base + 8 + g, mask)
+    s_gm4 = _byte(row_w, base + g, mask)  # s[g-4] where g >= 4 (ignored below that)
     low = g < 4
     scale = tl.where(low, s_g & 0x3F, (s_g4 & 0x0F) | ((s_gm4 >> 6) << 4))
     minimum = tl.where(low, s_g4 & 0x3F, (s_g4 >> 4) | ((s_g >> 6) << 4))
@@ -113,12 +114,12 @@ def _q4_k_scale_min(w_ptr, base, g, mask):
 
 
 @triton.jit
-def _runs(row_base, n_in, k0, K, size, WEIGHTS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """For each GROUP-weight run of the tile (blocks of WEIGHTS weights, `size` bytes): the address
-    of its block, the index of its first weight in the block, and whether it is inside the matrix."""
+def _runs(n_in, k0, K, size, WEIGHTS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """For each GROUP-weight run of the tile (blocks of WEIGHTS weights, `size` bytes): the offset
+    of its block in the row, the index of its first weight in the block, whether it is in the matrix."""
     first = k0 + tl.arange(0, BLOCK_K // GROUP) * GROUP
     inside = n_in[:, None] & (first < K)[None, :]
-    return row_base + (first // WEIGHTS)[None, :] * size, (first % WEIGHTS)[None, :], inside
+    return (first // WEIGHTS)[None, :] * size, (first % WEIGHTS)[None, :], inside
 
 
 @triton.jit
@@ -156,7 +157,10 @@ def dequantize_tile(
     Codes are unpacked per weight; the scale fields per run of 16 or 32 weights sharing them
     (one load each, broadcast over the run), so BLOCK_K is a multiple of 32.
     """
-    row_base = rows.to(tl.int64)[:, None] * row_bytes
+    # Addresses are a row pointer [BLOCK_N, 1] plus an int32 offset within the row [1, BLOCK_K]: the
+    # offset arithmetic is done once per column, not per weight.
+    row_w = (w_ptr + rows.to(tl.int64) * row_bytes)[:, None]
+    row_h = (h_ptr + rows.to(tl.int64) * (row_bytes // 2))[:, None]
     cols = k0 + tl.arange(0, BLOCK_K)
     mask = n_in[:, None] & (cols < K)[None, :]
     # Chains of == rather than `in`: triton's compiler has no `in` operator.
@@ -171,32 +175,32 @@ def dequantize_tile(
             size = 22
         else:
             size = 24
-        base = row_base + (cols // 32)[None, :] * size
+        base = (cols // 32)[None, :] * size
         i = (cols % 32)[None, :]
-        block_base, _, block_mask = _runs(row_base, n_in, k0, K, size, 32, 32, BLOCK_K)
-        d = _half(h_ptr, block_base, block_mask)
+        block_base, _, block_mask = _runs(n_in, k0, K, size, 32, 32, BLOCK_K)
+        d = _half(row_h, block_base, block_mask)
         if QTYPE == Q8_0:
-            codes = (_byte(w_ptr, base + 2 + i, mask) ^ 0x80) - 0x80
+            codes = (_byte(row_w, base + 2 + i, mask) ^ 0x80) - 0x80
             w = _grouped(codes.to(tl.float32), d, BLOCK_N, BLOCK_K, 32)
         elif QTYPE == Q4_0:
-            codes = _nibble(w_ptr, base + 2 + i % 16, i >= 16, mask) - 8
+            codes = _nibble(row_w, base + 2 + i % 16, i >= 16, mask) - 8
             w = _grouped(codes.to(tl.float32), d, BLOCK_N, BLOCK_K, 32)
         elif QTYPE == IQ4_NL:
-            values = tl.load(lut_ptr + _nibble(w_ptr, base + 2 + i % 16, i >= 16, mask))
+            values = tl.load(lut_ptr + _nibble(row_w, base + 2 + i % 16, i >= 16, mask))
             w = _grouped(values, d, BLOCK_N, BLOCK_K, 32)
         elif QTYPE == Q4_1:
-            codes = _nibble(w_ptr, base + 4 + i % 16, i >= 16, mask)
+            codes = _nibble(row_w, base + 4 + i % 16, i >= 16, mask)
             # q*d + m, written as q*d - (-m): the same float (negation is exact).
-            m = _half(h_ptr, block_base + 2, block_mask)
+            m = _half(row_h, block_base + 2, block_mask)
             w = _grouped_affine(codes.to(tl.float32), d, -m, BLOCK_N, BLOCK_K, 32)
         else:
             qh_at = 2 if QTYPE == Q5_0 else 4
-            high = (_byte(w_ptr, base + qh_at + i // 8, mask) >> (i % 8)) & 1
-            codes = _nibble(w_ptr, base + qh_at + 4 + i % 16, i >= 16, mask) | (high << 4)
+            high = (_byte(row_w, base + qh_at + i // 8, mask) >> (i % 8)) & 1
+            codes = _nibble(row_w, base + qh_at + 4 + i % 16, i >= 16, mask) | (high << 4)
             if QTYPE == Q5_0:
                 w = _grouped((codes - 16).to(tl.float32), d, BLOCK_N, BLOCK_K, 32)
             else:
-                m = _half(h_ptr, block_base + 2, block_mask)
+                m = _half(row_h, block_base + 2, block_mask)
                 w = _grouped_affine(codes.to(tl.float32), d, -m, BLOCK_N, BLOCK_K, 32)
     else:
         if QTYPE == Q4_K:
@@ -212,54 +216,54 @@ def dequantize_tile(
         else:
             tl.static_assert(QTYPE == IQ4_XS, "dequantize_tile: unsupported ggml type")
             size = 136
-        base = row_base + (cols // 256)[None, :] * size
+        base = (cols // 256)[None, :] * size
         i = (cols % 256)[None, :]
         if QTYPE == Q4_K or QTYPE == Q5_K or QTYPE == IQ4_XS:  # noqa: SIM109
-            group_base, gi, group_mask = _runs(row_base, n_in, k0, K, size, 256, 32, BLOCK_K)
+            group_base, gi, group_mask = _runs(n_in, k0, K, size, 256, 32, BLOCK_K)
         else:
-            group_base, gi, group_mask = _runs(row_base, n_in, k0, K, size, 256, 16, BLOCK_K)
+            group_base, gi, group_mask = _runs(n_in, k0, K, size, 256, 16, BLOCK_K)
         if QTYPE == Q4_K or QTYPE == Q5_K:  # noqa: SIM109
             g = i // 32
             if QTYPE == Q4_K:
-                codes = _nibble(w_ptr, base + 16 + (g // 2) * 32 + i % 32, (g % 2) == 1, mask)
+                codes = _nibble(row_w, base + 16 + (g // 2) * 32 + i % 32, (g % 2) == 1, mask)
             else:
-                high = (_byte(w_ptr, base + 16 + i % 32, mask) >> g) & 1
-                codes = _nibble(w_ptr, base + 48 + (g // 2) * 32 + i % 32, (g % 2) == 1, mask) | (high << 4)
-            scale, minimum = _q4_k_scale_min(w_ptr, group_base, gi // 32, group_mask)
-            dl = _half(h_ptr, group_base, group_mask) * scale.to(tl.float32)
-            ml = _half(h_ptr, group_base + 2, group_mask) * minimum.to(tl.float32)
+                high = (_byte(row_w, base + 16 + i % 32, mask) >> g) & 1
+                codes = _nibble(row_w, base + 48 + (g // 2) * 32 + i % 32, (g % 2) == 1, mask) | (high << 4)
+            scale, minimum = _q4_k_scale_min(row_w, group_base, gi // 32, group_mask)
+            dl = _half(row_h, group_base, group_mask) * scale.to(tl.float32)
+            ml = _half(row_h, group_base + 2, group_mask) * minimum.to(tl.float32)
             w = _grouped_affine(codes.to(tl.float32), dl, ml, BLOCK_N, BLOCK_K, 32)
         elif QTYPE == Q6_K:
             half = i // 128
-            low = _nibble(w_ptr, base + half * 64 + i % 64, ((i % 128) // 64) == 1, mask)
-            high = (_byte(w_ptr, base + 128 + half * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
-            scale = _byte(w_ptr, group_base + 192 + gi // 16, group_mask)
-            dl = _half(h_ptr, group_base + 208, group_mask) * ((scale ^ 0x80) - 0x80).to(tl.float32)
+            low = _nibble(row_w, base + half * 64 + i % 64, ((i % 128) // 64) == 1, mask)
+            high = (_byte(row_w, base + 128 + half * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
+            scale = _byte(row_w, group_base + 192 + gi // 16, group_mask)
+            dl = _half(row_h, group_base + 208, group_mask) * ((scale ^ 0x80) - 0x80).to(tl.float32)
             w = _grouped(((low | (high << 4)) - 32).to(tl.float32), dl, BLOCK_N, BLOCK_K, 16)
         elif QTYPE == Q2_K:
-            codes = (_byte(w_ptr, base + 16 + (i // 128) * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
-            scale = _byte(w_ptr, group_base + gi // 16, group_mask)
-            dl = _half(h_ptr, group_base + 80, group_mask) * (scale & 0x0F).to(tl.float32)
-            ml = _half(h_ptr, group_base + 82, group_mask) * (scale >> 4).to(tl.float32)
+            codes = (_byte(row_w, base + 16 + (i // 128) * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
+            scale = _byte(row_w, group_base + gi // 16, group_mask)
+            dl = _half(row_h, group_base + 80, group_mask) * (scale & 0x0F).to(tl.float32)
+            ml = _half(row_h, group_base + 82, group_mask) * (scale >> 4).to(tl.float32)
             w = _grouped_affine(codes.to(tl.float32), dl, ml, BLOCK_N, BLOCK_K, 16)
         elif QTYPE == Q3_K:
-            low = (_byte(w_ptr, base + 32 + (i // 128) * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
+            low = (_byte(row_w, base + 32 + (i // 128) * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
             # A clear hmask bit means "subtract 4".
-            set_bit = (_byte(w_ptr, base + i % 32, mask) >> (i // 32)) & 1
+            set_bit = (_byte(row_w, base + i % 32, mask) >> (i // 32)) & 1
             s = gi // 16
-            scale_low = (_byte(w_ptr, group_base + 96 + s % 8, group_mask) >> (4 * (s // 8))) & 0x0F
-            scale_high = (_byte(w_ptr, group_base + 104 + s % 4, group_mask) >> (2 * (s // 4))) & 3
-            dl = _half(h_ptr, group_base + 108, group_mask) * ((scale_low | (scale_high << 4)) - 32).to(
+            scale_low = (_byte(row_w, group_base + 96 + s % 8, group_mask) >> (4 * (s // 8))) & 0x0F
+            scale_high = (_byte(row_w, group_base + 104 + s % 4, group_mask) >> (2 * (s // 4))) & 3
+            dl = _half(row_h, group_base + 108, group_mask) * ((scale_low | (scale_high << 4)) - 32).to(
                 tl.float32
             )
             w = _grouped((low - 4 * (1 - set_bit)).to(tl.float32), dl, BLOCK_N, BLOCK_K, 16)
         else:
             g = gi // 32
-            scale_low = (_byte(w_ptr, group_base + 4 + g // 2, group_mask) >> (4 * (g % 2))) & 0x0F
-            scale_high = (_byte(w_ptr, group_base + 2 + g // 4, group_mask) >> (2 * (g % 4))) & 3
-            dl = _half(h_ptr, group_base, group_mask) * ((scale_low | (scale_high << 4)) - 32).to(tl.float32)
+            scale_low = (_byte(row_w, group_base + 4 + g // 2, group_mask) >> (4 * (g % 2))) & 0x0F
+            scale_high = (_byte(row_w, group_base + 2 + g // 4, group_mask) >> (2 * (g % 4))) & 3
+            dl = _half(row_h, group_base, group_mask) * ((scale_low | (scale_high << 4)) - 32).to(tl.float32)
             values = tl.load(
-                lut_ptr + _nibble(w_ptr, base + 8 + (i // 32) * 16 + i % 16, (i % 32) >= 16, mask)
+                lut_ptr + _nibble(row_w, base + 8 + (i // 32) * 16 + i % 16, (i % 32) >= 16, mask)
             )
             w = _grouped(values, dl, BLOCK_N, BLOCK_K, 32)
     return w

@@ -88,9 +88,10 @@ def test_gemv_refuses_too_many_rows() -> None:
 
 
 def test_gemv_configs_are_pruned_to_what_fits_in_registers() -> None:
+    # 128 threads: 8, 16, 64 rows x 256 = 16, 32, 128 products a thread for one row of x.
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": 256}, num_warps=4) for n in (8, 16, 64)]
-    assert fitting_configs(configs, {}, BLOCK_M=1) == configs[:2]  # 64 x 256 = 128 products a thread
-    assert fitting_configs(configs, {}, BLOCK_M=4) == configs[:1]
+    assert fitting_configs(configs, {}, BLOCK_M=1) == configs[:2]
+    assert fitting_configs(configs, {}, BLOCK_M=2) == configs[:1]
     assert fitting_configs(configs[1:], {}, BLOCK_M=4) == configs[1:2]  # none fits: the smallest
 
 
