@@ -98,6 +98,14 @@ def test_group_by_expert_puts_every_pair_once_in_a_tile_of_its_expert() -> None:
     assert (tile_expert[:used].diff() >= 0).all() and (tile_expert[used:] == NUM_EXPERTS).all()
 
 
+def test_no_tokens() -> None:
+    quantized, _ = _moe(TYPE_SETS[0], 96, 64)
+    x = torch.zeros(0, 96).to(device())
+    routing = torch.zeros(0, TOP_K).to(device())
+    chosen = torch.zeros(0, TOP_K, dtype=torch.long).to(device())
+    assert fused_moe(x, routing, chosen, quantized.gate, quantized.up, quantized.down).shape == (0, 96)
+
+
 def test_mismatched_stacks_are_refused() -> None:
     quantized, _ = _moe(TYPE_SETS[0], 96, 64)
     x = torch.randn(2, 64).to(device())
