@@ -96,6 +96,7 @@ def test_gemv_configs_are_pruned_to_what_fits_in_registers() -> None:
 
 
 def test_switch(monkeypatch) -> None:
+    monkeypatch.delenv("BUBO_TRITON", raising=False)
     assert not triton_enabled(torch.device("cpu"))
     assert triton_enabled(torch.device("cuda"))
     monkeypatch.setenv("BUBO_TRITON", "0")
