@@ -1,4 +1,6 @@
-"""Fused mixture-of-experts SwiGLU on raw ggml expert blocks (Triton): y = sum_j w_j * down_ej(silu(gate_ej(x)) * up_ej(x)).
+"""Fused mixture-of-experts SwiGLU on raw ggml expert blocks (Triton).
+
+    y = sum_j w_j * down_ej(silu(gate_ej(x)) * up_ej(x))       over the top-k experts e_j of x
 
 The (token, slot) pairs the router picked are sorted by expert and each expert's run is padded to
 whole tiles of BLOCK_M, so every row tile belongs to one expert (`group_by_expert`, on the device,
