@@ -2,8 +2,9 @@
 
 A decode step multiplies one activation row (a handful with batched slots) by every weight, so
 the cost is reading W once: each program owns BLOCK_N output rows and walks K in BLOCK_K steps,
-dequantizing its [BLOCK_N, BLOCK_K] tile in registers (triton_quant) and reducing it against all
-M rows of x at once, in float32. Nothing but the file's bytes is read, nothing float is written
+unpacking its [BLOCK_N, BLOCK_K] tile of codes in registers (triton_quant.tile_codes) and reducing
+it against all M rows of x at once, in float32, with each block's scale applied once per run of
+weights that shares it (not per weight). Nothing but the file's bytes is read, nothing float is written
 but y. On CUDA the tile shape is autotuned per (N, K, type); the interpreter gets one small shape.
 """
 
@@ -12,7 +13,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from bubo.kernels.triton_quant import check_weight, codebook, dequantize_tile, fp16_view, interpreting
+from bubo.kernels.triton_quant import check_weight, codebook, fp16_view, interpreting, tile_codes
 
 __all__ = ["MAX_GEMV_ROWS", "fitting_configs", "quantized_gemv"]
 
@@ -79,11 +80,19 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         k_in = cols < K
-        w = dequantize_tile(w_ptr, h_ptr, lut_ptr, offs_n, n_in, k0, K, row_bytes, QTYPE, BLOCK_N, BLOCK_K)
+        q, dl, ml = tile_codes(w_ptr, h_ptr, lut_ptr, offs_n, n_in, k0, K, row_bytes, QTYPE, BLOCK_N, BLOCK_K)
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_in[:, None] & k_in[None, :], other=0.0
         ).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        # Per run of weights sharing a scale: (x . codes) * scale - sum(x) * offset, so the scale is
+        # applied once per run rather than once per weight.
+        runs: tl.constexpr = dl.shape[1]
+        x_runs = tl.reshape(x, (BLOCK_M, runs, BLOCK_K // runs))
+        dots = tl.sum(
+            x_runs[:, None, :, :] * tl.reshape(q, (BLOCK_N, runs, BLOCK_K // runs))[None, :, :, :], axis=3
+        )
+        x_sums = tl.sum(x_runs, axis=2)
+        acc += tl.sum(dots * dl[None, :, :] - x_sums[:, None, :] * ml[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]

@@ -5,7 +5,8 @@ blocks as the GGUF file stores them, nothing repacked) into float32 weights. Eac
 code byte(s) by address arithmetic; neighbouring weights of a row read neighbouring bytes of the
 same block, so a warp's code loads coalesce into a few wide transactions (the file's layout is
 already contiguous per row, which is why no repacking is needed). Scale fields are loaded once per
-run of 16 or 32 weights that share them, and broadcast over the run through a reshape of the tile.
+run of 16 or 32 weights that share them: `tile_codes` returns codes and per-run scale / offset
+(the GEMV applies them per run), `dequantize_tile` the weights (broadcast through a reshape).
 The arithmetic mirrors bubo.gguf.quants (the same products in the same order), so under the
 interpreter a tile is bit-exact against gguf's dequantizers; compiled, a multiply-then-subtract may
 fuse into one FMA (one rounding instead of two: within an ulp).
@@ -43,6 +44,7 @@ __all__ = [
     "dot_dtype",
     "fp16_view",
     "interpreting",
+    "tile_codes",
 ]
 
 T = GGMLQuantizationType
@@ -123,21 +125,7 @@ def _runs(n_in, k0, K, size, WEIGHTS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K
 
 
 @triton.jit
-def _grouped(codes, dl, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """codes [BLOCK_N, BLOCK_K] times the scale of their GROUP-weight run, dl [BLOCK_N, BLOCK_K // GROUP]."""
-    grouped = tl.reshape(codes, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * dl[:, :, None]
-    return tl.reshape(grouped, (BLOCK_N, BLOCK_K))
-
-
-@triton.jit
-def _grouped_affine(codes, dl, ml, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """codes * dl - ml per GROUP-weight run (dl, ml [BLOCK_N, BLOCK_K // GROUP])."""
-    grouped = tl.reshape(codes, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * dl[:, :, None] - ml[:, :, None]
-    return tl.reshape(grouped, (BLOCK_N, BLOCK_K))
-
-
-@triton.jit
-def dequantize_tile(
+def tile_codes(
     w_ptr,
     h_ptr,
     lut_ptr,
@@ -150,12 +138,13 @@ def dequantize_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """float32 [BLOCK_N, BLOCK_K]: weights k0 .. k0 + BLOCK_K - 1 of matrix rows `rows` [BLOCK_N].
+    """Weights k0 .. k0 + BLOCK_K - 1 of matrix rows `rows` [BLOCK_N], factored per run of R = 16
+    or 32 weights that share scale fields: (codes float32 [BLOCK_N, BLOCK_K], scale and offset
+    float32 [BLOCK_N, BLOCK_K // R]); weight = code * scale - offset (offset 0 for the types
+    without a min). R is BLOCK_K // scale.shape[1]; BLOCK_K is a multiple of 32.
 
     w_ptr: the matrix's bytes (uint8, row-major, `row_bytes` per row); h_ptr: the same bytes as
     fp16; lut_ptr: the IQ4 codebook. Rows where `n_in` is false and weights past K read as 0.
-    Codes are unpacked per weight; the scale fields per run of 16 or 32 weights sharing them
-    (one load each, broadcast over the run), so BLOCK_K is a multiple of 32.
     """
     # Addresses are a row pointer [BLOCK_N, 1] plus an int32 offset within the row [1, BLOCK_K]: the
     # offset arithmetic is done once per column, not per weight.
@@ -181,27 +170,27 @@ def dequantize_tile(
         d = _half(row_h, block_base, block_mask)
         if QTYPE == Q8_0:
             codes = (_byte(row_w, base + 2 + i, mask) ^ 0x80) - 0x80
-            w = _grouped(codes.to(tl.float32), d, BLOCK_N, BLOCK_K, 32)
+            tile_q, tile_dl, tile_ml = codes.to(tl.float32), d, tl.zeros_like(d)
         elif QTYPE == Q4_0:
             codes = _nibble(row_w, base + 2 + i % 16, i >= 16, mask) - 8
-            w = _grouped(codes.to(tl.float32), d, BLOCK_N, BLOCK_K, 32)
+            tile_q, tile_dl, tile_ml = codes.to(tl.float32), d, tl.zeros_like(d)
         elif QTYPE == IQ4_NL:
             values = tl.load(lut_ptr + _nibble(row_w, base + 2 + i % 16, i >= 16, mask))
-            w = _grouped(values, d, BLOCK_N, BLOCK_K, 32)
+            tile_q, tile_dl, tile_ml = values, d, tl.zeros_like(d)
         elif QTYPE == Q4_1:
             codes = _nibble(row_w, base + 4 + i % 16, i >= 16, mask)
             # q*d + m, written as q*d - (-m): the same float (negation is exact).
             m = _half(row_h, block_base + 2, block_mask)
-            w = _grouped_affine(codes.to(tl.float32), d, -m, BLOCK_N, BLOCK_K, 32)
+            tile_q, tile_dl, tile_ml = codes.to(tl.float32), d, -m
         else:
             qh_at = 2 if QTYPE == Q5_0 else 4
             high = (_byte(row_w, base + qh_at + i // 8, mask) >> (i % 8)) & 1
             codes = _nibble(row_w, base + qh_at + 4 + i % 16, i >= 16, mask) | (high << 4)
             if QTYPE == Q5_0:
-                w = _grouped((codes - 16).to(tl.float32), d, BLOCK_N, BLOCK_K, 32)
+                tile_q, tile_dl, tile_ml = (codes - 16).to(tl.float32), d, tl.zeros_like(d)
             else:
                 m = _half(row_h, block_base + 2, block_mask)
-                w = _grouped_affine(codes.to(tl.float32), d, -m, BLOCK_N, BLOCK_K, 32)
+                tile_q, tile_dl, tile_ml = codes.to(tl.float32), d, -m
     else:
         if QTYPE == Q4_K:
             size = 144
@@ -232,20 +221,20 @@ def dequantize_tile(
             scale, minimum = _q4_k_scale_min(row_w, group_base, gi // 32, group_mask)
             dl = _half(row_h, group_base, group_mask) * scale.to(tl.float32)
             ml = _half(row_h, group_base + 2, group_mask) * minimum.to(tl.float32)
-            w = _grouped_affine(codes.to(tl.float32), dl, ml, BLOCK_N, BLOCK_K, 32)
+            tile_q, tile_dl, tile_ml = codes.to(tl.float32), dl, ml
         elif QTYPE == Q6_K:
             half = i // 128
             low = _nibble(row_w, base + half * 64 + i % 64, ((i % 128) // 64) == 1, mask)
             high = (_byte(row_w, base + 128 + half * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
             scale = _byte(row_w, group_base + 192 + gi // 16, group_mask)
             dl = _half(row_h, group_base + 208, group_mask) * ((scale ^ 0x80) - 0x80).to(tl.float32)
-            w = _grouped(((low | (high << 4)) - 32).to(tl.float32), dl, BLOCK_N, BLOCK_K, 16)
+            tile_q, tile_dl, tile_ml = ((low | (high << 4)) - 32).to(tl.float32), dl, tl.zeros_like(dl)
         elif QTYPE == Q2_K:
             codes = (_byte(row_w, base + 16 + (i // 128) * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
             scale = _byte(row_w, group_base + gi // 16, group_mask)
             dl = _half(row_h, group_base + 80, group_mask) * (scale & 0x0F).to(tl.float32)
             ml = _half(row_h, group_base + 82, group_mask) * (scale >> 4).to(tl.float32)
-            w = _grouped_affine(codes.to(tl.float32), dl, ml, BLOCK_N, BLOCK_K, 16)
+            tile_q, tile_dl, tile_ml = codes.to(tl.float32), dl, ml
         elif QTYPE == Q3_K:
             low = (_byte(row_w, base + 32 + (i // 128) * 32 + i % 32, mask) >> (2 * ((i % 128) // 32))) & 3
             # A clear hmask bit means "subtract 4".
@@ -256,7 +245,7 @@ def dequantize_tile(
             dl = _half(row_h, group_base + 108, group_mask) * ((scale_low | (scale_high << 4)) - 32).to(
                 tl.float32
             )
-            w = _grouped((low - 4 * (1 - set_bit)).to(tl.float32), dl, BLOCK_N, BLOCK_K, 16)
+            tile_q, tile_dl, tile_ml = (low - 4 * (1 - set_bit)).to(tl.float32), dl, tl.zeros_like(dl)
         else:
             g = gi // 32
             scale_low = (_byte(row_w, group_base + 4 + g // 2, group_mask) >> (4 * (g % 2))) & 0x0F
@@ -265,8 +254,29 @@ def dequantize_tile(
             values = tl.load(
                 lut_ptr + _nibble(row_w, base + 8 + (i // 32) * 16 + i % 16, (i % 32) >= 16, mask)
             )
-            w = _grouped(values, dl, BLOCK_N, BLOCK_K, 32)
-    return w
+            tile_q, tile_dl, tile_ml = values, dl, tl.zeros_like(dl)
+    return tile_q, tile_dl, tile_ml
+
+
+@triton.jit
+def dequantize_tile(
+    w_ptr,
+    h_ptr,
+    lut_ptr,
+    rows,
+    n_in,
+    k0,
+    K,
+    row_bytes,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """float32 [BLOCK_N, BLOCK_K]: weights k0 .. k0 + BLOCK_K - 1 of matrix rows `rows` [BLOCK_N]
+    (see `tile_codes` for the arguments): code * scale - offset per run of weights."""
+    q, dl, ml = tile_codes(w_ptr, h_ptr, lut_ptr, rows, n_in, k0, K, row_bytes, QTYPE, BLOCK_N, BLOCK_K)
+    grouped = tl.reshape(q, (BLOCK_N, dl.shape[1], BLOCK_K // dl.shape[1])) * dl[:, :, None] - ml[:, :, None]
+    return tl.reshape(grouped, (BLOCK_N, BLOCK_K))
 
 
 def interpreting() -> bool:
