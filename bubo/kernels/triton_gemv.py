@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from bubo.kernels.triton_quant import check_weight, codebook, fp16_view, interpreting, tile_codes
+from bubo.kernels.triton_quant import check_weight, codebook, dot_codes, fp16_view, interpreting, tile_codes
 
 __all__ = ["MAX_GEMV_ROWS", "fitting_configs", "quantized_gemv"]
 
@@ -84,15 +84,7 @@ def _gemv_kernel(
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_in[:, None] & k_in[None, :], other=0.0
         ).to(tl.float32)
-        # Per run of weights sharing a scale: (x . codes) * scale - sum(x) * offset, so the scale is
-        # applied once per run rather than once per weight.
-        runs: tl.constexpr = dl.shape[1]
-        x_runs = tl.reshape(x, (BLOCK_M, runs, BLOCK_K // runs))
-        dots = tl.sum(
-            x_runs[:, None, :, :] * tl.reshape(q, (BLOCK_N, runs, BLOCK_K // runs))[None, :, :, :], axis=3
-        )
-        x_sums = tl.sum(x_runs, axis=2)
-        acc += tl.sum(dots * dl[None, :, :] - x_sums[:, None, :] * ml[None, :, :], axis=2)
+        acc += dot_codes(x, q, dl, ml, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]

@@ -8,9 +8,10 @@ no host sync). Two launches over those tiles:
   1. gate/up: a tile's tokens times its expert's gate and up matrices (both dequantized from the
      file's blocks into tl.dot, as triton_gemm), SiLU(gate) * up written per pair;
   2. down: those rows times the expert's down matrix, scaled by the pair's routing weight.
-The pairs' rows are then summed per token. A decode step's k pairs each sit in their own expert's
-tile, so each picked expert's weights are read once per step; a prefill reads them once per
-BLOCK_M of its tokens. Tiles past the last used one (the grid is sized for the worst padding, so
+The pairs' rows are then summed per token. A prefill reads each routed expert's weights once per
+BLOCK_M of its tokens. A single token (a decode step) skips the grouping: its top_k experts are
+distinct, and two GEMV-style launches (one program per expert and output tile, no 16-row dot
+padding) read each of them once. Tiles past the last used one (the grid is sized for the worst padding, so
 that no count has to come back to the host) return at once.
 """
 
@@ -26,9 +27,11 @@ from bubo.kernels.triton_quant import (
     codebook,
     dequantize_tile,
     dot,
+    dot_codes,
     dot_dtype,
     fp16_view,
     interpreting,
+    tile_codes,
 )
 
 __all__ = ["ExpertBlocks", "fused_moe", "group_by_expert"]
@@ -198,6 +201,144 @@ def _down_kernel(
     tl.store(out, (y * weight[:, None]).to(out_ptr.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
 
 
+def _pair_shape() -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the one-token kernels (GEMV tiles, see triton_gemv)."""
+    return (16, 128, 4) if interpreting() else (16, 256, 4)
+
+
+@triton.jit
+def _expert_row_dot(
+    x_row,
+    w_ptr,
+    h_ptr,
+    lut_ptr,
+    rows,
+    n_in,
+    K,
+    row_bytes,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """x_row (K activations) times the weight rows `rows` [BLOCK_N]: float32 [BLOCK_N]."""
+    acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+        q, dl, ml = tile_codes(w_ptr, h_ptr, lut_ptr, rows, n_in, k0, K, row_bytes, QTYPE, BLOCK_N, BLOCK_K)
+        acc += dot_codes(x, q, dl, ml, 1, BLOCK_N, BLOCK_K)
+    return tl.reshape(acc, (BLOCK_N,))
+
+
+@triton.jit
+def _gate_up_token_kernel(
+    x_ptr,
+    gate_ptr,
+    gate_h_ptr,
+    up_ptr,
+    up_h_ptr,
+    lut_ptr,
+    experts_ptr,
+    act_ptr,
+    N,
+    K,
+    gate_row_bytes,
+    up_row_bytes,
+    stride_am,
+    GATE_TYPE: tl.constexpr,
+    UP_TYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    expert = tl.load(experts_ptr + pair)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = offs_n < N
+    rows = expert.to(tl.int64) * N + offs_n
+    gate = _expert_row_dot(
+        x_ptr, gate_ptr, gate_h_ptr, lut_ptr, rows, n_in, K, gate_row_bytes, GATE_TYPE, BLOCK_N, BLOCK_K
+    )
+    up = _expert_row_dot(
+        x_ptr, up_ptr, up_h_ptr, lut_ptr, rows, n_in, K, up_row_bytes, UP_TYPE, BLOCK_N, BLOCK_K
+    )
+    act = gate * tl.sigmoid(gate) * up
+    tl.store(act_ptr + pair * stride_am + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_in)
+
+
+@triton.jit
+def _down_token_kernel(
+    act_ptr,
+    down_ptr,
+    down_h_ptr,
+    lut_ptr,
+    experts_ptr,
+    routing_ptr,
+    out_ptr,
+    N,
+    K,
+    row_bytes,
+    stride_am,
+    stride_om,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    expert = tl.load(experts_ptr + pair)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = offs_n < N
+    rows = expert.to(tl.int64) * N + offs_n
+    acc = _expert_row_dot(
+        act_ptr + pair * stride_am,
+        down_ptr,
+        down_h_ptr,
+        lut_ptr,
+        rows,
+        n_in,
+        K,
+        row_bytes,
+        QTYPE,
+        BLOCK_N,
+        BLOCK_K,
+    )
+    # Rounded to the output dtype before the routing weight, as the unfused path's down product is.
+    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(routing_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair * stride_om + offs_n, (y * weight).to(out_ptr.dtype.element_ty), mask=n_in)
+
+
+def _one_token_moe(
+    x: torch.Tensor,
+    routing_weights: torch.Tensor,
+    chosen: torch.Tensor,
+    gate: ExpertBlocks,
+    up: ExpertBlocks,
+    down: ExpertBlocks,
+) -> torch.Tensor:
+    """fused_moe for a single token (a decode step): its top_k experts are distinct, so one program
+    row per (expert, output tile) reads each expert's weights exactly once, GEMV-style (no padding
+    to a 16-row dot)."""
+    hidden = x.shape[1]
+    top_k = chosen.shape[1]
+    intermediate = gate.raw.shape[1]
+    block_n, block_k, warps = _pair_shape()
+    experts = chosen.reshape(-1).contiguous()
+    lut = codebook(x.device)
+    act = torch.empty(top_k, intermediate, dtype=x.dtype, device=x.device)
+    _gate_up_token_kernel[(top_k, triton.cdiv(intermediate, block_n))](
+        x, gate.raw, fp16_view(gate.raw), up.raw, fp16_view(up.raw), lut, experts, act,
+        intermediate, hidden, gate.raw.shape[-1], up.raw.shape[-1], act.stride(0),
+        GATE_TYPE=int(gate.ggml_type), UP_TYPE=int(up.ggml_type), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
+    per_pair = torch.empty(top_k, hidden, dtype=x.dtype, device=x.device)
+    _down_token_kernel[(top_k, triton.cdiv(hidden, block_n))](
+        act, down.raw, fp16_view(down.raw), lut, experts, routing_weights.contiguous(), per_pair,
+        hidden, intermediate, down.raw.shape[-1], act.stride(0), per_pair.stride(0),
+        QTYPE=int(down.ggml_type), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
+    return per_pair.sum(dim=0, keepdim=True)
+
+
 def fused_moe(
     x: torch.Tensor,
     routing_weights: torch.Tensor,
@@ -226,6 +367,8 @@ def fused_moe(
     n_pairs = tokens * top_k
     if n_pairs == 0:
         return torch.zeros_like(x)
+    if tokens == 1:
+        return _one_token_moe(x, routing_weights, chosen, gate, up, down)
     block_m, block_n, block_k, warps, stages = _tile_shape(n_pairs, num_experts)
     pairs, tile_expert = group_by_expert(chosen, num_experts, block_m)
     lut = codebook(x.device)

@@ -41,6 +41,7 @@ __all__ = [
     "codebook",
     "dequantize_tile",
     "dot",
+    "dot_codes",
     "dot_dtype",
     "fp16_view",
     "interpreting",
@@ -277,6 +278,21 @@ def dequantize_tile(
     q, dl, ml = tile_codes(w_ptr, h_ptr, lut_ptr, rows, n_in, k0, K, row_bytes, QTYPE, BLOCK_N, BLOCK_K)
     grouped = tl.reshape(q, (BLOCK_N, dl.shape[1], BLOCK_K // dl.shape[1])) * dl[:, :, None] - ml[:, :, None]
     return tl.reshape(grouped, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def dot_codes(x, q, dl, ml, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] (float32) times the weights `tile_codes` gave, transposed: [BLOCK_M, BLOCK_N].
+
+    Per run of weights sharing a scale: (x . codes) * scale - sum(x) * offset, so the scale is
+    applied once per run rather than once per weight.
+    """
+    runs: tl.constexpr = dl.shape[1]
+    x_runs = tl.reshape(x, (BLOCK_M, runs, BLOCK_K // runs))
+    q_runs = tl.reshape(q, (BLOCK_N, runs, BLOCK_K // runs))
+    dots = tl.sum(x_runs[:, None, :, :] * q_runs[None, :, :, :], axis=3)
+    x_sums = tl.sum(x_runs, axis=2)
+    return tl.sum(dots * dl[None, :, :] - x_sums[:, None, :] * ml[None, :, :], axis=2)
 
 
 def interpreting() -> bool:

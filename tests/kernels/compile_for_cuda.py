@@ -24,7 +24,7 @@ SM_90 = GPUTarget("cuda", 90, 32)
 POINTERS = {
     "w_ptr": "*u8", "gate_ptr": "*u8", "up_ptr": "*u8", "down_ptr": "*u8",
     "h_ptr": "*fp16", "gate_h_ptr": "*fp16", "up_h_ptr": "*fp16", "down_h_ptr": "*fp16",
-    "lut_ptr": "*fp32", "pairs_ptr": "*i32", "tile_expert_ptr": "*i32",
+    "lut_ptr": "*fp32", "pairs_ptr": "*i32", "tile_expert_ptr": "*i32", "experts_ptr": "*i64",
 }  # fmt: skip
 DTYPES = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
 
@@ -54,6 +54,14 @@ def main() -> None:
     gate_up = {"GATE_TYPE": int(Q.Q4_K), "UP_TYPE": int(Q.IQ4_XS), **tiles}
     _compile(triton_moe._gate_up_kernel, "bf16", gate_up, 8)
     _compile(triton_moe._down_kernel, "bf16", {"QTYPE": int(Q.Q6_K), **tiles}, 8)
+    one_token = {"BLOCK_N": 16, "BLOCK_K": 256}
+    _compile(
+        triton_moe._gate_up_token_kernel,
+        "bf16",
+        {"GATE_TYPE": int(Q.Q4_K), "UP_TYPE": int(Q.Q5_0), **one_token},
+        4,
+    )
+    _compile(triton_moe._down_token_kernel, "bf16", {"QTYPE": int(Q.Q6_K), **one_token}, 4)
 
 
 if __name__ == "__main__":
