@@ -56,8 +56,8 @@ TYPE_SETS = [
 
 
 # A decode step (the one-token kernels), a few slots and a prefill (the tile kernels; several
-# tiles for some experts). The interpreter is slow on
-# the 256-wide K-quant matrices, so those sets run the two ends only.
+# tiles for some experts). The interpreter is slow on the 256-wide K-quant matrices, so those
+# sets run the two ends only.
 CASES = [(TYPE_SETS[0], 1), (TYPE_SETS[0], 3), (TYPE_SETS[0], 37)]
 CASES += [(types, tokens) for types in TYPE_SETS[1:] for tokens in (1, 37)]
 
