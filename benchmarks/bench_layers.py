@@ -46,7 +46,7 @@ from bubo.gguf.config import (  # noqa: E402
     ValueHeadOrder,
 )
 from bubo.gguf.quants import block_size, type_size  # noqa: E402
-from bubo.kernels.triton_support import use_triton  # noqa: E402
+from bubo.kernels.triton_support import triton_enabled  # noqa: E402
 from bubo.model.decoder import Decoder, DeltaNetMixer, HyperConnectedLayer, IndexedAttentionMixer  # noqa: E402
 from bubo.model.hyper_connections import expand_streams  # noqa: E402
 from bubo.model.moe import Experts, QuantizedExpertMatrices, SparseMoE  # noqa: E402
@@ -266,7 +266,7 @@ def state_bytes_per_token(layer: HyperConnectedLayer, cache: KVCache, context: i
     # alone, where the torch path reads every position and masks.
     indexer = cache.indexers[layer.attention.state_index]
     block_keys = indexer.num_blocks * indexer.block_keys.shape[-1] * indexer.block_keys.element_size()
-    read = layer.attention.attention.selected_count(context) if use_triton(keys) else context
+    read = layer.attention.attention.selected_count(context) if triton_enabled(keys.device) else context
     return read * per_position + block_keys
 
 

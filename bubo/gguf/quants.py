@@ -16,13 +16,13 @@ from collections.abc import Callable
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-__all__ = ["SUPPORTED_TYPES", "block_size", "dequantize", "type_size"]
+__all__ = ["IQ4_CODEBOOK", "SUPPORTED_TYPES", "block_size", "dequantize", "type_size"]
 
 T = GGMLQuantizationType
 
 QK_K = 256
 # Non-linear 4-bit codebook shared by IQ4_NL and IQ4_XS (kvalues_iq4nl in ggml).
-_IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_CODEBOOK = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def block_size(ggml_type: GGMLQuantizationType | int) -> int:
@@ -37,7 +37,7 @@ def type_size(ggml_type: GGMLQuantizationType | int) -> int:
 
 @functools.cache
 def _iq4_codebook(device: torch.device) -> torch.Tensor:
-    return torch.tensor(_IQ4_VALUES, dtype=torch.float32, device=device)
+    return torch.tensor(IQ4_CODEBOOK, dtype=torch.float32, device=device)
 
 
 @functools.cache

@@ -1,8 +1,7 @@
-"""Whether the Triton kernels of bubo/kernels/triton_*.py can run on some tensors.
+"""When the Triton kernels run: on CUDA, triton importable, and BUBO_TRITON not set to 0.
 
-Triton is optional: Bubo imports and runs without it, and its kernels only ever run on CUDA tensors
-(tests run them on the CPU through TRITON_INTERPRET=1 by importing the kernel modules directly).
-Setting BUBO_TRITON=0 keeps the plain torch paths on CUDA too, to compare the two.
+This module never imports triton (CPU installs have none); the kernel modules (triton_gemv,
+triton_gemm, triton_moe, triton_paged_attention, triton_gated_delta) do, so callers import those only once `triton_enabled` said yes.
 """
 
 import functools
@@ -10,15 +9,27 @@ import importlib.util
 import os
 
 import torch
+from gguf import GGMLQuantizationType
 
-__all__ = ["use_triton"]
+__all__ = ["TRITON_TYPES", "triton_enabled"]
+
+T = GGMLQuantizationType
+
+# The ggml types `triton_quant.dequantize_tile` reads.
+TRITON_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS}
+)
 
 
 @functools.cache
 def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None and os.environ.get("BUBO_TRITON", "1") != "0"
+    return importlib.util.find_spec("triton") is not None
 
 
-def use_triton(tensor: torch.Tensor) -> bool:
-    """Whether work on `tensor` should go through the Triton kernels: it is on CUDA and triton is there."""
-    return tensor.is_cuda and _triton_importable()
+def triton_enabled(device: torch.device) -> bool:
+    """Whether quantized matmuls on `device` go through the Triton kernels.
+
+    BUBO_TRITON=0 turns them off (the dequantize-then-matmul torch path runs instead), for
+    comparing the two or working around a kernel problem on some GPU.
+    """
+    return device.type == "cuda" and os.environ.get("BUBO_TRITON", "1") != "0" and _triton_importable()

@@ -6,7 +6,7 @@ from torch import nn
 
 from bubo.engine.kv_cache import CacheBatch, KVCache
 from bubo.gguf.config import ModelConfig
-from bubo.kernels.triton_support import use_triton
+from bubo.kernels.triton_support import triton_enabled
 from bubo.model.layers import RMSNorm, apply_rotary
 from bubo.model.paged_decode import paged_decode_attention
 
@@ -61,7 +61,7 @@ class Attention(nn.Module):
         installed runs the paged-attention kernel over every row at once instead.
         """
         q, k, v, gate = self.project(x, cos, sin)
-        if x.shape[1] == 1 and use_triton(q):
+        if x.shape[1] == 1 and triton_enabled(q.device):
             # One token per sequence on CUDA: the paged kernel reads every row's blocks in place.
             caches = cache.caches if isinstance(cache, CacheBatch) else [cache]
             out = paged_decode_attention(q, k, v, caches, self.layer_index)

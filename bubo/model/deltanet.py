@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bubo.kernels.triton_support import use_triton
+from bubo.kernels.triton_support import triton_enabled
 
 __all__ = ["DeltaNetState", "GatedDeltaNet", "chunked_gated_delta_rule", "recurrent_gated_delta_rule"]
 
@@ -306,7 +306,7 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(batch, length, hk, dk)
         k = k.reshape(batch, length, hk, dk)
         v = v.reshape(batch, length, hv, dv)
-        if length == 1 and use_triton(x):
+        if length == 1 and triton_enabled(x.device):
             # A decode step on CUDA: the norms, the gates and the recurrence in one kernel.
             from bubo.kernels.triton_gated_delta import fused_recurrent_step
 
@@ -382,7 +382,7 @@ class GatedDeltaNet(nn.Module):
         state: torch.Tensor,
     ) -> torch.Tensor:
         # One decode token needs no intra-chunk matrices; anything longer is a prefill.
-        if use_triton(v):
+        if triton_enabled(v.device):
             from bubo.kernels import triton_gated_delta as kernels
 
             if v.shape[2] == 1:

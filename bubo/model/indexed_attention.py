@@ -37,7 +37,7 @@ from torch import nn
 
 from bubo.engine.kv_cache import KVCache
 from bubo.gguf.config import ModelConfig, RopeStyle
-from bubo.kernels.triton_support import use_triton
+from bubo.kernels.triton_support import triton_enabled
 from bubo.model.attention import Attention
 from bubo.model.layers import RMSNorm, apply_rotary
 from bubo.model.paged_decode import paged_decode_attention
@@ -244,7 +244,7 @@ class IndexedAttention(Attention):
         mask = self.indexer(x, cos, sin, state)
         # Attention's projections, norms, rope and gate; only the mask passed to SDPA differs.
         q, k, v, gate = self.project(x, cos, sin)
-        if x.shape[1] == 1 and use_triton(q):
+        if x.shape[1] == 1 and triton_enabled(q.device):
             # A decode step on CUDA: the paged kernel reads the selected positions' blocks alone.
             selected = self.selected_count(cache.length + 1)
             positions = None

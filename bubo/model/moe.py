@@ -16,6 +16,9 @@ Qwen3-Next and Qwen3.5-MoE add a shared expert every token goes through, scaled 
 gate (Qwen3_5MoeSparseMoeBlock / Qwen3NextSparseMoeBlock; llama.cpp's ffn_*_shexp tensors):
 
     y += sigmoid(g · x) * down_s(silu(gate_s(x)) * up_s(x))      g: ffn_gate_inp_shexp [1, hidden]
+
+On CUDA, quantized experts (with triton installed, BUBO_TRITON not 0) go through the fused Triton
+kernel of bubo/kernels/triton_moe.py instead of the per-expert loop below.
 """
 
 import torch
@@ -24,6 +27,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from bubo.gguf.quants import dequantize
+from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
 from bubo.model.quantized_linear import scratch_buffer
 
 __all__ = ["ExpertMatrices", "Experts", "QuantizedExpertMatrices", "SparseMoE"]
@@ -107,6 +111,25 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
 
+        if self._fused(x):
+            # Imported here: triton is optional, and present only where CUDA is.
+            from bubo.kernels.triton_moe import fused_moe
+
+            out = fused_moe(x, weights, chosen, self.gate, self.up, self.down)
+        else:
+            out = self._expert_loop(x, weights, chosen)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether the experts run in the fused Triton kernel (all three quantized, types it reads, CUDA)."""
+        stacks = (self.gate, self.up, self.down)
+        return all(
+            isinstance(s, QuantizedExpertMatrices) and s.ggml_type in TRITON_TYPES for s in stacks
+        ) and triton_enabled(x.device)
+
+    def _expert_loop(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         # Tokens grouped by expert, so each active expert's weights are used (and, quantized,
         # dequantized) once for all its tokens. unique() is sorted: experts are summed in the
@@ -116,9 +139,7 @@ class SparseMoE(nn.Module):
             h = x[tokens]
             y = self.down.linear(F.silu(self.gate.linear(h, expert)) * self.up.linear(h, expert), expert)
             out.index_add_(0, tokens, y * weights[tokens, slot, None])
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.reshape(shape)
+        return out
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"

@@ -7,6 +7,9 @@ dequantizing: the embedding lookup dequantizes only the looked-up rows.
 On the CPU, Q4_0 / Q4_1 / Q8_0 matrices are also repacked at load (same bytes, see
 bubo/kernels/): a single row (decode) goes through a compiled matvec that reads the codes
 directly; several rows (prefill) multiply float32 column chunks unpacked from the repacked words.
+
+On CUDA (with triton installed, BUBO_TRITON not 0) the product runs in the Triton kernels of
+bubo/kernels/triton_gemm.py, which read the blocks as stored: no float weight is ever materialized.
 """
 
 import threading
@@ -19,6 +22,7 @@ from torch import nn
 from bubo.gguf.quants import block_size, dequantize, type_size
 from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4
 from bubo.kernels.q8_matvec import PackedQ8, pack_q8
+from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
 
 __all__ = ["QuantizedEmbedding", "QuantizedLinear", "pack_for_cpu", "scratch_buffer"]
 
@@ -80,6 +84,11 @@ class QuantizedLinear(nn.Module):
             self.packed.matvec(torch.zeros(in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ggml_type in TRITON_TYPES and triton_enabled(self.raw.device):
+            # Imported here: triton is optional, and present only where CUDA is.
+            from bubo.kernels.triton_gemm import quantized_matmul
+
+            return quantized_matmul(x, self.raw, self.ggml_type, self.bias)
         if self.packed is not None:
             return self._packed_forward(x)
         rows = max(1, CHUNK_VALUES // self.in_features)

@@ -1,5 +1,5 @@
 """The CUDA wiring of the Triton kernels (Attention's and QSA's paged decode, GatedDeltaNet's delta
-rule), run on the CPU through Triton's interpreter by making `use_triton` say yes: tiny qwen35moe and
+rule), run on the CPU through Triton's interpreter by making `triton_enabled` say yes: tiny qwen35moe and
 qwen4exp models' logits over a prompt and decode steps (batched, on interleaved blocks; past the QSA
 budget) must match their plain torch paths."""
 
@@ -53,17 +53,17 @@ def _run(model) -> list[torch.Tensor]:
 
 
 def _set_triton(monkeypatch: pytest.MonkeyPatch, on: bool, *modules) -> dict[str, int]:
-    """Make each module's `use_triton` answer `on`, counting the calls per module."""
+    """Make each module's `triton_enabled` answer `on`, counting the calls per module."""
     calls = {}
     for module in modules:
         name = module.__name__
         calls[name] = 0
 
-        def use(_: torch.Tensor, name: str = name) -> bool:
+        def use(_: torch.device, name: str = name) -> bool:
             calls[name] += 1
             return on
 
-        monkeypatch.setattr(module, "use_triton", use)
+        monkeypatch.setattr(module, "triton_enabled", use)
     return calls
 
 

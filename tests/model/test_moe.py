@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import bubo.model.moe
+import bubo.model.quantized_linear
 from bubo.gguf.config import MlpKind, config_from_gguf
 from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.model.decoder import Decoder
@@ -106,6 +107,30 @@ def test_quantized_experts_match_dequantized_reference(tmp_path: Path) -> None:
     assert moe.down.raw.shape == (8, 64, 32 // 32 * 18)
     assert moe.down.raw.data_ptr() == f.tensors["blk.1.ffn_down_exps.weight"].raw.data_ptr()
     _check_against_reference(reference, model, "qwen3moe quantized experts")
+
+
+def test_quantized_experts_through_the_triton_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused MoE kernel and the GEMV / GEMM ones (attn_q) in the whole model, against transformers:
+    run on this CPU model by triton's interpreter, as CUDA would run them compiled."""
+    pytest.importorskip("triton")
+    from bubo.kernels.triton_quant import interpreting
+
+    if not interpreting():
+        pytest.skip("a CPU model runs the Triton kernels only in triton's interpreter (TRITON_INTERPRET=1)")
+    monkeypatch.setattr(bubo.model.moe, "triton_enabled", lambda device: True)
+    monkeypatch.setattr(bubo.model.quantized_linear, "triton_enabled", lambda device: True)
+    reference = _reference()
+    _, model = _load(write_gguf(reference, tmp_path / "moe-q.gguf", quantize=_EXPERTS_Q))
+    # Shorter than the other comparisons (one sequence, 16 + 8 tokens): the interpreter is slow.
+    tokens = _tokens(reference.config.vocab_size)[:1, :24]
+    d_prefill, d_decode = prefill_and_decode_deltas(reference, model, tokens, 16)
+    print(
+        f"qwen3moe quantized experts, Triton kernels: max|Δlogit| prefill {d_prefill:.2e}, decode {d_decode:.2e}"
+    )
+    assert d_prefill <= TOLERANCE
+    assert d_decode <= TOLERANCE
 
 
 def test_decode_dequantizes_only_the_routed_experts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
