@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from bubo.gguf.quants import block_size, dequantize, type_size
+from bubo.kernels.codes import TILE
 from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4
 from bubo.kernels.q8_matvec import PackedQ8, pack_q8
 
@@ -102,7 +103,8 @@ class QuantizedLinear(nn.Module):
             )
             return out if self.bias is None else out + self.bias
         out = x.new_empty(flat.shape[0], self.out_features)
-        columns = max(1, CHUNK_VALUES // self.in_features)
+        # Whole tiles of the packed layout per chunk: an unaligned chunk would unpack its edge tiles twice.
+        columns = max(TILE, CHUNK_VALUES // self.in_features // TILE * TILE)
         for start in range(0, self.out_features, columns):
             stop = min(start + columns, self.out_features)
             bias = None if self.bias is None else self.bias[start:stop]
