@@ -98,9 +98,11 @@ class QuantizedLinear(nn.Module):
         if flat.shape[0] <= MATVEC_ROWS and x.dtype == torch.float32:
             # A decode step, or the steps of a few slots batched (--parallel): a compiled matvec per row
             # costs far less than unpacking the weight to float for a GEMM.
-            out = torch.stack([self.packed.matvec(row) for row in flat]).view(
-                *x.shape[:-1], self.out_features
-            )
+            if flat.shape[0] == 1:
+                out = self.packed.matvec(flat.view(-1))
+            else:
+                out = torch.stack([self.packed.matvec(row) for row in flat])
+            out = out.view(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias
         out = x.new_empty(flat.shape[0], self.out_features)
         # Whole tiles of the packed layout per chunk: an unaligned chunk would unpack its edge tiles twice.
