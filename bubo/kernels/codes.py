@@ -16,9 +16,12 @@ for bit the one a shift would give, for one AND per code rather than a shift and
 field can't be masked in place (it would set the sign bit) and is shifted down instead.
 """
 
+import dataclasses
+from typing import TypeVar
+
 import torch
 
-__all__ = ["TILE", "from_tiles", "pairwise_sum", "placed_codes", "to_tiles"]
+__all__ = ["TILE", "concat_tiled", "from_tiles", "pairwise_sum", "placed_codes", "slice_tiled", "to_tiles"]
 
 
 def _float_lanes() -> int:
@@ -49,6 +52,31 @@ def from_tiles(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     part = t[first:last]
     rows = part.permute(*range(1, part.dim() - 1), 0, part.dim() - 1).reshape(*part.shape[1:-1], -1)
     return rows[..., start - first * TILE : stop - first * TILE]
+
+
+Packed = TypeVar("Packed")
+
+
+def concat_tiled(parts: list[Packed]) -> Packed:
+    """One packed matrix holding the rows of `parts` (packed dataclasses of one type whose rows fill whole
+    tiles) one after the other: its tensors concatenated along the tile dimension."""
+    first = parts[0]
+    fields = {}
+    for field in dataclasses.fields(first):  # type: ignore[arg-type]
+        values = [getattr(p, field.name) for p in parts]
+        fields[field.name] = torch.cat(values) if isinstance(values[0], torch.Tensor) else sum(values)
+    return type(first)(**fields)
+
+
+def slice_tiled(packed: Packed, start: int, stop: int) -> Packed:
+    """Rows start:stop (whole tiles) of a packed matrix, as views of its tensors."""
+    fields = {}
+    for field in dataclasses.fields(packed):  # type: ignore[arg-type]
+        value = getattr(packed, field.name)
+        fields[field.name] = (
+            value[start // TILE : stop // TILE] if isinstance(value, torch.Tensor) else stop - start
+        )
+    return type(packed)(**fields)
 
 
 def placed_codes(word: torch.Tensor, s: int, bits: int) -> tuple[torch.Tensor, float]:

@@ -32,6 +32,7 @@ from bubo.model.layers import MLP, RMSNorm, RotaryEmbedding
 from bubo.model.moe import Experts, SparseMoE
 from bubo.model.mtp import MultiTokenPredictor
 from bubo.model.ngram_embedding import NGramEmbedding, NGramHash, PLELayer
+from bubo.model.quantized_linear import group_rows
 
 __all__ = [
     "Decoder",
@@ -210,12 +211,16 @@ def _attention_parts(config: ModelConfig, i: int, weights: WeightSource) -> dict
     if config.qk_norm:
         q_norm = RMSNorm(weights.tensor(p + "attn_q_norm.weight", (head_dim,)), config.rms_norm_eps)
         k_norm = RMSNorm(weights.tensor(p + "attn_k_norm.weight", (head_dim,)), config.rms_norm_eps)
+    q_proj = weights.linear(p + "attn_q.weight", ((1 + gated) * q_out, hidden), bias=bias("attn_q"))
+    k_proj = weights.linear(p + "attn_k.weight", (kv_out, hidden), bias=bias("attn_k"))
+    v_proj = weights.linear(p + "attn_v.weight", (kv_out, hidden), bias=bias("attn_v"))
+    group_rows(q_proj, k_proj, v_proj)
     return {
         # its KV slot: hybrid caches hold keys and values for the attention layers only
         "layer_index": i - sum(config.recurrent_layers[:i]),
-        "q_proj": weights.linear(p + "attn_q.weight", ((1 + gated) * q_out, hidden), bias=bias("attn_q")),
-        "k_proj": weights.linear(p + "attn_k.weight", (kv_out, hidden), bias=bias("attn_k")),
-        "v_proj": weights.linear(p + "attn_v.weight", (kv_out, hidden), bias=bias("attn_v")),
+        "q_proj": q_proj,
+        "k_proj": k_proj,
+        "v_proj": v_proj,
         "o_proj": weights.linear(p + "attn_output.weight", (hidden, q_out)),
         "q_norm": q_norm,
         "k_norm": k_norm,
@@ -294,11 +299,10 @@ def _deltanet(config: ModelConfig, i: int, weights: WeightSource) -> DeltaNetMix
 def _mlp(config: ModelConfig, i: int, weights: WeightSource) -> MLP:
     p = f"blk.{i}."
     hidden, ffn = config.hidden_size, config.intermediate_size
-    return MLP(
-        gate=weights.linear(p + "ffn_gate.weight", (ffn, hidden)),
-        up=weights.linear(p + "ffn_up.weight", (ffn, hidden)),
-        down=weights.linear(p + "ffn_down.weight", (hidden, ffn)),
-    )
+    gate = weights.linear(p + "ffn_gate.weight", (ffn, hidden))
+    up = weights.linear(p + "ffn_up.weight", (ffn, hidden))
+    group_rows(gate, up)
+    return MLP(gate=gate, up=up, down=weights.linear(p + "ffn_down.weight", (hidden, ffn)))
 
 
 def _sparse_moe(config: ModelConfig, i: int, weights: WeightSource) -> SparseMoE:
