@@ -32,7 +32,7 @@ from bubo.model.layers import MLP, RMSNorm, RotaryEmbedding
 from bubo.model.moe import Experts, SparseMoE
 from bubo.model.mtp import MultiTokenPredictor
 from bubo.model.ngram_embedding import NGramEmbedding, NGramHash, PLELayer
-from bubo.model.quantized_linear import group_rows
+from bubo.model.quantized_linear import QuantizedLinear, group_rows
 
 __all__ = [
     "Decoder",
@@ -439,6 +439,9 @@ class Decoder(nn.Module):
         self.output = weights.linear(output_name, vocab_shape)
         self.rotary = RotaryEmbedding(config, device=weights.device, mrope_sections=config.mrope_sections)
         self.mtp = build_mtp(config, weights) if config.mtp_layers else None
+        for module in self.modules():
+            if isinstance(module, QuantizedLinear):
+                module.warm_up()
 
     @staticmethod
     def _final_norm(config: ModelConfig, weights: WeightSource) -> nn.Module:

@@ -86,9 +86,12 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.packed = pack_for_cpu(raw, ggml_type)
         self.group: RowGroup | None = None  # set by group_rows
-        if self.packed is not None:
-            # Compile this shape's matvec now (seconds, once per shape) rather than on the first token.
-            self.packed.matvec(torch.zeros(in_features))
+
+    def warm_up(self) -> None:
+        """Compile this shape's matvec now (seconds, once per shape) rather than on the first token; a
+        grouped layer's products run as its group's (compiled by `group_rows`)."""
+        if self.packed is not None and self.group is None:
+            self.packed.matvec(torch.zeros(self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
