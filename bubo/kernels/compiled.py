@@ -18,12 +18,24 @@ __all__ = ["StaticKernel"]
 
 log = logging.getLogger(__name__)
 
+_FUSED = {
+    "realize_opcount_threshold": 100_000,
+    "realize_reads_threshold": 100_000,
+    "realize_acc_reads_threshold": 100_000,
+    "cpp.enable_floating_point_contract_flag": "fast",
+}
+
 
 class StaticKernel:
     """`fn` compiled once per distinct (shape, dtype) of its tensor arguments."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, fn: Callable[..., torch.Tensor], fused: bool = False) -> None:
         self.fn = fn
+        # Inductor stores a pointwise result to memory once its expression grows past a few dozen
+        # operations or reads; a matvec that expands 32 codes per block wants it all inline in the
+        # reduction loop (materializing the expanded codes would cost more memory traffic than the
+        # weights themselves), and FMA contraction.
+        self._options = _FUSED if fused else {}
         self._compiled: dict[tuple, Callable[..., torch.Tensor]] = {}
         self._broken = False
 
@@ -40,7 +52,8 @@ class StaticKernel:
         try:
             with torch.inference_mode(False), torch.no_grad():
                 graph = make_fx(self.fn, tracing_mode="fake")(*args)
-                return torch._inductor.compile(graph, list(args))
+                with torch._inductor.config.patch(self._options):
+                    return torch._inductor.compile(graph, list(args))
         except Exception as error:  # a missing compiler or an inductor limitation: run uncompiled
             log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)
             self._broken = True

@@ -5,12 +5,13 @@ weights. Dequantizing a whole matrix per token (then F.linear) writes and re-rea
 float per weight; here one compiled loop reads the 4-bit codes and accumulates as it expands
 them, vectorized over output rows, never materializing a float weight.
 
-Layout (made by `pack_q4`, same bytes as the file's blocks): `words` int32 [blocks, 4, out], where
-nibble s of words[b, w, n] is the code of weight 32b + 8w + s of output row n; `scale` and
-`offset` float32 [blocks, out], so that weight = code * scale + offset. Q4_1 stores exactly that
-(d, m); Q4_0 stores w = d * (code - 8), i.e. offset = -8d, exact in float32. Output rows are
-innermost so that every load is a full-width vector; inductor's CPU code generator falls back
-to slow partial loads for 8-wide uint8 vectors, which is why the codes travel as int32 words.
+Layout (made by `pack_q4`, same bytes as the file's blocks, tiled as bubo/kernels/codes.py says):
+`words` int32 [tiles, blocks, 4, TILE], where nibble s of words[t, b, w, i] is the code of weight
+32b + 8w + s of output row t * TILE + i; `scale` and `offset` float32 [tiles, blocks, TILE], so that
+weight = code * scale + offset. Q4_1 stores exactly that (d, m); Q4_0 stores w = d * (code - 8),
+i.e. offset = -8d, exact in float32. Output rows are innermost so that every load is a full-width
+vector; inductor's CPU code generator falls back to slow partial loads for 8-wide uint8 vectors,
+which is why the codes travel as int32 words.
 """
 
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
+from bubo.kernels.codes import from_tiles, pairwise_sum, placed_codes, to_tiles
 from bubo.kernels.compiled import StaticKernel
 
 __all__ = ["PACKABLE_Q4", "PackedQ4", "pack_q4", "q4_matvec", "q4_matvec_reference", "q4_unpack"]
@@ -30,17 +32,14 @@ _WORDS = 4  # per 32-weight block
 
 @dataclass(frozen=True)
 class PackedQ4:
-    words: torch.Tensor  # int32 [blocks, 4, out]
-    scale: torch.Tensor  # float32 [blocks, out]
-    offset: torch.Tensor  # float32 [blocks, out]
+    words: torch.Tensor  # int32 [tiles, blocks, 4, TILE]
+    scale: torch.Tensor  # float32 [tiles, blocks, TILE]
+    offset: torch.Tensor  # float32 [tiles, blocks, TILE]
+    out_features: int
 
     @property
     def in_features(self) -> int:
-        return self.words.shape[0] * _WORDS * _NIBBLES
-
-    @property
-    def out_features(self) -> int:
-        return self.words.shape[2]
+        return self.words.shape[1] * _WORDS * _NIBBLES
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         return q4_matvec(x, self)
@@ -66,43 +65,41 @@ def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
     fields = blocks[..., :header].contiguous().view(torch.float16).to(torch.float32)
     scale = fields[..., 0]
     offset = -8 * scale if ggml_type == GGMLQuantizationType.Q4_0 else fields[..., 1]
-    return PackedQ4(
-        words=words.permute(1, 2, 0).contiguous(), scale=scale.T.contiguous(), offset=offset.T.contiguous()
-    )
-
-
-def _codes(words: torch.Tensor) -> list[torch.Tensor]:
-    """The eight nibble planes of `words`, as float32 (exact: small integers)."""
-    return [((words >> (4 * s)) & 0x0F).to(torch.float32) for s in range(_NIBBLES)]
+    return PackedQ4(to_tiles(words), to_tiles(scale), to_tiles(offset), out_features)
 
 
 def q4_unpack(packed: PackedQ4, start: int, stop: int) -> torch.Tensor:
     """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls)."""
-    words = packed.words[:, :, start:stop]
-    codes = torch.stack(_codes(words), dim=2)  # [blocks, 4, 8, n]
-    scale = packed.scale[:, None, None, start:stop]
-    offset = packed.offset[:, None, None, start:stop]
+    words = from_tiles(packed.words, start, stop)  # [blocks, 4, n]
+    codes = torch.stack([(words >> (4 * s)) & 0x0F for s in range(_NIBBLES)], dim=2).to(torch.float32)
+    scale = from_tiles(packed.scale, start, stop)[:, None, None]
+    offset = from_tiles(packed.offset, start, stop)[:, None, None]
     return (codes * scale + offset).view(packed.in_features, stop - start)
 
 
 def _matvec(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     # sum_b scale[b] * (x_b . codes_b) + offset[b] * sum(x_b): the inner dot product runs on codes alone.
-    n_blocks = words.shape[0]
-    xr = x.view(n_blocks, _WORDS, _NIBBLES, 1)
-    dots = None
-    for s, codes in enumerate(_codes(words)):
-        term = xr[:, :, s] * codes
-        dots = term if dots is None else dots + term
-    block_sums = x.view(n_blocks, 32).sum(-1, keepdim=True)
-    return (dots.sum(1) * scale + block_sums * offset).sum(0)
+    # One reduction over blocks whose body expands a block's 32 codes, so that inductor emits a single
+    # loop per tile with nothing stored between the words and the result.
+    n_blocks = words.shape[1]
+    xr = x.view(n_blocks, _WORDS, _NIBBLES)
+    terms = []
+    for w in range(_WORDS):
+        word = words[:, :, w]
+        for s in range(_NIBBLES):
+            codes, place = placed_codes(word, s, 4)
+            terms.append((xr[None, :, w, s, None] * place) * codes)
+    block_sums = x.view(1, n_blocks, 1, 32).sum(-1)
+    return (pairwise_sum(terms) * scale + block_sums * offset).sum(1).view(-1)
 
 
-_compiled_matvec = StaticKernel(_matvec)
+_compiled_matvec = StaticKernel(_matvec, fused=True)
 
 
 def q4_matvec(x: torch.Tensor, packed: PackedQ4) -> torch.Tensor:
     """x [in_features] (float32) -> x W^T [out_features], in one compiled pass over the codes."""
-    return _compiled_matvec(x, packed.words, packed.scale, packed.offset)
+    out = _compiled_matvec(x, packed.words, packed.scale, packed.offset)
+    return out if out.shape[0] == packed.out_features else out[: packed.out_features]
 
 
 def q4_matvec_reference(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Matrix-vector products on Q8_0 weights, repacked once into 32-bit words, fused by inductor.
 
-The Q8_0 sibling of `q4_matvec` (see there for why): `words` int32 [blocks, 8, out], where byte s
-of words[b, w, n] (little end first) is the signed code of weight 32b + 4w + s of output row n;
-`scale` float32 [blocks, out]; weight = code * scale, as in the file. Same bytes as the blocks.
+The Q8_0 sibling of `q4_matvec` (see there for why): `words` int32 [tiles, blocks, 8, TILE], where
+byte s of words[t, b, w, i] (little end first) is the signed code of weight 32b + 4w + s of output
+row t * TILE + i; `scale` float32 [tiles, blocks, TILE]; weight = code * scale, as in the file. Same
+bytes as the blocks.
 """
 
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
+from bubo.kernels.codes import from_tiles, pairwise_sum, to_tiles
 from bubo.kernels.compiled import StaticKernel
 
 __all__ = ["PackedQ8", "pack_q8", "q8_matvec", "q8_matvec_reference", "q8_unpack"]
@@ -21,16 +23,13 @@ _WORDS = 8  # per 32-weight block
 
 @dataclass(frozen=True)
 class PackedQ8:
-    words: torch.Tensor  # int32 [blocks, 8, out]
-    scale: torch.Tensor  # float32 [blocks, out]
+    words: torch.Tensor  # int32 [tiles, blocks, 8, TILE]
+    scale: torch.Tensor  # float32 [tiles, blocks, TILE]
+    out_features: int
 
     @property
     def in_features(self) -> int:
-        return self.words.shape[0] * _WORDS * _BYTES
-
-    @property
-    def out_features(self) -> int:
-        return self.words.shape[2]
+        return self.words.shape[1] * _WORDS * _BYTES
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         return q8_matvec(x, self)
@@ -46,7 +45,7 @@ def pack_q8(raw: torch.Tensor) -> PackedQ8:
     n_blocks = blocks.shape[1]
     words = blocks[..., 2:].contiguous().view(torch.int32)  # [out, blocks, 8]
     scale = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32).view(out_features, n_blocks)
-    return PackedQ8(words=words.permute(1, 2, 0).contiguous(), scale=scale.T.contiguous())
+    return PackedQ8(to_tiles(words), to_tiles(scale), out_features)
 
 
 def _codes(words: torch.Tensor) -> list[torch.Tensor]:
@@ -57,26 +56,30 @@ def _codes(words: torch.Tensor) -> list[torch.Tensor]:
 
 def q8_unpack(packed: PackedQ8, start: int, stop: int) -> torch.Tensor:
     """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls)."""
-    codes = torch.stack(_codes(packed.words[:, :, start:stop]), dim=2)  # [blocks, 8, 4, n]
-    return (codes * packed.scale[:, None, None, start:stop]).view(packed.in_features, stop - start)
+    codes = torch.stack(_codes(from_tiles(packed.words, start, stop)), dim=2)  # [blocks, 8, 4, n]
+    return (codes * from_tiles(packed.scale, start, stop)[:, None, None]).view(
+        packed.in_features, stop - start
+    )
 
 
 def _matvec(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    # sum_b scale[b] * (x_b . codes_b): the inner dot product runs on codes alone.
-    xr = x.view(words.shape[0], _WORDS, _BYTES, 1)
-    dots = None
-    for s, codes in enumerate(_codes(words)):
-        term = xr[:, :, s] * codes
-        dots = term if dots is None else dots + term
-    return (dots.sum(1) * scale).sum(0)
+    # sum_b scale[b] * (x_b . codes_b): the inner dot product runs on codes alone, as one reduction over
+    # blocks expanding a block's 32 codes in its body (see q4_matvec).
+    xr = x.view(words.shape[1], _WORDS, _BYTES)
+    terms = []
+    for w in range(_WORDS):
+        for s, codes in enumerate(_codes(words[:, :, w])):
+            terms.append(xr[None, :, w, s, None] * codes)
+    return (pairwise_sum(terms) * scale).sum(1).view(-1)
 
 
-_compiled_matvec = StaticKernel(_matvec)
+_compiled_matvec = StaticKernel(_matvec, fused=True)
 
 
 def q8_matvec(x: torch.Tensor, packed: PackedQ8) -> torch.Tensor:
     """x [in_features] (float32) -> x W^T [out_features], in one compiled pass over the codes."""
-    return _compiled_matvec(x, packed.words, packed.scale)
+    out = _compiled_matvec(x, packed.words, packed.scale)
+    return out if out.shape[0] == packed.out_features else out[: packed.out_features]
 
 
 def q8_matvec_reference(x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:

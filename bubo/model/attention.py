@@ -9,6 +9,7 @@ from bubo.gguf.config import ModelConfig
 from bubo.kernels.triton_support import triton_enabled
 from bubo.model.layers import RMSNorm, apply_rotary
 from bubo.model.paged_decode import paged_decode_attention
+from bubo.model.quantized_linear import project_rows
 
 __all__ = ["Attention", "causal_mask"]
 
@@ -81,7 +82,7 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Rotated q, k and v [B, heads, T, head_dim], and the output gate [B, T, heads, head_dim] if any."""
         batch, length, _ = x.shape
-        q = self.q_proj(x)
+        q, k, v = project_rows(x, self.q_proj, self.k_proj, self.v_proj)
         gate = None
         if self.output_gate:
             # Hugging Face interleaves query and gate rows per head, and llama.cpp's converter keeps
@@ -89,8 +90,8 @@ class Attention(nn.Module):
             q, gate = q.view(batch, length, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
         else:
             q = q.view(batch, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        k = k.view(batch, length, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, length, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
 

@@ -33,6 +33,7 @@ from bubo.model.moe import Experts, SparseMoE
 from bubo.model.mtp import MultiTokenPredictor
 from bubo.model.multimodal_inputs import MultimodalInputs
 from bubo.model.ngram_embedding import NGramEmbedding, NGramHash, PLELayer
+from bubo.model.quantized_linear import QuantizedLinear, group_rows
 
 __all__ = [
     "Decoder",
@@ -211,12 +212,16 @@ def _attention_parts(config: ModelConfig, i: int, weights: WeightSource) -> dict
     if config.qk_norm:
         q_norm = RMSNorm(weights.tensor(p + "attn_q_norm.weight", (head_dim,)), config.rms_norm_eps)
         k_norm = RMSNorm(weights.tensor(p + "attn_k_norm.weight", (head_dim,)), config.rms_norm_eps)
+    q_proj = weights.linear(p + "attn_q.weight", ((1 + gated) * q_out, hidden), bias=bias("attn_q"))
+    k_proj = weights.linear(p + "attn_k.weight", (kv_out, hidden), bias=bias("attn_k"))
+    v_proj = weights.linear(p + "attn_v.weight", (kv_out, hidden), bias=bias("attn_v"))
+    group_rows(q_proj, k_proj, v_proj)
     return {
         # its KV slot: hybrid caches hold keys and values for the attention layers only
         "layer_index": i - sum(config.recurrent_layers[:i]),
-        "q_proj": weights.linear(p + "attn_q.weight", ((1 + gated) * q_out, hidden), bias=bias("attn_q")),
-        "k_proj": weights.linear(p + "attn_k.weight", (kv_out, hidden), bias=bias("attn_k")),
-        "v_proj": weights.linear(p + "attn_v.weight", (kv_out, hidden), bias=bias("attn_v")),
+        "q_proj": q_proj,
+        "k_proj": k_proj,
+        "v_proj": v_proj,
         "o_proj": weights.linear(p + "attn_output.weight", (hidden, q_out)),
         "q_norm": q_norm,
         "k_norm": k_norm,
@@ -295,11 +300,10 @@ def _deltanet(config: ModelConfig, i: int, weights: WeightSource) -> DeltaNetMix
 def _mlp(config: ModelConfig, i: int, weights: WeightSource) -> MLP:
     p = f"blk.{i}."
     hidden, ffn = config.hidden_size, config.intermediate_size
-    return MLP(
-        gate=weights.linear(p + "ffn_gate.weight", (ffn, hidden)),
-        up=weights.linear(p + "ffn_up.weight", (ffn, hidden)),
-        down=weights.linear(p + "ffn_down.weight", (hidden, ffn)),
-    )
+    gate = weights.linear(p + "ffn_gate.weight", (ffn, hidden))
+    up = weights.linear(p + "ffn_up.weight", (ffn, hidden))
+    group_rows(gate, up)
+    return MLP(gate=gate, up=up, down=weights.linear(p + "ffn_down.weight", (hidden, ffn)))
 
 
 def _sparse_moe(config: ModelConfig, i: int, weights: WeightSource) -> SparseMoE:
@@ -436,6 +440,9 @@ class Decoder(nn.Module):
         self.output = weights.linear(output_name, vocab_shape)
         self.rotary = RotaryEmbedding(config, device=weights.device, mrope_sections=config.mrope_sections)
         self.mtp = build_mtp(config, weights) if config.mtp_layers else None
+        for module in self.modules():
+            if isinstance(module, QuantizedLinear):
+                module.warm_up()
 
     @staticmethod
     def _final_norm(config: ModelConfig, weights: WeightSource) -> nn.Module:

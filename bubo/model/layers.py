@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bubo.gguf.config import ModelConfig, RopeScalingType, RopeStyle
+from bubo.model.quantized_linear import project_rows
 
 __all__ = ["MLP", "RMSNorm", "RotaryEmbedding", "apply_rotary", "mrope_axes", "rope_frequencies"]
 
@@ -40,7 +41,8 @@ class MLP(nn.Module):
         self.down = down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = project_rows(x, self.gate, self.up)
+        return self.down(F.silu(gate) * up)
 
 
 def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:

@@ -13,6 +13,7 @@ bubo/kernels/triton_gemm.py, which read the blocks as stored: no float weight is
 """
 
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,11 +21,20 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from bubo.gguf.quants import block_size, dequantize, type_size
+from bubo.kernels.codes import TILE, concat_tiled, slice_tiled
 from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4
 from bubo.kernels.q8_matvec import PackedQ8, pack_q8
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
 
-__all__ = ["QuantizedEmbedding", "QuantizedLinear", "pack_for_cpu", "scratch_buffer"]
+__all__ = [
+    "QuantizedEmbedding",
+    "QuantizedLinear",
+    "RowGroup",
+    "group_rows",
+    "pack_for_cpu",
+    "project_rows",
+    "scratch_buffer",
+]
 
 # Dequantizing a whole weight per call allocates a fresh float matrix every time, and on the CPU
 # faulting those pages in costs more than the arithmetic. So forward works through row chunks of
@@ -79,9 +89,13 @@ class QuantizedLinear(nn.Module):
         self.out_features = raw.shape[0]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.packed = pack_for_cpu(raw, ggml_type)
-        if self.packed is not None:
-            # Compile this shape's matvec now (seconds, once per shape) rather than on the first token.
-            self.packed.matvec(torch.zeros(in_features))
+        self.group: RowGroup | None = None  # set by group_rows
+
+    def warm_up(self) -> None:
+        """Compile this shape's matvec now (seconds, once per shape) rather than on the first token; a
+        grouped layer's products run as its group's (compiled by `group_rows`)."""
+        if self.packed is not None and self.group is None:
+            self.packed.matvec(torch.zeros(self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ggml_type in TRITON_TYPES and triton_enabled(self.raw.device):
@@ -106,12 +120,15 @@ class QuantizedLinear(nn.Module):
         if flat.shape[0] <= MATVEC_ROWS and x.dtype == torch.float32:
             # A decode step, or the steps of a few slots batched (--parallel): a compiled matvec per row
             # costs far less than unpacking the weight to float for a GEMM.
-            out = torch.stack([self.packed.matvec(row) for row in flat]).view(
-                *x.shape[:-1], self.out_features
-            )
+            if flat.shape[0] == 1:
+                out = self.packed.matvec(flat.view(-1))
+            else:
+                out = torch.stack([self.packed.matvec(row) for row in flat])
+            out = out.view(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias
         out = x.new_empty(flat.shape[0], self.out_features)
-        columns = max(1, CHUNK_VALUES // self.in_features)
+        # Whole tiles of the packed layout per chunk: an unaligned chunk would unpack its edge tiles twice.
+        columns = max(TILE, CHUNK_VALUES // self.in_features // TILE * TILE)
         for start in range(0, self.out_features, columns):
             stop = min(start + columns, self.out_features)
             bias = None if self.bias is None else self.bias[start:stop]
@@ -131,6 +148,61 @@ class QuantizedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"type={self.ggml_type.name}, bias={self.bias is not None}"
         )
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Projections of one input whose packed rows are stored as one matrix (`group_rows`): a decode step
+    runs them as one matvec, which costs less than several smaller ones (one kernel call, longer loops)."""
+
+    packed: PackedQ4 | PackedQ8
+    members: tuple[int, ...]  # id() of each member QuantizedLinear, in row order
+    sizes: tuple[int, ...]
+
+
+def group_rows(*linears: nn.Module) -> None:
+    """Store the packed rows of `linears` (projections that always read the same input, such as q/k/v)
+    as one matrix, each keeping a view of its own rows; `project_rows` then runs them as one matvec. Does
+    nothing unless all are packed the same way with rows filling whole tiles."""
+    members = [m for m in linears if isinstance(m, QuantizedLinear) and m.packed is not None]
+    if len(members) < 2 or len(members) != len(linears):
+        return
+    parts = [m.packed for m in members]
+    if len({type(p) for p in parts}) != 1 or len({m.in_features for m in members}) != 1:
+        return
+    if any(p.out_features % TILE for p in parts):
+        return
+    fused = concat_tiled(parts)
+    group = RowGroup(fused, tuple(id(m) for m in members), tuple(p.out_features for p in parts))
+    start = 0
+    for member, size in zip(members, group.sizes, strict=True):
+        member.packed = slice_tiled(fused, start, start + size)
+        member.group = group
+        start += size
+    fused.matvec(torch.zeros(fused.in_features))  # compile this shape now, not on the first token
+
+
+def project_rows(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+    """(linear(x) for each of `linears`), as one matvec per row when they form a `group_rows` group and x
+    is a few float32 rows (a decode step)."""
+    group = getattr(linears[0], "group", None)
+    flat = x.reshape(-1, x.shape[-1])
+    if (
+        group is None
+        or group.members != tuple(id(m) for m in linears)
+        or flat.shape[0] > MATVEC_ROWS
+        or x.dtype != torch.float32
+    ):
+        return tuple(m(x) for m in linears)
+    if flat.shape[0] == 1:
+        out = group.packed.matvec(flat.view(-1))[None]
+    else:
+        out = torch.stack([group.packed.matvec(row) for row in flat])
+    results = []
+    for member, part in zip(linears, out.split(group.sizes, dim=-1), strict=True):
+        part = part.reshape(*x.shape[:-1], part.shape[-1])
+        results.append(part if member.bias is None else part + member.bias)
+    return tuple(results)
 
 
 class QuantizedEmbedding(nn.Module):

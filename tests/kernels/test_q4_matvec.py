@@ -20,7 +20,8 @@ def _numpy_weight(raw: np.ndarray, qtype: Q) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
-@pytest.mark.parametrize(("out_features", "in_features"), [(40, 64), (72, 160)])
+# 44 rows: not a whole number of tiles (8 or 16 rows), so the last tile is padding.
+@pytest.mark.parametrize(("out_features", "in_features"), [(40, 64), (72, 160), (44, 64)])
 def test_matvec_matches_float64_reference(qtype: Q, out_features: int, in_features: int) -> None:
     raw = _blocks(qtype, out_features, in_features, seed=out_features)
     packed = pack_q4(torch.from_numpy(raw), qtype)
@@ -36,11 +37,12 @@ def test_matvec_matches_float64_reference(qtype: Q, out_features: int, in_featur
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
 def test_unpack_is_bit_exact(qtype: Q) -> None:
-    raw = _blocks(qtype, 24, 96, seed=3)
+    raw = _blocks(qtype, 26, 96, seed=3)
     packed = pack_q4(torch.from_numpy(raw), qtype)
     weight = gguf.quants.dequantize(raw, qtype)
-    assert torch.equal(packed.unpack(0, 24).T, torch.from_numpy(weight))
+    assert torch.equal(packed.unpack(0, 26).T, torch.from_numpy(weight))
     assert torch.equal(packed.unpack(5, 11).T, torch.from_numpy(weight[5:11]))
+    assert torch.equal(packed.unpack(17, 26).T, torch.from_numpy(weight[17:26]))
 
 
 def test_every_code_and_scale_sign_round_trips() -> None:

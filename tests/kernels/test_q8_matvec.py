@@ -2,6 +2,7 @@
 
 import gguf
 import numpy as np
+import pytest
 import torch
 
 from bubo.kernels.q8_matvec import pack_q8, q8_matvec, q8_matvec_reference
@@ -9,15 +10,17 @@ from bubo.kernels.q8_matvec import pack_q8, q8_matvec, q8_matvec_reference
 Q = gguf.GGMLQuantizationType
 
 
-def test_matvec_matches_float64_reference() -> None:
+# 60 rows: not a whole number of tiles (8 or 16 rows), so the last tile is padding.
+@pytest.mark.parametrize("out_features", [56, 60])
+def test_matvec_matches_float64_reference(out_features: int) -> None:
     rng = np.random.default_rng(0)
-    raw = gguf.quants.quantize(rng.standard_normal((56, 128), dtype=np.float32), Q.Q8_0)
+    raw = gguf.quants.quantize(rng.standard_normal((out_features, 128), dtype=np.float32), Q.Q8_0)
     packed = pack_q8(torch.from_numpy(raw))
     x = torch.randn(128, generator=torch.Generator().manual_seed(1))
     expected = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q8_0).astype(np.float64)) @ x.double()
     with torch.inference_mode():
         got = q8_matvec(x, packed)
-    assert got.shape == (56,)
+    assert got.shape == (out_features,)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(q8_matvec_reference(x, torch.from_numpy(raw)), expected)
 
@@ -25,10 +28,11 @@ def test_matvec_matches_float64_reference() -> None:
 def test_unpack_is_bit_exact_for_every_byte() -> None:
     # Random bytes cover all 256 codes in every byte position of a word (signs included).
     rng = np.random.default_rng(2)
-    raw = rng.integers(0, 256, size=(32, 3, 34), dtype=np.uint8)
-    raw[..., :2] = rng.uniform(-1, 1, size=(32, 3, 1)).astype(np.float16).view(np.uint8)
-    raw = raw.reshape(32, 102)
+    raw = rng.integers(0, 256, size=(35, 3, 34), dtype=np.uint8)
+    raw[..., :2] = rng.uniform(-1, 1, size=(35, 3, 1)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(35, 102)
     packed = pack_q8(torch.from_numpy(raw))
     weight = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q8_0))
-    assert torch.equal(packed.unpack(0, 32).T, weight)
+    assert torch.equal(packed.unpack(0, 35).T, weight)
+    assert torch.equal(packed.unpack(30, 35).T, weight[30:35])
     assert torch.equal(packed.unpack(9, 20).T, weight[9:20])

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from bubo.model import quantized_linear
-from bubo.model.quantized_linear import QuantizedLinear
+from bubo.model.quantized_linear import QuantizedLinear, group_rows, project_rows
 
 Q = gguf.GGMLQuantizationType
 
@@ -36,7 +36,8 @@ def test_chunked_forward_matches_reference(monkeypatch, qtype: Q, chunk_values: 
 @pytest.mark.parametrize("rows", [1, 6, 11])  # up to MATVEC_ROWS: compiled matvecs; more: unpacked chunks
 def test_repacked_forward_matches_float64_reference(monkeypatch, qtype: Q, rows: int) -> None:
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
-    monkeypatch.setattr(quantized_linear, "CHUNK_VALUES", 128 * 9)  # 9 columns a chunk: a ragged last one
+    # 24 columns a chunk, rounded down to whole tiles (16 or 24 of the 40 columns): a ragged last one
+    monkeypatch.setattr(quantized_linear, "CHUNK_VALUES", 128 * 24)
     rng = np.random.default_rng(1)
     out_features, in_features = 40, 128
     raw = gguf.quants.quantize(rng.standard_normal((out_features, in_features), dtype=np.float32), qtype)
@@ -57,3 +58,49 @@ def test_small_and_other_types_keep_the_dequantizing_path() -> None:
     assert QuantizedLinear(torch.from_numpy(raw), Q.Q4_1, 256).packed is None  # below MIN_PACKED_WEIGHTS
     raw = torch.zeros(512, 210, dtype=torch.uint8)  # one Q6_K block a row (gguf can't quantize to it)
     assert QuantizedLinear(raw, Q.Q6_K, 256).packed is None
+
+
+def _projection(qtype: Q, out_features: int, seed: int, bias: bool) -> tuple[QuantizedLinear, torch.Tensor]:
+    """A packed layer over random weights, and its float64 weight (+ bias column) from gguf."""
+    rng = np.random.default_rng(seed)
+    raw = gguf.quants.quantize(rng.standard_normal((out_features, 128), dtype=np.float32), qtype)
+    weight = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float64))
+    b = torch.randn(out_features, generator=torch.Generator().manual_seed(seed)) if bias else None
+    return QuantizedLinear(torch.from_numpy(raw), qtype, 128, bias=b), weight
+
+
+def _expected(x: torch.Tensor, layer: QuantizedLinear, weight: torch.Tensor) -> torch.Tensor:
+    out = x.double() @ weight.T
+    return out if layer.bias is None else out + layer.bias.double()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("rows", [1, 3])  # a decode step; a few slots' steps batched
+def test_grouped_projections_match_float64_reference(monkeypatch, qtype: Q, rows: int) -> None:
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    # q, k, v shaped rows (whole tiles of 8 or 16), a bias on q only as qwen2 has on all three
+    parts = [_projection(qtype, n, seed, bias=seed == 0) for seed, n in enumerate((48, 16, 16))]
+    layers = [layer for layer, _ in parts]
+    group_rows(*layers)
+    assert all(layer.group is not None for layer in layers)
+    x = torch.randn(1, rows, 128, generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        got = project_rows(x, *layers)
+        alone = layers[1](x)  # a member called by itself runs its own rows (a view of the group's)
+    for out, (layer, weight) in zip(got, parts, strict=True):
+        assert out.shape == (1, rows, layer.out_features)
+        torch.testing.assert_close(out.double(), _expected(x, layer, weight), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(alone.double(), _expected(x, *parts[1]), rtol=1e-5, atol=2e-5)
+
+
+def test_rows_that_do_not_fill_tiles_stay_apart(monkeypatch) -> None:
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    parts = [_projection(Q.Q4_1, n, seed, bias=False) for seed, n in enumerate((48, 12))]
+    layers = [layer for layer, _ in parts]
+    group_rows(*layers)
+    assert all(layer.group is None for layer in layers)
+    x = torch.randn(1, 1, 128, generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        got = project_rows(x, *layers)
+    for out, (layer, weight) in zip(got, parts, strict=True):
+        torch.testing.assert_close(out.double(), _expected(x, layer, weight), rtol=1e-5, atol=2e-5)
