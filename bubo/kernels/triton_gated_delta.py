@@ -13,7 +13,8 @@ of C tokens from state S0, the written values δ solve the unit lower-triangular
 (I + A) δ = βv − β e^γ K S0 with A_ij = β_i (k_i·k_j) e^{γ_i−γ_j} (j < i). A first kernel, parallel
 over every chunk, inverts I + A by forward substitution and keeps u = (I+A)⁻¹ βv and
 w = (I+A)⁻¹ β e^γ K, so that δ = u − w S0; a second one walks the chunks in order per (sequence,
-value head, slice of dv), the only sequential part: a few C×dk×dv products per chunk.
+value head, slice of dv), the only sequential part: a few C×dk×dv products per chunk, its slice of
+the state kept in memory and worked on a few dk rows at a time.
 
 Every product runs in float32 ("ieee"), as the torch reference does: the state carries the whole
 sequence, so rounding it to TF32 would drift over a long prompt.
@@ -30,11 +31,19 @@ __all__ = ["chunked_gated_delta_rule", "fused_recurrent_step", "recurrent_gated_
 # dv columns of the state per program. 32 of 128 gives a decode step of the flagship's 48 value heads
 # 192 programs at batch 1, enough to occupy an H100's 132 SMs.
 STATE_COLUMNS = 32
-# Tokens per chunk: the longest chunk whose [C, C] matrices and [C, dk] tiles stay in registers.
+# Tokens per chunk.
 CHUNK = 64
-# A chunk kernel holds several [C, dk] float32 tiles (q, k, w at C = 64, dk = 128: 24k values): spread
-# over 8 warps they fit the registers, over 4 they would spill.
+# Columns of dk (and dv) a chunk kernel reads and multiplies at a time. An exact float32 tl.dot runs on
+# FMA units with each thread holding whole rows of its operands along the reduced side: reduced over
+# all 128 of dk, the [C, dk] tiles spilled kilobytes per thread (sm_90, tests/kernels/compile_for_cuda.py).
+CHUNK_COLUMNS = 16
+# dv columns of the state per program of the chunk recurrence: at C = 64 its [C, C] · [C, BV] product
+# also reduces over 64, and spilled at 32 columns.
+CHUNK_STATE_COLUMNS = 16
 CHUNK_WARPS = 8
+# The chunk recurrence's warps at C = 16: its [16, 16] tiles leave 8 warps a value or two per thread,
+# and ptxas then spilled a few bytes.
+SHORT_CHUNK_WARPS = 4
 # tl.dot's smallest operand side on NVIDIA GPUs.
 MIN_DOT = 16
 
@@ -140,38 +149,35 @@ def _chunk_prepare_kernel(
     padded_length,
     K: tl.constexpr,
     V: tl.constexpr,
-    BK: tl.constexpr,
-    BVF: tl.constexpr,
+    BC: tl.constexpr,
     C: tl.constexpr,
 ):
     seq_head = tl.program_id(0)
-    seq, head = seq_head // num_heads, seq_head % num_heads
+    seq, head = (seq_head // num_heads).to(tl.int64), seq_head % num_heads
     rows = tl.arange(0, C)
+    columns = tl.arange(0, BC)
     pos = tl.program_id(1) * C + rows
     pos_ok = pos < length
-    dk = tl.arange(0, BK)
-    dv = tl.arange(0, BVF)
-    dk_ok, dv_ok = dk < K, dv < V
+    k_base = seq * qk_sb + head * qk_sh
+    v_base = seq * v_sb + head * v_sh
     # Positions past the end load as k = v = 0, g = beta = 0: they write nothing and decay nothing.
-    k = tl.load(
-        k_ptr + seq * qk_sb + head * qk_sh + pos[:, None] * qk_st + dk[None, :],
-        mask=pos_ok[:, None] & dk_ok[None, :],
-        other=0.0,
-    )
-    v = tl.load(
-        v_ptr + seq * v_sb + head * v_sh + pos[:, None] * v_st + dv[None, :],
-        mask=pos_ok[:, None] & dv_ok[None, :],
-        other=0.0,
-    )
     g = tl.load(g_ptr + seq * g_sb + head * g_sh + pos * g_st, mask=pos_ok, other=0.0)
     beta = tl.load(beta_ptr + seq * g_sb + head * g_sh + pos * g_st, mask=pos_ok, other=0.0)
     gamma = tl.cumsum(g, 0)
 
-    k_beta = k * beta[:, None]
+    # k and v are read BC columns at a time, so that no [C, K] tile is live in registers.
+    a = tl.zeros([C, C], dtype=tl.float32)
+    for first in range(0, K, BC):
+        dk = first + columns
+        k = tl.load(
+            k_ptr + k_base + pos[:, None] * qk_st + dk[None, :],
+            mask=pos_ok[:, None] & (dk < K)[None, :],
+            other=0.0,
+        )
+        a += tl.dot(k * beta[:, None], tl.trans(k), input_precision="ieee")
     below = rows[:, None] > rows[None, :]
     # The upper triangle is masked before exp, where γ_i − γ_j > 0 could overflow.
-    decay = tl.exp(tl.where(below, gamma[:, None] - gamma[None, :], float("-inf")))
-    a = tl.dot(k_beta, tl.trans(k), input_precision="ieee") * decay
+    a = a * tl.exp(tl.where(below, gamma[:, None] - gamma[None, :], float("-inf")))
 
     # (I + A)⁻¹ row by row: row i is e_i − Σ_{j<i} A_ij row_j, rows j < i being final already. Row 0
     # and the rows past the end (A's row is zero there) are those of the identity.
@@ -181,11 +187,28 @@ def _chunk_prepare_kernel(
         row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
         inverse = tl.where(rows[:, None] == i, row[None, :], inverse)
 
-    u = tl.dot(inverse, v * beta[:, None], input_precision="ieee")
-    w = tl.dot(inverse, k_beta * tl.exp(gamma)[:, None], input_precision="ieee")
-    out_rows = seq_head * padded_length + pos
-    tl.store(u_ptr + out_rows[:, None] * V + dv[None, :], u, mask=dv_ok[None, :])
-    tl.store(w_ptr + out_rows[:, None] * K + dk[None, :], w, mask=dk_ok[None, :])
+    # int64: batch × heads × positions × width passes 2³¹ on a long batched prompt.
+    out_rows = seq_head.to(tl.int64) * padded_length + pos
+    for first in range(0, V, BC):
+        dv = first + columns
+        dv_ok = dv < V
+        v = tl.load(
+            v_ptr + v_base + pos[:, None] * v_st + dv[None, :],
+            mask=pos_ok[:, None] & dv_ok[None, :],
+            other=0.0,
+        )
+        u = tl.dot(inverse, v * beta[:, None], input_precision="ieee")
+        tl.store(u_ptr + out_rows[:, None] * V + dv[None, :], u, mask=dv_ok[None, :])
+    for first in range(0, K, BC):
+        dk = first + columns
+        dk_ok = dk < K
+        k = tl.load(
+            k_ptr + k_base + pos[:, None] * qk_st + dk[None, :],
+            mask=pos_ok[:, None] & dk_ok[None, :],
+            other=0.0,
+        )
+        w = tl.dot(inverse, k * beta[:, None] * tl.exp(gamma)[:, None], input_precision="ieee")
+        tl.store(w_ptr + out_rows[:, None] * K + dk[None, :], w, mask=dk_ok[None, :])
     tl.store(gamma_ptr + out_rows, gamma)
 
 
@@ -211,40 +234,70 @@ def _chunk_recurrence_kernel(
     C: tl.constexpr,
 ):
     seq_head = tl.program_id(0)
-    seq, head = seq_head // num_heads, seq_head % num_heads
+    seq, head = (seq_head // num_heads).to(tl.int64), seq_head % num_heads
     rows = tl.arange(0, C)
-    dk = tl.arange(0, BK)
+    columns = tl.arange(0, BK)
     dv = tl.program_id(1) * BV + tl.arange(0, BV)
-    dk_ok, dv_ok = dk < K, dv < V
-    state_offsets = seq_head * K * V + dk[:, None] * V + dv[None, :]
-    state_ok = dk_ok[:, None] & dv_ok[None, :]
-    s = tl.load(state_ptr + state_offsets, mask=state_ok, other=0.0)
+    dv_ok = dv < V
+    # int64: batch × heads × positions × width passes 2³¹ on a long batched prompt.
+    state_base = seq_head.to(tl.int64) * K * V
+    scratch_base = seq_head.to(tl.int64) * padded_length
     causal = rows[:, None] >= rows[None, :]
     qk_base = seq * qk_sb + head * qk_sh
+    # The [K, BV] state stays in memory (L1/L2) and is worked on BK rows at a time: held whole in
+    # registers next to the chunk's tiles it spilled.
     for start in range(0, length, C):
         pos = start + rows
         pos_ok = pos < length
-        qk_ok = pos_ok[:, None] & dk_ok[None, :]
-        q = tl.load(q_ptr + qk_base + pos[:, None] * qk_st + dk[None, :], mask=qk_ok, other=0.0)
-        k = tl.load(k_ptr + qk_base + pos[:, None] * qk_st + dk[None, :], mask=qk_ok, other=0.0)
-        scratch_rows = seq_head * padded_length + pos
-        w = tl.load(w_ptr + scratch_rows[:, None] * K + dk[None, :], mask=dk_ok[None, :], other=0.0)
+        scratch_rows = scratch_base + pos
         u = tl.load(u_ptr + scratch_rows[:, None] * V + dv[None, :], mask=dv_ok[None, :], other=0.0)
         gamma = tl.load(gamma_ptr + scratch_rows)
         gamma_end = tl.sum(tl.where(rows == C - 1, gamma, 0.0), 0)
 
-        delta = u - tl.dot(w, s, input_precision="ieee")
+        recalled = tl.zeros([C, BV], dtype=tl.float32)  # w S0
+        read = tl.zeros([C, BV], dtype=tl.float32)  # q S0
+        scores = tl.zeros([C, C], dtype=tl.float32)  # q kᵀ
+        for first in range(0, K, BK):
+            dk = first + columns
+            dk_ok = dk < K
+            qk_ok = pos_ok[:, None] & dk_ok[None, :]
+            s = tl.load(
+                state_ptr + state_base + dk[:, None] * V + dv[None, :],
+                mask=dk_ok[:, None] & dv_ok[None, :],
+                other=0.0,
+            )
+            q = tl.load(q_ptr + qk_base + pos[:, None] * qk_st + dk[None, :], mask=qk_ok, other=0.0)
+            k = tl.load(k_ptr + qk_base + pos[:, None] * qk_st + dk[None, :], mask=qk_ok, other=0.0)
+            w = tl.load(w_ptr + scratch_rows[:, None] * K + dk[None, :], mask=dk_ok[None, :], other=0.0)
+            recalled += tl.dot(w, s, input_precision="ieee")
+            read += tl.dot(q, s, input_precision="ieee")
+            scores += tl.dot(q, tl.trans(k), input_precision="ieee")
+
+        delta = u - recalled
         decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf")))
-        intra = tl.dot(q, tl.trans(k), input_precision="ieee") * decay
-        out = tl.dot(q * tl.exp(gamma)[:, None], s, input_precision="ieee")
-        out += tl.dot(intra, delta, input_precision="ieee")
+        out = read * tl.exp(gamma)[:, None] + tl.dot(scores * decay, delta, input_precision="ieee")
         tl.store(
             out_ptr + scratch_rows[:, None] * V + dv[None, :], out, mask=pos_ok[:, None] & dv_ok[None, :]
         )
 
-        k_end = k * tl.exp(gamma_end - gamma)[:, None]
-        s = s * tl.exp(gamma_end) + tl.dot(tl.trans(k_end), delta, input_precision="ieee")
-    tl.store(state_ptr + state_offsets, s, mask=state_ok)
+        # Every thread has read S0 before any writes S1; each block is read whole before it is written.
+        tl.debug_barrier()
+        for first in range(0, K, BK):
+            dk = first + columns
+            dk_ok = dk < K
+            state_offsets = state_base + dk[:, None] * V + dv[None, :]
+            state_ok = dk_ok[:, None] & dv_ok[None, :]
+            s = tl.load(state_ptr + state_offsets, mask=state_ok, other=0.0)
+            k = tl.load(
+                k_ptr + qk_base + pos[:, None] * qk_st + dk[None, :],
+                mask=pos_ok[:, None] & dk_ok[None, :],
+                other=0.0,
+            )
+            k_end = k * tl.exp(gamma_end - gamma)[:, None]
+            s = s * tl.exp(gamma_end) + tl.dot(tl.trans(k_end), delta, input_precision="ieee")
+            tl.debug_barrier()
+            tl.store(state_ptr + state_offsets, s, mask=state_ok)
+        tl.debug_barrier()
 
 
 def _checked(
@@ -389,6 +442,11 @@ def _launch_recurrent(
         state.copy_(work)
 
 
+def recurrence_warps(chunk_size: int) -> int:
+    """Warps of `_chunk_recurrence_kernel` at chunks of `chunk_size` tokens."""
+    return SHORT_CHUNK_WARPS if chunk_size <= MIN_DOT else CHUNK_WARPS
+
+
 def chunked_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -415,7 +473,6 @@ def chunked_gated_delta_rule(
     u = torch.empty(batch, heads, padded, dv, **scratch)
     w = torch.empty(batch, heads, padded, dk, **scratch)
     gamma = torch.empty(batch, heads, padded, **scratch)
-    block_k = max(MIN_DOT, triton.next_power_of_2(dk))
     _chunk_prepare_kernel[(batch * heads, chunks)](
         k,
         v,
@@ -432,15 +489,13 @@ def chunked_gated_delta_rule(
         padded,
         K=dk,
         V=dv,
-        BK=block_k,
-        BVF=max(MIN_DOT, triton.next_power_of_2(dv)),
+        BC=CHUNK_COLUMNS,
         C=chunk_size,
         num_warps=CHUNK_WARPS,
     )
     work = state if state.is_contiguous() else state.contiguous()
     out = torch.empty(batch, heads, padded, dv, **scratch)
-    block_v = max(MIN_DOT, min(STATE_COLUMNS, triton.next_power_of_2(dv)))
-    _chunk_recurrence_kernel[(batch * heads, triton.cdiv(dv, block_v))](
+    _chunk_recurrence_kernel[(batch * heads, triton.cdiv(dv, CHUNK_STATE_COLUMNS))](
         q,
         k,
         u,
@@ -454,10 +509,10 @@ def chunked_gated_delta_rule(
         padded,
         K=dk,
         V=dv,
-        BK=block_k,
-        BV=block_v,
+        BK=CHUNK_COLUMNS,
+        BV=CHUNK_STATE_COLUMNS,
         C=chunk_size,
-        num_warps=CHUNK_WARPS,
+        num_warps=recurrence_warps(chunk_size),
     )
     if work is not state:
         state.copy_(work)

@@ -28,6 +28,8 @@ TARGET_PROGRAMS = 256
 # Values of one [tile, head_dim] float32 tile of keys (then of values) scored at once: 64 positions of
 # a 128-wide head, 32 of the flagship's 256-wide ones (with 8 warps), so a tile stays in registers.
 TILE_VALUES = 8192
+# Partitions the combine step rescales and sums at once: [16, 256] float32 values over 4 warps.
+COMBINE_PARTITIONS = 16
 # tl.dot's smallest operand side on NVIDIA GPUs.
 MIN_DOT = 16
 
@@ -134,18 +136,30 @@ def _combine_kernel(
     head = tl.program_id(1)
     used = tl.cdiv(tl.load(lengths_ptr + seq), PART)
     parts = tl.arange(0, BLOCK_P)
-    part_ok = parts < used
-    row = (seq * num_heads + head) * num_partitions + parts
-    maxima = tl.load(max_ptr + row, mask=part_ok, other=float("-inf"))
-    overall = tl.max(maxima, 0)
-    weights = tl.where(part_ok, tl.exp2(maxima - overall), 0.0)
-    total = tl.sum(weights * tl.load(sum_ptr + row, mask=part_ok, other=0.0), 0)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    acc = tl.load(
-        acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=part_ok[:, None] & dim_ok[None, :], other=0.0
-    )
-    out = tl.sum(acc * weights[:, None], 0) / total
+    first = (seq * num_heads + head) * num_partitions
+    # BLOCK_P partitions at a time with a running maximum, so that the live [BLOCK_P, BLOCK_D] tile
+    # stays in registers however many partitions a long context has.
+    overall = float("-inf")
+    total = 0.0
+    out = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, used, BLOCK_P):
+        part_ok = start + parts < used
+        row = first + start + parts
+        maxima = tl.load(max_ptr + row, mask=part_ok, other=float("-inf"))
+        new_max = tl.maximum(overall, tl.max(maxima, 0))
+        rescale = tl.exp2(overall - new_max)
+        weights = tl.where(part_ok, tl.exp2(maxima - new_max), 0.0)
+        total = total * rescale + tl.sum(weights * tl.load(sum_ptr + row, mask=part_ok, other=0.0), 0)
+        acc = tl.load(
+            acc_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+            mask=part_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        out = out * rescale + tl.sum(acc * weights[:, None], 0)
+        overall = new_max
+    out = out / total
     tl.store(
         out_ptr + (seq * num_heads + head) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok
     )
@@ -245,7 +259,7 @@ def paged_attention_decode(
         num_partitions,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        BLOCK_P=triton.next_power_of_2(num_partitions),
+        BLOCK_P=min(COMBINE_PARTITIONS, triton.next_power_of_2(num_partitions)),
         PART=partition,
     )
     return out

@@ -158,7 +158,7 @@ def _compile_paged_attention() -> None:
     ):
         constants = {
             "HEAD_DIM": head_dim, "BLOCK_D": max(pa.MIN_DOT, triton.next_power_of_2(head_dim)),
-            "BLOCK_P": triton.next_power_of_2(partitions_used), "PART": part,
+            "BLOCK_P": min(pa.COMBINE_PARTITIONS, triton.next_power_of_2(partitions_used)), "PART": part,
         }  # fmt: skip
         _compile(pa._combine_kernel, dtype, constants, 4, ATTENTION, 3)
 
@@ -180,12 +180,12 @@ def _compile_gated_delta() -> None:
         }  # fmt: skip
         _compile(gd._recurrent_kernel, dtype, constants, 4, DELTA, 3)
     head_dim = 128
-    sizes = {"K": head_dim, "V": head_dim, "BK": head_dim}
+    sizes = {"K": head_dim, "V": head_dim}
     for chunk in (16, 32, gd.CHUNK):
-        prepare = {**sizes, "BVF": head_dim, "C": chunk}
+        prepare = {**sizes, "BC": gd.CHUNK_COLUMNS, "C": chunk}
         _compile(gd._chunk_prepare_kernel, "fp32", prepare, gd.CHUNK_WARPS, DELTA, 3)
-        recurrence = {**sizes, "BV": gd.STATE_COLUMNS, "C": chunk}
-        _compile(gd._chunk_recurrence_kernel, "fp32", recurrence, gd.CHUNK_WARPS, DELTA, 3)
+        recurrence = {**sizes, "BK": gd.CHUNK_COLUMNS, "BV": gd.CHUNK_STATE_COLUMNS, "C": chunk}
+        _compile(gd._chunk_recurrence_kernel, "fp32", recurrence, gd.recurrence_warps(chunk), DELTA, 3)
 
 
 if __name__ == "__main__":

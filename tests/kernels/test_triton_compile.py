@@ -33,3 +33,14 @@ def test_every_kernel_compiles_for_sm_90() -> None:
     ]
     assert len(decode) == 4 + 2
     assert all(line.endswith(" stack=0") for line in decode), "\n".join(decode)
+    # Nor do paged attention's combine step (up to the 391 partitions of a 200k-token context) and the
+    # chunked prefill's kernels at every chunk length.
+    long_context = [
+        line
+        for line in result.stdout.splitlines()
+        if line.startswith(
+            ("compiled _combine_kernel", "compiled _chunk_prepare_kernel", "compiled _chunk_recurrence")
+        )
+    ]
+    assert len(long_context) == 4 + 3 + 3
+    assert all(line.endswith(" stack=0") for line in long_context), "\n".join(long_context)

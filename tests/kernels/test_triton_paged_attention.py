@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from bubo.engine.block_pool import BlockPool
 from bubo.engine.kv_cache import KVCache
-from bubo.kernels.triton_paged_attention import paged_attention_decode
+from bubo.kernels.triton_paged_attention import COMBINE_PARTITIONS, paged_attention_decode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYER = 1
@@ -75,6 +75,19 @@ def test_matches_sdpa_over_the_cache(
     out = paged_attention_decode(
         q, pool.keys[LAYER], pool.values[LAYER], tables, lens, block_size, partition=partition
     )
+    torch.testing.assert_close(out, _reference(q, caches), atol=1e-5, rtol=1e-5)
+
+
+def test_more_partitions_than_the_combine_step_sums_at_once() -> None:
+    """The combine step rescales and sums COMBINE_PARTITIONS partitions at a time: 34 partitions of
+    16 positions take it three steps, with a one-partition sequence beside them."""
+    torch.manual_seed(4)
+    lengths = [1, 300, 530]
+    pool, caches = _filled_caches(lengths, 2, 16, 8, torch.float32)
+    assert -(-max(lengths) // 16) > 2 * COMBINE_PARTITIONS
+    q = torch.randn(len(lengths), 4, 16, device=DEVICE) * 3
+    tables, lens = _tables(caches)
+    out = paged_attention_decode(q, pool.keys[LAYER], pool.values[LAYER], tables, lens, 8, partition=16)
     torch.testing.assert_close(out, _reference(q, caches), atol=1e-5, rtol=1e-5)
 
 
