@@ -344,9 +344,11 @@ def measure(
     chunk: int,
     decode_steps: int,
     clock: Stopwatch,
+    profile: bool = False,
 ) -> dict:
     """Prefill `prompt` tokens (in pieces of `chunk`), then `decode_steps` decode tokens at that
-    context: per layer kind the mean times and the bytes read per decode token."""
+    context: per layer kind the mean times and the bytes read per decode token; with `profile`, also
+    the device kernels one more decode token runs (`_profile_decode`)."""
     n = len(kinds)
     cache = model.new_cache(max_len=prompt + decode_steps + 2)
     generator = torch.Generator().manual_seed(prompt)
@@ -398,7 +400,38 @@ def measure(
         }
     report["head"] = {"decode_s": head, "bytes_per_token": module_bytes(model.output)}
     report["model"] = _whole_model(report, kinds)
+    if profile:  # last: the profiled token moves the cache on
+        with torch.inference_mode():
+            report["decode_kernels"] = _profile_decode(model, tokens[:, -1:], cache, clock)
     return report
+
+
+def _profile_decode(model: Decoder, token: torch.Tensor, cache: KVCache, clock: Stopwatch) -> dict:
+    """One decode token through every layer under torch.profiler: how many device kernels it launches,
+    their summed device time against the step's wall time (the rest is launch and host overhead),
+    and the kernels that take the most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n = len(model.layers)
+    times = LayerTimes([0.0] * n, [0.0] * n, [0.0] * n)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if clock.cuda else [])
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        run_layers(model, token, cache, clock, times)
+        if clock.cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"] if clock.cuda else []
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return {
+        "layers": n,
+        "wall_s": wall,
+        "kernel_launches": sum(e.count for e in kernels),
+        "kernel_s": sum(e.self_device_time_total for e in kernels) / 1e6,
+        "top": [
+            {"name": e.key[:90], "calls": e.count, "s": e.self_device_time_total / 1e6} for e in kernels[:15]
+        ],
+    }
 
 
 def _whole_model(report: dict, kinds: list[str]) -> dict:
@@ -458,6 +491,14 @@ def print_report(report: dict, bandwidth_gbs: float | None) -> None:
         f"| head | output | {head['decode_s'] * 1e6:.0f} | {head['bytes_per_token'] / 1e6:.2f} | "
         f"{_fraction(head['bytes_per_token'], head['decode_s'], bandwidth_gbs)} | |"
     )
+    kernels = report.get("decode_kernels")
+    if kernels:
+        print(
+            f"one decode token through {kernels['layers']} layers: {kernels['kernel_launches']} kernels, "
+            f"{kernels['kernel_s'] * 1e3:.2f} ms of kernel time in {kernels['wall_s'] * 1e3:.2f} ms (profiled)"
+        )
+        for k in kernels["top"]:
+            print(f"    {k['s'] * 1e6:9.0f} µs {k['calls']:4d}x  {k['name']}")
     m = report["model"]
     print(
         f"whole model (36 DeltaNet + 12 attention layers + head, no PLE): decode {m['decode_s_per_token'] * 1e3:.2f} ms"
@@ -482,6 +523,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers-per-kind", type=int, default=2)
     parser.add_argument("--kinds", default="deltanet,qsa,attention")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--profile", action="store_true", help="list the device kernels of one decode token (torch.profiler)"
+    )
+    parser.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="skip the untimed first pass that compiles and autotunes the kernels before the timed ones",
+    )
     args = parser.parse_args(argv)
 
     small = args.cpu_small or not torch.cuda.is_available()
@@ -503,9 +552,14 @@ def main(argv: list[str] | None = None) -> int:
         f"built in {time.perf_counter() - started:.1f} s"
     )
     clock = Stopwatch(device)
+    if not args.no_warm_up:
+        # Triton compiles and autotunes each kernel shape on its first call: keep that out of the figures.
+        started = time.perf_counter()
+        measure(model, kinds, min(2 * chunk, min(prompts)), chunk, 2, clock)
+        print(f"warm-up pass (compiles, autotuning) took {time.perf_counter() - started:.1f} s")
     reports = []
     for prompt in prompts:
-        report = measure(model, kinds, prompt, chunk, decode_steps, clock)
+        report = measure(model, kinds, prompt, chunk, decode_steps, clock, profile=args.profile)
         print_report(report, args.bandwidth_gbs)
         reports.append(report)
     if args.json:

@@ -35,6 +35,7 @@ def test_cpu_small_run_reports_every_kind(tmp_path: Path) -> None:
             "10",
             "--json",
             str(out),
+            "--profile",
         ],
         capture_output=True,
         text=True,
@@ -46,7 +47,11 @@ def test_cpu_small_run_reports_every_kind(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["small"] and report["bandwidth_gbs"] == 10
     assert [run["prompt_tokens"] for run in report["runs"]] == [24, 40]
+    assert "warm-up pass" in proc.stdout
     for run in report["runs"]:
+        # On the CPU the profile sees no device kernels, only the step's wall time.
+        assert run["decode_kernels"]["layers"] == 3 and run["decode_kernels"]["wall_s"] > 0
+        assert run["decode_kernels"]["kernel_launches"] == 0
         assert set(run["kinds"]) == {"deltanet", "qsa", "attention"}
         for kind in run["kinds"].values():
             assert all(t > 0 for t in (*kind["decode_s"].values(), *kind["prefill_s"].values()))
