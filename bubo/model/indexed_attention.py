@@ -168,8 +168,11 @@ class QSAIndexer(nn.Module):
             sparse = visible_blocks > self.block_budget
             selected = torch.where(sparse[:, None], chosen, selected)
             # relu makes exact-zero scores common; where the last kept block ties at zero, break the tie
-            # as transformers does: topk over that query's visible scores alone.
-            for b, t in (sparse & (top.values[..., -1] == 0)).nonzero().tolist():
+            # as transformers does: topk over that query's visible scores alone. A decode step's one
+            # query sees every block (num_blocks == visible), so its topk above already is that one, and
+            # skipping the check keeps the step free of a host sync.
+            ties = (sparse & (top.values[..., -1] == 0)).nonzero().tolist() if length > 1 else []
+            for b, t in ties:
                 visible = scores[b, t, : visible_blocks[t]]
                 selected[b, t] = False
                 selected[b, t, visible.topk(self.block_budget).indices] = True

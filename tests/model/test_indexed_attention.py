@@ -188,6 +188,25 @@ def test_zero_score_ties_break_as_transformers() -> None:
     assert torch.equal(selected, case.reference_selection(x))
 
 
+def test_zero_score_ties_break_as_transformers_one_token_at_a_time() -> None:
+    """The decode path skips the tie check (its one query sees every block, so the batched topk is
+    already the per-query one): every decode step still keeps the blocks transformers keeps."""
+    case = _Case()
+    query_rows = TINY_QWEN4EXP_CONFIG["indexer_n_heads"] * TINY_QWEN4EXP_CONFIG["indexer_head_dim"]
+    with torch.no_grad():
+        case.reference.indexer.index_qk_proj.weight[:query_rows] = 0
+        case.attention.indexer.q_proj.weight.zero_()
+    x = _hidden(70)
+    expected = case.reference_selection(x)
+    _, state = case.new_state()
+    cos, sin = case.rotary(torch.arange(70), torch.float32)
+    with torch.no_grad():
+        case.attention.indexer(x[:, :40], cos[:40], sin[:40], state)
+        for p in range(40, 70):
+            selected = case.attention.indexer(x[:, p : p + 1], cos[p : p + 1], sin[p : p + 1], state)
+            assert torch.equal(selected[:, 0], expected[:, p, : p + 1]), f"position {p}"
+
+
 @pytest.mark.parametrize("length", [64, 70])
 def test_prefill_matches_transformers(case: _Case, length: int) -> None:
     x = _hidden(length)
