@@ -45,6 +45,7 @@ __all__ = [
     "dot_dtype",
     "fp16_view",
     "interpreting",
+    "q4_k_scale_min_words",
     "tile_codes",
 ]
 
@@ -111,6 +112,20 @@ def _q4_k_scale_min(row_w, base, g, mask):
     s_g4 = _byte(row_w, base + 8 + g, mask)
     s_gm4 = _byte(row_w, base + g, mask)  # s[g-4] where g >= 4 (ignored below that)
     low = g < 4
+    scale = tl.where(low, s_g & 0x3F, (s_g4 & 0x0F) | ((s_gm4 >> 6) << 4))
+    minimum = tl.where(low, s_g4 & 0x3F, (s_g4 >> 4) | ((s_g >> 6) << 4))
+    return scale, minimum
+
+
+@triton.jit
+def q4_k_scale_min_words(s0, s1, s2, g):
+    """Q4_K / Q5_K: the 6-bit scale and min of group g (0-7) from the 12 scale bytes s[] as three
+    little-endian int32 words (s0 = s[0..3], s1 = s[4..7], s2 = s[8..11]); see `_q4_k_scale_min`."""
+    low = g < 4
+    at = (g % 4) * 8
+    s_g = (tl.where(low, s0, s1) >> at) & 0xFF  # s[g]
+    s_g4 = (tl.where(low, s1, s2) >> at) & 0xFF  # s[g+4]
+    s_gm4 = (s0 >> at) & 0xFF  # s[g-4] where g >= 4
     scale = tl.where(low, s_g & 0x3F, (s_g4 & 0x0F) | ((s_gm4 >> 6) << 4))
     minimum = tl.where(low, s_g4 & 0x3F, (s_g4 >> 4) | ((s_g >> 6) << 4))
     return scale, minimum
