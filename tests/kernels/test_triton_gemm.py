@@ -12,7 +12,7 @@ import triton
 from bubo.kernels import triton_gemm
 from bubo.kernels.triton_gemm import quantized_gemm, quantized_matmul
 from bubo.kernels.triton_gemv import MAX_GEMV_ROWS, fitting_configs, quantized_gemv
-from bubo.kernels.triton_support import triton_enabled
+from bubo.kernels.triton_support import autotune_configs, triton_enabled
 from bubo.model import quantized_linear
 from bubo.model.quantized_linear import QuantizedLinear
 from tests.kernels.quant_blocks import (
@@ -131,3 +131,11 @@ def test_q4_k_word_gemv_matches_float64_reference(rows: int, blocks: int) -> Non
     bias = torch.randn(37, generator=torch.Generator().manual_seed(5)).to(device())
     got = quantized_gemv(x, raw, Q.Q4_K, bias)
     assert_product_close(got - bias, x, weight, FLOAT32_REL)
+
+
+def test_autotune_switch_keeps_only_the_first_config(monkeypatch) -> None:
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": 256}) for n in (8, 16)]
+    monkeypatch.delenv("BUBO_TRITON_AUTOTUNE", raising=False)
+    assert autotune_configs(configs) == configs
+    monkeypatch.setenv("BUBO_TRITON_AUTOTUNE", "0")
+    assert autotune_configs(configs) == configs[:1]
