@@ -71,16 +71,19 @@ def _compile(
     num_warps: int,
     types: dict[str, str] = POINTERS,
     num_stages: int = 2,
+    aligned: tuple[str, ...] = (),
 ) -> None:
     """Compile `kernel` with `constants`; `types` names the types of arguments that are not pointers to
-    `dtype` or int32. Launches that set no num_stages get Triton's default, 3."""
+    `dtype` or int32. Launches that set no num_stages get Triton's default, 3. `aligned` names the
+    arguments to specialize as multiples of 16, as a launch does for pointers and ints that are."""
     signature = {
         name: "constexpr"
         if name in constants
         else types.get(name, f"*{dtype}" if name.endswith("_ptr") else "i32")
         for name in kernel.arg_names
     }
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     compiled = triton.compile(
         source, target=SM_90, options={"num_warps": num_warps, "num_stages": num_stages}
     )
@@ -124,7 +127,9 @@ def main() -> None:
         _compile(triton_gemv._gemv_kernel.fn, "bf16", gemv, 4)
     for rows, block_n, superblocks, warps in ((1, 16, 2, 4), (4, 8, 4, 8)):
         words = {"HAS_BIAS": True, "BLOCK_M": rows, "BLOCK_N": block_n, "SUPERBLOCKS": superblocks}
-        _compile(triton_gemv._gemv_q4_k_kernel.fn, "bf16", words, warps)
+        # Q4_K rows are multiples of 144 bytes: with 16-byte aligned rows, as torch allocates them.
+        aligned = ("x_ptr", "words_ptr", "h_ptr", "bias_ptr", "out_ptr", "row_bytes", "K")
+        _compile(triton_gemv._gemv_q4_k_kernel.fn, "bf16", words, warps, aligned=aligned)
     for dtype, qtype in (("bf16", Q.Q4_K), ("fp16", Q.Q6_K), ("fp32", Q.Q8_0)):
         gemm = {"QTYPE": int(qtype), "HAS_BIAS": True, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32}
         _compile(triton_gemm._gemm_kernel.fn, dtype, {**gemm, "GROUP_M": 8, "DOT_DTYPE": DTYPES[dtype]}, 8)
