@@ -24,7 +24,7 @@ from bubo.kernels.triton_quant import (
     dot_codes,
     fp16_view,
     interpreting,
-    q4_k_scale_min_words,
+    q4_k_words_dot,
     tile_codes,
 )
 from bubo.kernels.triton_support import autotune_configs
@@ -148,63 +148,19 @@ def _gemv_q4_k_kernel(
 ):
     """The GEMV for Q4_K weights read as int32 words (`words_ptr`: the bytes viewed as int32).
 
-    A 144-byte block is 36 words: d and dmin (word 0), the 12 bytes of 6-bit scales and mins (words
-    1-3), then 32 words of codes in 4 runs of 8 words. Byte j of run p holds weight 64p + j in its
-    low nibble (group 2p) and 64p + 32 + j in its high nibble (group 2p + 1); so each run of words
-    expands in registers to two 32-weight groups whose x columns are contiguous.
+    Each step reads SUPERBLOCKS blocks of BLOCK_N rows (triton_quant.q4_k_words_dot).
     """
-    RUNS: tl.constexpr = SUPERBLOCKS * 4
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_in = offs_n < N
     m_in = offs_m < M
     row_words = (words_ptr + offs_n.to(tl.int64) * (row_bytes // 4))[:, None]
     row_h = (h_ptr + offs_n.to(tl.int64) * (row_bytes // 2))[:, None]
-    run = tl.arange(0, RUNS)  # superblock run // 4, pair run % 4
-    word = tl.arange(0, 8)
-    shifts = tl.arange(0, 4) * 8
-    t = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, SUPERBLOCKS * 256):
-        block = k0 // 256 + run // 4
-        block_in = n_in[:, None] & (block < K // 256)[None, :]  # [BLOCK_N, RUNS]
-        codes_at = (block * 36 + 4 + (run % 4) * 8)[None, :, None] + word[None, None, :]
-        packed = tl.load(
-            row_words[:, :, None] + codes_at, mask=block_in[:, :, None], other=0
-        )  # [BLOCK_N, RUNS, 8]
-        bytes_ = packed[:, :, :, None] >> shifts[None, None, None, :]
-        low = tl.reshape(bytes_ & 0x0F, (BLOCK_N, RUNS, 32)).to(tl.float32)
-        high = tl.reshape((bytes_ >> 4) & 0x0F, (BLOCK_N, RUNS, 32)).to(tl.float32)
-        # Scales: the three words of each run's block (loaded once per run; the repeats hit L1).
-        block_words = row_words + (block * 36)[None, :]
-        s0 = tl.load(block_words + 1, mask=block_in, other=0)
-        s1 = tl.load(block_words + 2, mask=block_in, other=0)
-        s2 = tl.load(block_words + 3, mask=block_in, other=0)
-        d = tl.load(row_h + (block * 72)[None, :], mask=block_in, other=0.0).to(tl.float32)
-        dmin = tl.load(row_h + (block * 72 + 1)[None, :], mask=block_in, other=0.0).to(tl.float32)
-        group = (run % 4) * 2
-        scale_low, min_low = q4_k_scale_min_words(s0, s1, s2, group[None, :])
-        scale_high, min_high = q4_k_scale_min_words(s0, s1, s2, group[None, :] + 1)
-        cols = k0 + run[:, None] * 64 + t[None, :]  # [RUNS, 32]: the low nibbles' columns
-        x_at = x_ptr + offs_m[:, None, None] * stride_xm + cols[None, :, :]
-        x_mask = m_in[:, None, None] & (cols < K)[None, :, :]
-        x_low = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)  # [BLOCK_M, RUNS, 32]
-        x_high = tl.load(x_at + 32, mask=x_mask, other=0.0).to(tl.float32)
-        dot_low = tl.sum(x_low[:, None, :, :] * low[None, :, :, :], axis=3)  # [BLOCK_M, BLOCK_N, RUNS]
-        dot_high = tl.sum(x_high[:, None, :, :] * high[None, :, :, :], axis=3)
-        dl_low = d * scale_low.to(tl.float32)
-        dl_high = d * scale_high.to(tl.float32)
-        ml_low = dmin * min_low.to(tl.float32)
-        ml_high = dmin * min_high.to(tl.float32)
-        sum_low = tl.sum(x_low, axis=2)[:, None, :]
-        sum_high = tl.sum(x_high, axis=2)[:, None, :]
-        per_run = (
-            dot_low * dl_low[None]
-            - sum_low * ml_low[None]
-            + dot_high * dl_high[None]
-            - sum_high * ml_high[None]
+        acc += q4_k_words_dot(
+            x_ptr, offs_m, m_in, stride_xm, row_words, row_h, n_in, k0, K, BLOCK_M, BLOCK_N, SUPERBLOCKS
         )
-        acc += tl.sum(per_run, axis=2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
