@@ -3,12 +3,14 @@
     python benchmarks/bench_triton_kernels.py                       # Qwen3-8B / Qwen3-30B-A3B shapes, bf16
     python benchmarks/bench_triton_kernels.py --types Q4_K,Q6_K --rows 1,8,512
     python benchmarks/bench_triton_kernels.py --quick               # tiny shapes: a smoke run of the script
+    python benchmarks/bench_triton_kernels.py --bandwidth-gbs 3350  # "% of bandwidth" against an H100's
 
 Both columns run Bubo's own modules, switched with BUBO_TRITON: QuantizedLinear (Triton GEMV up to
 4 rows, GEMM beyond; or dequantize + F.linear) per type, matrix shape and row count, with the weight
-bandwidth the kernels reach (the file's bytes read once per call); SparseMoE (fused kernel, or the
+bandwidth the kernels reach (the file's bytes read once per call) and its share of the GPU's
+(--bandwidth-gbs, default an H200's 4800 GB/s); SparseMoE (fused kernel, or the
 per-expert loop) with a random router. Weights are random bytes (values don't change the time);
-times are triton.testing.do_bench medians in µs. Without CUDA (--quick on a CPU) both columns run
+times are triton.testing.do_bench medians in µs (short runs: 5 ms warm-up, 25 ms measured). Without CUDA (--quick on a CPU) both columns run
 the torch path: the kernels only run on CUDA.
 """
 
@@ -48,15 +50,17 @@ def _microseconds(fn: Callable[[], object], device: torch.device, triton_on: boo
     if device.type == "cuda":
         import triton.testing
 
-        return triton.testing.do_bench(fn, return_mode="median") * 1e3
+        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e6
 
 
-def _bench_linear(types: list[GGMLQuantizationType], shapes, rows: list[int], dtype, device) -> None:
-    print("| type | N x K | rows | triton µs | torch µs | speed-up | weight GB/s (triton) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+def _bench_linear(
+    types: list[GGMLQuantizationType], shapes, rows: list[int], dtype, device, peak_gbs: float
+) -> None:
+    print("| type | N x K | rows | triton µs | torch µs | speed-up | weight GB/s (triton) | % of bandwidth |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for qtype in types:
         for n, k in shapes:
             layer = QuantizedLinear(_blocks(qtype, (n, k), device), qtype, k)
@@ -66,7 +70,7 @@ def _bench_linear(types: list[GGMLQuantizationType], shapes, rows: list[int], dt
                 bandwidth = layer.raw.numel() / fused / 1e3
                 print(
                     f"| {qtype.name} | {n} x {k} | {m} | {fused:.1f} | {plain:.1f} | {plain / fused:.2f}x "
-                    f"| {bandwidth:.0f} |"
+                    f"| {bandwidth:.0f} | {100 * bandwidth / peak_gbs:.1f} |"
                 )
 
 
@@ -99,6 +103,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,512", help="activation rows for the linear products")
     parser.add_argument("--moe-tokens", default="1,16,512")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="the GPU's memory bandwidth")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of the script")
     args = parser.parse_args()
     types = [GGMLQuantizationType[name] for name in args.types.split(",")]
@@ -116,7 +121,7 @@ def main() -> None:
         f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU: torch path only'}, {args.dtype}\n"
     )
     with torch.inference_mode():
-        _bench_linear(types, linear_shapes, rows, dtype, device)
+        _bench_linear(types, linear_shapes, rows, dtype, device, args.bandwidth_gbs)
         _bench_moe(types, moe_shape, tokens, dtype, device)
 
 

@@ -25,6 +25,7 @@ from bubo.kernels.triton_quant import (
     fp16_view,
     interpreting,
 )
+from bubo.kernels.triton_support import autotune_configs
 
 __all__ = ["quantized_gemm", "quantized_matmul"]
 
@@ -35,10 +36,12 @@ def _configs() -> list[triton.Config]:
     # Dequantizing a tile takes registers (a pointer and a few integers per weight): compiled for
     # sm_90 with BLOCK_M <= 64 these stay within 255 registers a thread without spilling.
     shapes = [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2)]
-    return [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
-        for n, k, w, s in shapes
-    ]
+    return autotune_configs(
+        [
+            triton.Config({"BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for n, k, w, s in shapes
+        ]
+    )
 
 
 def _block_m(m: int) -> int:

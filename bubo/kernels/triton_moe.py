@@ -23,6 +23,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from bubo.kernels.triton_quant import (
+    Q4_K,
     check_weight,
     codebook,
     dequantize_tile,
@@ -31,6 +32,7 @@ from bubo.kernels.triton_quant import (
     dot_dtype,
     fp16_view,
     interpreting,
+    q4_k_words_dot,
     tile_codes,
 )
 
@@ -220,13 +222,25 @@ def _expert_row_dot(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """x_row (K activations) times the weight rows `rows` [BLOCK_N]: float32 [BLOCK_N]."""
+    """x_row (K activations) times the weight rows `rows` [BLOCK_N]: float32 [BLOCK_N].
+
+    Q4_K blocks are read as int32 words, one superblock a step (triton_quant.q4_k_words_dot); the
+    other types byte by byte (tile_codes)."""
     acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
-        q, dl, ml = tile_codes(w_ptr, h_ptr, lut_ptr, rows, n_in, k0, K, row_bytes, QTYPE, BLOCK_N, BLOCK_K)
-        acc += dot_codes(x, q, dl, ml, 1, BLOCK_N, BLOCK_K)
+    if QTYPE == Q4_K:
+        row_words = (w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rows * (row_bytes // 4))[:, None]
+        row_h = (h_ptr + rows * (row_bytes // 2))[:, None]
+        one = tl.arange(0, 1)
+        for k0 in range(0, K, 256):
+            acc += q4_k_words_dot(x_row, one, one < 1, 0, row_words, row_h, n_in, k0, K, 1, BLOCK_N, 1)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+            q, dl, ml = tile_codes(
+                w_ptr, h_ptr, lut_ptr, rows, n_in, k0, K, row_bytes, QTYPE, BLOCK_N, BLOCK_K
+            )
+            acc += dot_codes(x, q, dl, ml, 1, BLOCK_N, BLOCK_K)
     return tl.reshape(acc, (BLOCK_N,))
 
 
@@ -318,6 +332,9 @@ def _one_token_moe(
     """fused_moe for a single token (a decode step): its top_k experts are distinct, so one program
     row per (expert, output tile) reads each expert's weights exactly once, GEMV-style (no padding
     to a 16-row dot)."""
+    for blocks in (gate, up, down):
+        if blocks.ggml_type == GGMLQuantizationType.Q4_K and blocks.raw.data_ptr() % 4:
+            raise ValueError("Q4_K expert blocks must start on a 4-byte boundary (they are read as int32)")
     hidden = x.shape[1]
     top_k = chosen.shape[1]
     intermediate = gate.raw.shape[1]

@@ -45,6 +45,8 @@ __all__ = [
     "dot_dtype",
     "fp16_view",
     "interpreting",
+    "q4_k_scale_min_words",
+    "q4_k_words_dot",
     "tile_codes",
 ]
 
@@ -114,6 +116,83 @@ def _q4_k_scale_min(row_w, base, g, mask):
     scale = tl.where(low, s_g & 0x3F, (s_g4 & 0x0F) | ((s_gm4 >> 6) << 4))
     minimum = tl.where(low, s_g4 & 0x3F, (s_g4 >> 4) | ((s_g >> 6) << 4))
     return scale, minimum
+
+
+@triton.jit
+def q4_k_scale_min_words(s0, s1, s2, g):
+    """Q4_K / Q5_K: the 6-bit scale and min of group g (0-7) from the 12 scale bytes s[] as three
+    little-endian int32 words (s0 = s[0..3], s1 = s[4..7], s2 = s[8..11]); see `_q4_k_scale_min`."""
+    low = g < 4
+    at = (g % 4) * 8
+    s_g = (tl.where(low, s0, s1) >> at) & 0xFF  # s[g]
+    s_g4 = (tl.where(low, s1, s2) >> at) & 0xFF  # s[g+4]
+    s_gm4 = (s0 >> at) & 0xFF  # s[g-4] where g >= 4
+    scale = tl.where(low, s_g & 0x3F, (s_g4 & 0x0F) | ((s_gm4 >> 6) << 4))
+    minimum = tl.where(low, s_g4 & 0x3F, (s_g4 >> 4) | ((s_g >> 6) << 4))
+    return scale, minimum
+
+
+@triton.jit
+def q4_k_words_dot(
+    x_ptr,
+    offs_m,
+    m_in,
+    stride_xm,
+    row_words,
+    row_h,
+    n_in,
+    k0,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SUPERBLOCKS: tl.constexpr,
+):
+    """Rows `offs_m` of x (float [M, K] at x_ptr) times Q4_K weights k0 .. k0 + 256 * SUPERBLOCKS - 1
+    of the matrix rows whose int32 words start at `row_words` [BLOCK_N, 1] (fp16 view: `row_h`),
+    transposed: float32 [BLOCK_M, BLOCK_N]. k0 and K are multiples of 256.
+
+    A 144-byte block is 36 words: d and dmin (word 0), the 12 bytes of 6-bit scales and mins (words
+    1-3), then 32 words of codes in 4 runs of 8 words. Byte j of run p holds weight 64p + j in its
+    low nibble (group 2p) and 64p + 32 + j in its high nibble (group 2p + 1): each run of words
+    expands in registers to two 32-weight groups whose x columns are contiguous, and each group's
+    scale and min are applied once to its dot product.
+    """
+    RUNS: tl.constexpr = SUPERBLOCKS * 4
+    run = tl.arange(0, RUNS)  # superblock run // 4, pair run % 4
+    word = tl.arange(0, 8)
+    shifts = tl.arange(0, 4) * 8
+    t = tl.arange(0, 32)
+    block = k0 // 256 + run // 4
+    block_in = n_in[:, None] & (block < K // 256)[None, :]  # [BLOCK_N, RUNS]
+    codes_at = (block * 36 + 4 + (run % 4) * 8)[None, :, None] + word[None, None, :]
+    packed = tl.load(row_words[:, :, None] + codes_at, mask=block_in[:, :, None], other=0)  # [N, RUNS, 8]
+    bytes_ = packed[:, :, :, None] >> shifts[None, None, None, :]
+    low = tl.reshape(bytes_ & 0x0F, (BLOCK_N, RUNS, 32)).to(tl.float32)
+    high = tl.reshape((bytes_ >> 4) & 0x0F, (BLOCK_N, RUNS, 32)).to(tl.float32)
+    # The scale words of each run's block, loaded once per run (the repeats hit L1).
+    block_words = row_words + (block * 36)[None, :]
+    s0 = tl.load(block_words + 1, mask=block_in, other=0)
+    s1 = tl.load(block_words + 2, mask=block_in, other=0)
+    s2 = tl.load(block_words + 3, mask=block_in, other=0)
+    d = tl.load(row_h + (block * 72)[None, :], mask=block_in, other=0.0).to(tl.float32)
+    dmin = tl.load(row_h + (block * 72 + 1)[None, :], mask=block_in, other=0.0).to(tl.float32)
+    group = (run % 4)[None, :] * 2
+    scale_low, min_low = q4_k_scale_min_words(s0, s1, s2, group)
+    scale_high, min_high = q4_k_scale_min_words(s0, s1, s2, group + 1)
+    cols = k0 + run[:, None] * 64 + t[None, :]  # [RUNS, 32]: the low nibbles' columns
+    x_at = x_ptr + offs_m[:, None, None] * stride_xm + cols[None, :, :]
+    x_mask = m_in[:, None, None] & (cols < K)[None, :, :]
+    x_low = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)  # [BLOCK_M, RUNS, 32]
+    x_high = tl.load(x_at + 32, mask=x_mask, other=0.0).to(tl.float32)
+    dot_low = tl.sum(x_low[:, None, :, :] * low[None, :, :, :], axis=3)  # [BLOCK_M, BLOCK_N, RUNS]
+    dot_high = tl.sum(x_high[:, None, :, :] * high[None, :, :, :], axis=3)
+    per_run = (
+        dot_low * (d * scale_low.to(tl.float32))[None]
+        - tl.sum(x_low, axis=2)[:, None, :] * (dmin * min_low.to(tl.float32))[None]
+        + dot_high * (d * scale_high.to(tl.float32))[None]
+        - tl.sum(x_high, axis=2)[:, None, :] * (dmin * min_high.to(tl.float32))[None]
+    )
+    return tl.sum(per_run, axis=2)
 
 
 @triton.jit

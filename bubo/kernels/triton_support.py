@@ -2,6 +2,9 @@
 
 This module never imports triton (CPU installs have none); the kernel modules (triton_gemv,
 triton_gemm, triton_moe, triton_paged_attention, triton_gated_delta) do, so callers import those only once `triton_enabled` said yes.
+
+BUBO_TRITON_AUTOTUNE=0 makes every autotuned kernel use only its first (known-good) config
+(`autotune_configs`): no autotuning sweep at first launch, for tests and a fast start.
 """
 
 import functools
@@ -11,7 +14,7 @@ import os
 import torch
 from gguf import GGMLQuantizationType
 
-__all__ = ["TRITON_TYPES", "triton_enabled"]
+__all__ = ["TRITON_TYPES", "autotune_configs", "triton_enabled"]
 
 T = GGMLQuantizationType
 
@@ -33,3 +36,8 @@ def triton_enabled(device: torch.device) -> bool:
     comparing the two or working around a kernel problem on some GPU.
     """
     return device.type == "cuda" and os.environ.get("BUBO_TRITON", "1") != "0" and _triton_importable()
+
+
+def autotune_configs(configs: list) -> list:
+    """`configs`, or only the first when BUBO_TRITON_AUTOTUNE=0 (read when a kernel module is imported)."""
+    return configs[:1] if os.environ.get("BUBO_TRITON_AUTOTUNE", "1") == "0" else configs

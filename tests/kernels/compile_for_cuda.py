@@ -40,7 +40,7 @@ SM_90 = GPUTarget("cuda", 90, 32)
 POINTERS = {
     "w_ptr": "*u8", "gate_ptr": "*u8", "up_ptr": "*u8", "down_ptr": "*u8",
     "h_ptr": "*fp16", "gate_h_ptr": "*fp16", "up_h_ptr": "*fp16", "down_h_ptr": "*fp16",
-    "lut_ptr": "*fp32", "pairs_ptr": "*i32", "tile_expert_ptr": "*i32", "experts_ptr": "*i64",
+    "words_ptr": "*i32", "lut_ptr": "*fp32", "pairs_ptr": "*i32", "tile_expert_ptr": "*i32", "experts_ptr": "*i64",
 }  # fmt: skip
 DTYPES = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
 
@@ -57,6 +57,9 @@ DELTA = {
     "state_ptr": "*fp32", "out_ptr": "*fp32", "u_ptr": "*fp32", "w_ptr": "*fp32", "gamma_ptr": "*fp32",
     "scale": "fp32", "eps": "fp32",
 }  # fmt: skip
+# Global loads in the PTX: single bytes, and 2-, 4-, 8- and 16-byte ones (a weight's bytes should come
+# in wide loads).
+LOADS = re.compile(r"ld\.global(?:\.[a-z]+)*?\.(v2\.|v4\.)?([usb])(8|16|32|64)\b")
 # The cuobjdump resource line of a kernel: registers per thread and bytes of local stack per thread.
 RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+)")
 
@@ -68,21 +71,37 @@ def _compile(
     num_warps: int,
     types: dict[str, str] = POINTERS,
     num_stages: int = 2,
+    aligned: tuple[str, ...] = (),
 ) -> None:
     """Compile `kernel` with `constants`; `types` names the types of arguments that are not pointers to
-    `dtype` or int32. Launches that set no num_stages get Triton's default, 3."""
+    `dtype` or int32. Launches that set no num_stages get Triton's default, 3. `aligned` names the
+    arguments to specialize as multiples of 16, as a launch does for pointers and ints that are."""
     signature = {
         name: "constexpr"
         if name in constants
         else types.get(name, f"*{dtype}" if name.endswith("_ptr") else "i32")
         for name in kernel.arg_names
     }
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     compiled = triton.compile(
         source, target=SM_90, options={"num_warps": num_warps, "num_stages": num_stages}
     )
     registers, stack = _resources(compiled.asm["cubin"])
-    print(f"compiled {kernel.__name__} {dtype} {constants} regs={registers} stack={stack}", flush=True)
+    print(
+        f"compiled {kernel.__name__} {dtype} {constants} loads={_load_widths(compiled.asm['ptx'])} "
+        f"regs={registers} stack={stack}",
+        flush=True,
+    )
+
+
+def _load_widths(ptx: str) -> str:
+    """How many global load instructions of each width (bytes per thread) the PTX holds: '1B:40,4B:8'."""
+    counts: dict[int, int] = {}
+    for vector, _, bits in LOADS.findall(ptx):
+        width = int(bits) // 8 * (int(vector[1]) if vector else 1)
+        counts[width] = counts.get(width, 0) + 1
+    return ",".join(f"{width}B:{counts[width]}" for width in sorted(counts))
 
 
 def _resources(cubin: bytes) -> tuple[int, int]:
@@ -106,6 +125,11 @@ def main() -> None:
     for qtype in sorted(TRITON_TYPES):
         gemv = {"QTYPE": int(qtype), "HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256}
         _compile(triton_gemv._gemv_kernel.fn, "bf16", gemv, 4)
+    for rows, block_n, superblocks, warps in ((1, 16, 2, 4), (4, 8, 4, 8)):
+        words = {"HAS_BIAS": True, "BLOCK_M": rows, "BLOCK_N": block_n, "SUPERBLOCKS": superblocks}
+        # Q4_K rows are multiples of 144 bytes: with 16-byte aligned rows, as torch allocates them.
+        aligned = ("x_ptr", "words_ptr", "h_ptr", "bias_ptr", "out_ptr", "row_bytes", "K")
+        _compile(triton_gemv._gemv_q4_k_kernel.fn, "bf16", words, warps, aligned=aligned)
     for dtype, qtype in (("bf16", Q.Q4_K), ("fp16", Q.Q6_K), ("fp32", Q.Q8_0)):
         gemm = {"QTYPE": int(qtype), "HAS_BIAS": True, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32}
         _compile(triton_gemm._gemm_kernel.fn, dtype, {**gemm, "GROUP_M": 8, "DOT_DTYPE": DTYPES[dtype]}, 8)
@@ -114,11 +138,13 @@ def main() -> None:
     _compile(triton_moe._gate_up_kernel, "bf16", gate_up, 8)
     _compile(triton_moe._down_kernel, "bf16", {"QTYPE": int(Q.Q6_K), **tiles}, 8)
     one_token = {"BLOCK_N": 16, "BLOCK_K": 256}
+    # As a launch on 16-byte aligned expert stacks specializes it (the Q4_K gate then loads 16 bytes).
     _compile(
         triton_moe._gate_up_token_kernel,
         "bf16",
         {"GATE_TYPE": int(Q.Q4_K), "UP_TYPE": int(Q.Q5_0), **one_token},
         4,
+        aligned=("x_ptr", "gate_ptr", "gate_h_ptr", "up_ptr", "up_h_ptr", "act_ptr", "gate_row_bytes", "K"),
     )
     _compile(triton_moe._down_token_kernel, "bf16", {"QTYPE": int(Q.Q6_K), **one_token}, 4)
     _compile_paged_attention()

@@ -12,7 +12,7 @@ import triton
 from bubo.kernels import triton_gemm
 from bubo.kernels.triton_gemm import quantized_gemm, quantized_matmul
 from bubo.kernels.triton_gemv import MAX_GEMV_ROWS, fitting_configs, quantized_gemv
-from bubo.kernels.triton_support import triton_enabled
+from bubo.kernels.triton_support import autotune_configs, triton_enabled
 from bubo.model import quantized_linear
 from bubo.model.quantized_linear import QuantizedLinear
 from tests.kernels.quant_blocks import (
@@ -119,3 +119,23 @@ def test_quantized_linear_runs_the_kernels_where_enabled(monkeypatch, rows: int)
     got = layer(x.view(1, rows, -1))
     assert calls == [(1, rows, x.shape[1])]
     assert_product_close((got - bias).view(rows, -1), x, weight, FLOAT32_REL)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("blocks", [1, 3])  # a part-filled last step of 2 superblocks
+def test_q4_k_word_gemv_matches_float64_reference(rows: int, blocks: int) -> None:
+    # The Q4_K kernel that reads int32 words, on an odd number of output rows, with a bias.
+    raw_np = random_blocks(Q.Q4_K, 37, 256 * blocks, seed=rows)
+    raw, weight = torch.from_numpy(raw_np).to(device()), reference_weight(raw_np, Q.Q4_K)
+    x = torch.randn(rows, 256 * blocks, generator=torch.Generator().manual_seed(blocks)).to(device())
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(5)).to(device())
+    got = quantized_gemv(x, raw, Q.Q4_K, bias)
+    assert_product_close(got - bias, x, weight, FLOAT32_REL)
+
+
+def test_autotune_switch_keeps_only_the_first_config(monkeypatch) -> None:
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": 256}) for n in (8, 16)]
+    monkeypatch.delenv("BUBO_TRITON_AUTOTUNE", raising=False)
+    assert autotune_configs(configs) == configs
+    monkeypatch.setenv("BUBO_TRITON_AUTOTUNE", "0")
+    assert autotune_configs(configs) == configs[:1]

@@ -60,6 +60,8 @@ TYPE_SETS = [
 # sets run the two ends only.
 CASES = [(TYPE_SETS[0], 1), (TYPE_SETS[0], 3), (TYPE_SETS[0], 37)]
 CASES += [(types, tokens) for types in TYPE_SETS[1:] for tokens in (1, 37)]
+# The flagship's decode mix (Q4_K gate, Q5_0 up) with a Q4_K down: the int32-word Q4_K path both ways.
+CASES += [((Q.Q4_K, Q.Q5_0, Q.Q4_K), 1)]
 
 
 @pytest.mark.parametrize(
