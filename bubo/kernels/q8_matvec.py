@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
-from bubo.kernels.codes import from_tiles, pairwise_sum, to_tiles
+from bubo.kernels.codes import from_tiles, pairwise_sum, tiled_by_rows
 from bubo.kernels.compiled import StaticKernel
 
 __all__ = ["PackedQ8", "pack_q8", "q8_matvec", "q8_matvec_reference", "q8_unpack"]
@@ -42,10 +42,15 @@ def pack_q8(raw: torch.Tensor) -> PackedQ8:
     """Q8_0 blocks uint8 [out, row_bytes] -> the word layout above."""
     out_features = raw.shape[0]
     blocks = raw.reshape(out_features, -1, 34)
-    n_blocks = blocks.shape[1]
-    words = blocks[..., 2:].contiguous().view(torch.int32)  # [out, blocks, 8]
-    scale = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32).view(out_features, n_blocks)
-    return PackedQ8(to_tiles(words), to_tiles(scale), out_features)
+
+    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        part = blocks[start:stop]
+        words = part[..., 2:].contiguous().view(torch.int32)  # [rows, blocks, 8]
+        scale = part[..., :2].contiguous().view(torch.float16).to(torch.float32).view(stop - start, -1)
+        return words, scale
+
+    words, scale = tiled_by_rows(out_features, rows)
+    return PackedQ8(words, scale, out_features)
 
 
 def _codes(words: torch.Tensor) -> list[torch.Tensor]:
