@@ -44,8 +44,8 @@ class PackedQ4:
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         return q4_matvec(x, self)
 
-    def unpack(self, start: int, stop: int) -> torch.Tensor:
-        return q4_unpack(self, start, stop)
+    def unpack(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return q4_unpack(self, start, stop, out)
 
 
 def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
@@ -73,13 +73,19 @@ def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
     return PackedQ4(words, scale, offset, out_features)
 
 
-def q4_unpack(packed: PackedQ4, start: int, stop: int) -> torch.Tensor:
-    """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls)."""
+def q4_unpack(packed: PackedQ4, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls),
+    written into `out` (float32, at least that many values) when given: a prefill reuses one buffer for
+    every chunk rather than allocating (and page-faulting) a fresh one each time."""
     words = from_tiles(packed.words, start, stop)  # [blocks, 4, n]
-    codes = torch.stack([(words >> (4 * s)) & 0x0F for s in range(_NIBBLES)], dim=2).to(torch.float32)
-    scale = from_tiles(packed.scale, start, stop)[:, None, None]
-    offset = from_tiles(packed.offset, start, stop)[:, None, None]
-    return (codes * scale + offset).view(packed.in_features, stop - start)
+    n = stop - start
+    size = packed.in_features * n
+    codes = (torch.empty(size) if out is None else out[:size]).view(*words.shape[:2], _NIBBLES, n)
+    for s in range(_NIBBLES):
+        codes[:, :, s] = (words >> (4 * s)) & 0x0F
+    codes.mul_(from_tiles(packed.scale, start, stop)[:, None, None])
+    codes.add_(from_tiles(packed.offset, start, stop)[:, None, None])
+    return codes.view(packed.in_features, n)
 
 
 def _matvec(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

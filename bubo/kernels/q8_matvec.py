@@ -34,8 +34,8 @@ class PackedQ8:
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         return q8_matvec(x, self)
 
-    def unpack(self, start: int, stop: int) -> torch.Tensor:
-        return q8_unpack(self, start, stop)
+    def unpack(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return q8_unpack(self, start, stop, out)
 
 
 def pack_q8(raw: torch.Tensor) -> PackedQ8:
@@ -59,12 +59,17 @@ def _codes(words: torch.Tensor) -> list[torch.Tensor]:
     return [((words << (24 - 8 * s)) >> 24).to(torch.float32) for s in range(_BYTES)]
 
 
-def q8_unpack(packed: PackedQ8, start: int, stop: int) -> torch.Tensor:
-    """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls)."""
-    codes = torch.stack(_codes(from_tiles(packed.words, start, stop)), dim=2)  # [blocks, 8, 4, n]
-    return (codes * from_tiles(packed.scale, start, stop)[:, None, None]).view(
-        packed.in_features, stop - start
-    )
+def q8_unpack(packed: PackedQ8, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls),
+    written into `out` (float32, at least that many values) when given (see q4_unpack)."""
+    words = from_tiles(packed.words, start, stop)  # [blocks, 8, n]
+    n = stop - start
+    size = packed.in_features * n
+    codes = (torch.empty(size) if out is None else out[:size]).view(*words.shape[:2], _BYTES, n)
+    for s in range(_BYTES):
+        codes[:, :, s] = (words << (24 - 8 * s)) >> 24
+    codes.mul_(from_tiles(packed.scale, start, stop)[:, None, None])
+    return codes.view(packed.in_features, n)
 
 
 def _matvec(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,9 @@ def test_unpack_is_bit_exact_for_every_byte() -> None:
     assert torch.equal(packed.unpack(0, 35).T, weight)
     assert torch.equal(packed.unpack(30, 35).T, weight[30:35])
     assert torch.equal(packed.unpack(9, 20).T, weight[9:20])
+    buffer = torch.full((96 * 35 + 5,), float("nan"))
+    assert torch.equal(packed.unpack(9, 20, out=buffer).T, weight[9:20])
+    assert packed.unpack(0, 35, out=buffer).data_ptr() == buffer.data_ptr()
 
 
 def test_packing_in_row_steps_matches_the_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
