@@ -162,6 +162,9 @@ def _run_worker(args: argparse.Namespace) -> dict:
 def _bubo(args: argparse.Namespace) -> tuple[float, float]:
     import torch
 
+    from bubo.process_memory import configure_cpu_process
+
+    configure_cpu_process()  # as `bubo serve` / `bubo generate` do on the CPU, before the model code loads
     from bubo.engine.generate import GenerationResult, generate
     from bubo.engine.loaded_model import load_model
     from bubo.engine.sampler import SamplingParams

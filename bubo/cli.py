@@ -15,6 +15,7 @@ from bubo import __version__
 from bubo.default_model import DefaultModelMissingError, default_model_path
 from bubo.gguf.config import MlpKind, ModelConfig, UnsupportedArchitectureError, config_from_gguf
 from bubo.gguf.reader import GGUFError, GGUFFile
+from bubo.process_memory import configure_cpu_process
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -215,7 +216,14 @@ def _resolve_model(args: argparse.Namespace) -> Path:
     return path
 
 
+def _prepare_process(args: argparse.Namespace) -> None:
+    """Process settings that must precede importing the model code (see bubo.process_memory)."""
+    if args.device.split(":")[0] == "cpu":
+        configure_cpu_process()
+
+
 def _generate(args: argparse.Namespace) -> int:
+    _prepare_process(args)
     from bubo.engine.generate import GenerationResult, TextDelta, generate
     from bubo.engine.loaded_model import load_model
     from bubo.engine.sampler import SamplingParams
@@ -280,6 +288,8 @@ def _print_stats(result: Any, load_seconds: float) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     import logging
+
+    _prepare_process(args)
 
     from bubo.engine.prompt_cache import SnapshotPolicy
     from bubo.engine.sampler import SamplingParams

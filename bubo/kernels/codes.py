@@ -17,11 +17,21 @@ field can't be masked in place (it would set the sign bit) and is shifted down i
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
-__all__ = ["TILE", "concat_tiled", "from_tiles", "pairwise_sum", "placed_codes", "slice_tiled", "to_tiles"]
+__all__ = [
+    "TILE",
+    "concat_tiled",
+    "from_tiles",
+    "pairwise_sum",
+    "placed_codes",
+    "slice_tiled",
+    "tiled_by_rows",
+    "to_tiles",
+]
 
 
 def _float_lanes() -> int:
@@ -44,6 +54,28 @@ def to_tiles(t: torch.Tensor) -> torch.Tensor:
         t = torch.cat((t, t.new_zeros(pad, *t.shape[1:])))
     tiled = t.view(-1, TILE, *t.shape[1:])
     return tiled.permute(0, *range(2, tiled.dim()), 1).contiguous()
+
+
+# Rows packed per step by `tiled_by_rows` (a multiple of any TILE): bounds the temporaries of packing a
+# large matrix (an output head) to a few MB instead of several copies of the whole weight.
+PACK_ROWS = 4096
+
+
+def tiled_by_rows(
+    rows: int, make: Callable[[int, int], tuple[torch.Tensor, ...]]
+) -> tuple[torch.Tensor, ...]:
+    """`to_tiles` of each tensor `make(0, rows)` would return, built PACK_ROWS rows at a time: `make(start,
+    stop)` gives rows start:stop of each, and only those are ever held besides the result."""
+    results: list[torch.Tensor] = []
+    for start in range(0, rows, PACK_ROWS):
+        stop = min(start + PACK_ROWS, rows)
+        parts = make(start, stop)
+        if not results:
+            tiles = -(-rows // TILE)
+            results = [p.new_empty(tiles, *p.shape[1:], TILE) for p in parts]
+        for result, part in zip(results, parts, strict=True):
+            result[start // TILE : -(-stop // TILE)] = to_tiles(part)
+    return tuple(results)
 
 
 def from_tiles(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:

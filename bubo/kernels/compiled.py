@@ -12,7 +12,10 @@ import logging
 from collections.abc import Callable
 
 import torch
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 __all__ = ["StaticKernel"]
 
@@ -51,8 +54,14 @@ class StaticKernel:
             return self.fn
         try:
             with torch.inference_mode(False), torch.no_grad():
-                graph = make_fx(self.fn, tracing_mode="fake")(*args)
-                with torch._inductor.config.patch(self._options):
+                # Traced under a fake mode with a (static) shape env, compiled inside a tracing context that
+                # holds it: without one inductor bypasses its on-disk FX graph cache ("No shape env") and
+                # lowers every shape again at each load, seconds and ~30 MB of RSS more than a cache hit.
+                mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+                fake = [mode.from_tensor(a, static_shapes=True) for a in args]
+                with mode:
+                    graph = make_fx(self.fn, tracing_mode="real")(*fake)
+                with torch._inductor.config.patch(self._options), tracing(TracingContext(mode)):
                     return torch._inductor.compile(graph, list(args))
         except Exception as error:  # a missing compiler or an inductor limitation: run uncompiled
             log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)

@@ -20,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
-from bubo.kernels.codes import from_tiles, pairwise_sum, placed_codes, to_tiles
+from bubo.kernels.codes import from_tiles, pairwise_sum, placed_codes, tiled_by_rows
 from bubo.kernels.compiled import StaticKernel
 
 __all__ = ["PACKABLE_Q4", "PackedQ4", "pack_q4", "q4_matvec", "q4_matvec_reference", "q4_unpack"]
@@ -44,8 +44,8 @@ class PackedQ4:
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         return q4_matvec(x, self)
 
-    def unpack(self, start: int, stop: int) -> torch.Tensor:
-        return q4_unpack(self, start, stop)
+    def unpack(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return q4_unpack(self, start, stop, out)
 
 
 def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
@@ -55,26 +55,37 @@ def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
     header = 2 if ggml_type == GGMLQuantizationType.Q4_0 else 4
     out_features = raw.shape[0]
     blocks = raw.reshape(out_features, -1, header + 16)
-    n_blocks = blocks.shape[1]
-    halves = blocks[..., header:]
-    # A block's byte j holds weight j (low nibble) and weight j + 16 (high nibble).
-    codes = torch.cat((halves & 0x0F, halves >> 4), dim=-1).to(torch.int32).view(out_features, n_blocks, 4, 8)
-    words = torch.zeros(out_features, n_blocks, _WORDS, dtype=torch.int32)
-    for s in range(_NIBBLES):
-        words |= codes[..., s] << (4 * s)
-    fields = blocks[..., :header].contiguous().view(torch.float16).to(torch.float32)
-    scale = fields[..., 0]
-    offset = -8 * scale if ggml_type == GGMLQuantizationType.Q4_0 else fields[..., 1]
-    return PackedQ4(to_tiles(words), to_tiles(scale), to_tiles(offset), out_features)
+
+    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        part = blocks[start:stop]
+        halves = part[..., header:]
+        # A block's byte j holds weight j (low nibble) and weight j + 16 (high nibble).
+        codes = torch.cat((halves & 0x0F, halves >> 4), dim=-1).to(torch.int32).view(*part.shape[:2], 4, 8)
+        words = torch.zeros(codes.shape[:3], dtype=torch.int32)
+        for s in range(_NIBBLES):
+            words |= codes[..., s] << (4 * s)
+        fields = part[..., :header].contiguous().view(torch.float16).to(torch.float32)
+        scale = fields[..., 0]
+        offset = -8 * scale if ggml_type == GGMLQuantizationType.Q4_0 else fields[..., 1]
+        return words, scale, offset
+
+    words, scale, offset = tiled_by_rows(out_features, rows)
+    return PackedQ4(words, scale, offset, out_features)
 
 
-def q4_unpack(packed: PackedQ4, start: int, stop: int) -> torch.Tensor:
-    """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls)."""
+def q4_unpack(packed: PackedQ4, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls),
+    written into `out` (float32, at least that many values) when given: a prefill reuses one buffer for
+    every chunk rather than allocating (and page-faulting) a fresh one each time."""
     words = from_tiles(packed.words, start, stop)  # [blocks, 4, n]
-    codes = torch.stack([(words >> (4 * s)) & 0x0F for s in range(_NIBBLES)], dim=2).to(torch.float32)
-    scale = from_tiles(packed.scale, start, stop)[:, None, None]
-    offset = from_tiles(packed.offset, start, stop)[:, None, None]
-    return (codes * scale + offset).view(packed.in_features, stop - start)
+    n = stop - start
+    size = packed.in_features * n
+    codes = (torch.empty(size) if out is None else out[:size]).view(*words.shape[:2], _NIBBLES, n)
+    for s in range(_NIBBLES):
+        codes[:, :, s] = (words >> (4 * s)) & 0x0F
+    codes.mul_(from_tiles(packed.scale, start, stop)[:, None, None])
+    codes.add_(from_tiles(packed.offset, start, stop)[:, None, None])
+    return codes.view(packed.in_features, n)
 
 
 def _matvec(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
-from bubo.kernels.codes import from_tiles, pairwise_sum, to_tiles
+from bubo.kernels.codes import from_tiles, pairwise_sum, tiled_by_rows
 from bubo.kernels.compiled import StaticKernel
 
 __all__ = ["PackedQ8", "pack_q8", "q8_matvec", "q8_matvec_reference", "q8_unpack"]
@@ -34,18 +34,23 @@ class PackedQ8:
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         return q8_matvec(x, self)
 
-    def unpack(self, start: int, stop: int) -> torch.Tensor:
-        return q8_unpack(self, start, stop)
+    def unpack(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return q8_unpack(self, start, stop, out)
 
 
 def pack_q8(raw: torch.Tensor) -> PackedQ8:
     """Q8_0 blocks uint8 [out, row_bytes] -> the word layout above."""
     out_features = raw.shape[0]
     blocks = raw.reshape(out_features, -1, 34)
-    n_blocks = blocks.shape[1]
-    words = blocks[..., 2:].contiguous().view(torch.int32)  # [out, blocks, 8]
-    scale = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32).view(out_features, n_blocks)
-    return PackedQ8(to_tiles(words), to_tiles(scale), out_features)
+
+    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        part = blocks[start:stop]
+        words = part[..., 2:].contiguous().view(torch.int32)  # [rows, blocks, 8]
+        scale = part[..., :2].contiguous().view(torch.float16).to(torch.float32).view(stop - start, -1)
+        return words, scale
+
+    words, scale = tiled_by_rows(out_features, rows)
+    return PackedQ8(words, scale, out_features)
 
 
 def _codes(words: torch.Tensor) -> list[torch.Tensor]:
@@ -54,12 +59,17 @@ def _codes(words: torch.Tensor) -> list[torch.Tensor]:
     return [((words << (24 - 8 * s)) >> 24).to(torch.float32) for s in range(_BYTES)]
 
 
-def q8_unpack(packed: PackedQ8, start: int, stop: int) -> torch.Tensor:
-    """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls)."""
-    codes = torch.stack(_codes(from_tiles(packed.words, start, stop)), dim=2)  # [blocks, 8, 4, n]
-    return (codes * from_tiles(packed.scale, start, stop)[:, None, None]).view(
-        packed.in_features, stop - start
-    )
+def q8_unpack(packed: PackedQ8, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls),
+    written into `out` (float32, at least that many values) when given (see q4_unpack)."""
+    words = from_tiles(packed.words, start, stop)  # [blocks, 8, n]
+    n = stop - start
+    size = packed.in_features * n
+    codes = (torch.empty(size) if out is None else out[:size]).view(*words.shape[:2], _BYTES, n)
+    for s in range(_BYTES):
+        codes[:, :, s] = (words << (24 - 8 * s)) >> 24
+    codes.mul_(from_tiles(packed.scale, start, stop)[:, None, None])
+    return codes.view(packed.in_features, n)
 
 
 def _matvec(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

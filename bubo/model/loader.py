@@ -22,6 +22,7 @@ from bubo.gguf.reader import GGUFError, GGUFFile, GGUFTensor
 from bubo.model.decoder import Decoder
 from bubo.model.moe import ExpertMatrices, Experts, QuantizedExpertMatrices
 from bubo.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from bubo.process_memory import trim_heap
 
 __all__ = ["GGUFWeights", "load_decoder"]
 
@@ -198,4 +199,6 @@ def load_decoder(
     if unused:
         shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
         raise GGUFError(f"{f.path}: tensors not used by the {config.architecture} model: {shown}")
+    if torch.device(device).type == "cpu":
+        trim_heap()  # what packing and compiling the kernels freed
     return model.eval()

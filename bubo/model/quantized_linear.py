@@ -126,15 +126,23 @@ class QuantizedLinear(nn.Module):
                 out = torch.stack([self.packed.matvec(row) for row in flat])
             out = out.view(*x.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias
-        out = x.new_empty(flat.shape[0], self.out_features)
         # Whole tiles of the packed layout per chunk: an unaligned chunk would unpack its edge tiles twice.
         columns = max(TILE, CHUNK_VALUES // self.in_features // TILE * TILE)
+        if columns >= self.out_features:  # the whole weight in one chunk: no output copy
+            return self._unpacked_product(flat, 0, self.out_features).view(*x.shape[:-1], self.out_features)
+        out = x.new_empty(flat.shape[0], self.out_features)
         for start in range(0, self.out_features, columns):
             stop = min(start + columns, self.out_features)
-            bias = None if self.bias is None else self.bias[start:stop]
-            weight_t = self.packed.unpack(start, stop).to(x.dtype)
-            out[:, start:stop] = flat @ weight_t if bias is None else torch.addmm(bias, flat, weight_t)
+            out[:, start:stop] = self._unpacked_product(flat, start, stop)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _unpacked_product(self, flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """flat [rows, in] times weight rows start:stop (+ their bias), unpacked into the scratch buffer."""
+        buffer = scratch_buffer(self.in_features * (stop - start), torch.float32, flat.device)
+        weight_t = self.packed.unpack(start, stop, out=buffer).to(flat.dtype)
+        if self.bias is None:
+            return flat @ weight_t
+        return torch.addmm(self.bias[start:stop], flat, weight_t)
 
     def _dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows start:stop of the weight, in the thread's scratch buffer (valid until the next call)."""

@@ -28,3 +28,15 @@ def test_falls_back_to_the_plain_function(monkeypatch, caplog) -> None:
     x, w = torch.ones(4), torch.ones(4, 3)
     assert torch.equal(kernel(x, w), torch.full((3,), 4.0))
     assert "no C++ compiler" in caplog.text
+
+
+def test_a_shape_compiled_before_comes_from_inductors_graph_cache() -> None:
+    # A second kernel for the same function and shape (as at the next load of a model) must find the first
+    # one's graph in inductor's FX graph cache instead of lowering it again.
+    from torch._dynamo.utils import counters
+
+    x, w = torch.ones(5), torch.ones(5, 7)
+    StaticKernel(_scaled_sum)(x, w)
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    assert torch.equal(StaticKernel(_scaled_sum)(x, w), torch.full((7,), 5.0))
+    assert counters["inductor"]["fxgraph_cache_hit"] == hits + 1

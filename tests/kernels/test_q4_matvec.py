@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from bubo.kernels import codes
 from bubo.kernels.q4_matvec import pack_q4, q4_matvec, q4_matvec_reference
 
 Q = gguf.GGMLQuantizationType
@@ -43,6 +44,9 @@ def test_unpack_is_bit_exact(qtype: Q) -> None:
     assert torch.equal(packed.unpack(0, 26).T, torch.from_numpy(weight))
     assert torch.equal(packed.unpack(5, 11).T, torch.from_numpy(weight[5:11]))
     assert torch.equal(packed.unpack(17, 26).T, torch.from_numpy(weight[17:26]))
+    buffer = torch.full((96 * 26 + 5,), float("nan"))
+    assert torch.equal(packed.unpack(5, 11, out=buffer).T, torch.from_numpy(weight[5:11]))
+    assert packed.unpack(0, 26, out=buffer).data_ptr() == buffer.data_ptr()
 
 
 def test_every_code_and_scale_sign_round_trips() -> None:
@@ -58,3 +62,17 @@ def test_every_code_and_scale_sign_round_trips() -> None:
 def test_rejects_other_types() -> None:
     with pytest.raises(ValueError, match="Q4_0 or Q4_1"):
         pack_q4(torch.zeros(2, 34, dtype=torch.uint8), Q.Q8_0)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_packing_in_row_steps_matches_the_blocks(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Steps of two tiles over 5 tiles + 3 rows: several steps, the last one short and padded.
+    monkeypatch.setattr(codes, "PACK_ROWS", 2 * codes.TILE)
+    rows = 5 * codes.TILE + 3
+    raw = _blocks(qtype, rows, 64, seed=11)
+    packed = pack_q4(torch.from_numpy(raw), qtype)
+    assert torch.equal(packed.unpack(0, rows).T, torch.from_numpy(gguf.quants.dequantize(raw, qtype)))
+    x = torch.randn(64, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        got = q4_matvec(x, packed)
+    torch.testing.assert_close(got.double(), _numpy_weight(raw, qtype) @ x.double(), rtol=1e-5, atol=2e-5)

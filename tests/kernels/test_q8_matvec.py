@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from bubo.kernels import codes
 from bubo.kernels.q8_matvec import pack_q8, q8_matvec, q8_matvec_reference
 
 Q = gguf.GGMLQuantizationType
@@ -36,3 +37,21 @@ def test_unpack_is_bit_exact_for_every_byte() -> None:
     assert torch.equal(packed.unpack(0, 35).T, weight)
     assert torch.equal(packed.unpack(30, 35).T, weight[30:35])
     assert torch.equal(packed.unpack(9, 20).T, weight[9:20])
+    buffer = torch.full((96 * 35 + 5,), float("nan"))
+    assert torch.equal(packed.unpack(9, 20, out=buffer).T, weight[9:20])
+    assert packed.unpack(0, 35, out=buffer).data_ptr() == buffer.data_ptr()
+
+
+def test_packing_in_row_steps_matches_the_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Steps of two tiles over 5 tiles + 3 rows: several steps, the last one short and padded.
+    monkeypatch.setattr(codes, "PACK_ROWS", 2 * codes.TILE)
+    rows = 5 * codes.TILE + 3
+    raw = gguf.quants.quantize(np.random.default_rng(5).standard_normal((rows, 64), dtype=np.float32), Q.Q8_0)
+    packed = pack_q8(torch.from_numpy(raw))
+    weight = gguf.quants.dequantize(raw, Q.Q8_0)
+    assert torch.equal(packed.unpack(0, rows).T, torch.from_numpy(weight))
+    x = torch.randn(64, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        got = q8_matvec(x, packed)
+    expected = torch.from_numpy(weight.astype(np.float64)) @ x.double()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)

@@ -34,10 +34,14 @@ def test_chunked_forward_matches_reference(monkeypatch, qtype: Q, chunk_values: 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 @pytest.mark.parametrize("rows", [1, 6, 11])  # up to MATVEC_ROWS: compiled matvecs; more: unpacked chunks
-def test_repacked_forward_matches_float64_reference(monkeypatch, qtype: Q, rows: int) -> None:
+# 24 columns a chunk, rounded down to whole tiles (16 or 24 of the 40 columns): a ragged last one; 64: one
+# chunk holds the whole weight
+@pytest.mark.parametrize("chunk_columns", [24, 64])
+def test_repacked_forward_matches_float64_reference(
+    monkeypatch, qtype: Q, rows: int, chunk_columns: int
+) -> None:
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
-    # 24 columns a chunk, rounded down to whole tiles (16 or 24 of the 40 columns): a ragged last one
-    monkeypatch.setattr(quantized_linear, "CHUNK_VALUES", 128 * 24)
+    monkeypatch.setattr(quantized_linear, "CHUNK_VALUES", 128 * chunk_columns)
     rng = np.random.default_rng(1)
     out_features, in_features = 40, 128
     raw = gguf.quants.quantize(rng.standard_normal((out_features, in_features), dtype=np.float32), qtype)
