@@ -9,6 +9,7 @@ the plain function is used and the reason is logged once.
 """
 
 import logging
+import threading
 from collections.abc import Callable
 
 import torch
@@ -17,6 +18,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 __all__ = ["StaticKernel"]
 
 log = logging.getLogger(__name__)
+
+# Set while a StaticKernel traces its function: a kernel called from inside another kernel's function
+# (a matvec inside a whole decode step, bubo/engine/compiled_decode.py) then traces as plain torch code
+# into the caller's graph, so inductor fuses it with what surrounds it.
+_tracing = threading.local()
 
 _FUSED = {
     "realize_opcount_threshold": 100_000,
@@ -40,6 +46,8 @@ class StaticKernel:
         self._broken = False
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        if getattr(_tracing, "active", False):
+            return self.fn(*args)
         key = tuple((a.shape, a.dtype) for a in args)
         kernel = self._compiled.get(key)
         if kernel is None:
@@ -51,7 +59,11 @@ class StaticKernel:
             return self.fn
         try:
             with torch.inference_mode(False), torch.no_grad():
-                graph = make_fx(self.fn, tracing_mode="fake")(*args)
+                _tracing.active = True
+                try:
+                    graph = make_fx(self.fn, tracing_mode="fake")(*args)
+                finally:
+                    _tracing.active = False
                 with torch._inductor.config.patch(self._options):
                     return torch._inductor.compile(graph, list(args))
         except Exception as error:  # a missing compiler or an inductor limitation: run uncompiled
