@@ -86,8 +86,8 @@ def test_blocks_that_are_not_one_run(tmp_path: Path) -> None:
     """A cache whose blocks are scattered over a shared pool reads its keys by gathering them."""
     model = _model("llama-tied", tmp_path / "llama.gguf")
     pool = model.new_block_pool(64, block_size=2)
-    held = [pool.take() for _ in range(8)]
-    pool.release(held[1::2])  # the cache can only get every other one of the first blocks
+    held = [pool.take() for _ in range(pool.num_blocks)]
+    pool.release(held[1::2])  # the cache can only get every other block
     cache = model.new_cache(max_len=32, pool=pool)
     assert cache.reserve(8)
     assert any(b + 1 != c for b, c in zip(cache.tables[0], cache.tables[0][1:], strict=False))
