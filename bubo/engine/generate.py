@@ -12,6 +12,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from bubo.engine.compiled_decode import decode_step_for
 from bubo.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from bubo.engine.kv_cache import KVCache
 from bubo.engine.sampler import Sampler, SamplingParams
@@ -311,11 +312,13 @@ def generate(
 def _plain_tokens(
     model: Model, cache: Cache, chooser: TokenChooser, logits: torch.Tensor
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """One token per forward pass, each with the logits row it was chosen from."""
+    """One token per forward pass, each with the logits row it was chosen from; the pass is the compiled
+    decode step where it covers the model and cache (bubo/engine/compiled_decode.py)."""
+    step = decode_step_for(model, cache)
     while True:
         token, on_device = chooser.pick_on_device(logits)
         yield token, logits
-        logits = model(on_device.view(1, 1), cache)[0, -1]
+        logits = model(on_device.view(1, 1), cache)[0, -1] if step is None else step(on_device, cache)
 
 
 def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

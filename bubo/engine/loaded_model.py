@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from bubo.engine.compiled_decode import prepare_decode_step
 from bubo.gguf.config import ModelConfig, config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
@@ -36,6 +37,7 @@ def load_model(
         config = config_from_gguf(file)
         tokenizer = Tokenizer.from_gguf(file.metadata)
         model = load_decoder(file, config, dtype=dtype, device=device, progress=progress)
+        prepare_decode_step(model)
     except BaseException:
         file.close()
         raise

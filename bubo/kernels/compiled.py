@@ -9,6 +9,7 @@ the plain function is used and the reason is logged once.
 """
 
 import logging
+import threading
 from collections.abc import Callable
 
 import torch
@@ -20,6 +21,11 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 __all__ = ["StaticKernel"]
 
 log = logging.getLogger(__name__)
+
+# Set while a StaticKernel traces its function: a kernel called from inside another kernel's function
+# (a matvec inside a whole decode step, bubo/engine/compiled_decode.py) then traces as plain torch code
+# into the caller's graph, so inductor fuses it with what surrounds it.
+_tracing = threading.local()
 
 _FUSED = {
     "realize_opcount_threshold": 100_000,
@@ -43,6 +49,8 @@ class StaticKernel:
         self._broken = False
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        if getattr(_tracing, "active", False):
+            return self.fn(*args)
         key = tuple((a.shape, a.dtype) for a in args)
         kernel = self._compiled.get(key)
         if kernel is None:
@@ -59,8 +67,12 @@ class StaticKernel:
                 # lowers every shape again at each load, seconds and ~30 MB of RSS more than a cache hit.
                 mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
                 fake = [mode.from_tensor(a, static_shapes=True) for a in args]
-                with mode:
-                    graph = make_fx(self.fn, tracing_mode="real")(*fake)
+                _tracing.active = True
+                try:
+                    with mode:
+                        graph = make_fx(self.fn, tracing_mode="real")(*fake)
+                finally:
+                    _tracing.active = False
                 with torch._inductor.config.patch(self._options), tracing(TracingContext(mode)):
                     return torch._inductor.compile(graph, list(args))
         except Exception as error:  # a missing compiler or an inductor limitation: run uncompiled

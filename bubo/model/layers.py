@@ -11,7 +11,22 @@ from torch import nn
 from bubo.gguf.config import ModelConfig, RopeScalingType, RopeStyle
 from bubo.model.quantized_linear import project_rows
 
-__all__ = ["MLP", "RMSNorm", "RotaryEmbedding", "apply_rotary", "mrope_axes", "rope_frequencies"]
+__all__ = [
+    "MLP",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "mrope_axes",
+    "rms_norm",
+    "rope_frequencies",
+]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dimension, normalised in float32 whatever the compute dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -23,9 +38,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -1,0 +1,362 @@
+"""A decode step (one token, one sequence) compiled by inductor on the CPU, in place of the eager model's.
+
+The eager decoder runs some 25 small ops a layer between its compiled matvecs (norms, rotary, residual
+adds, the SwiGLU product): each an op dispatch and an OpenMP parallel region, about a third of a
+token's time on the default model. Here everything of a layer that sits between one attention and the
+next is one compiled graph: the output projection, residual, MLP, the next layer's norm, q/k/v
+projection, q/k norms and rotary. The quantized matvecs trace into that graph as plain torch code
+(bubo/kernels/compiled.py inlines a kernel called while another traces) and inductor fuses the glue
+into their loops. Attention itself stays eager between the segments: the cache grows by a position
+every step, so its length is the one shape that changes; KVCache.update and SDPA are the eager model's
+own, at 3 ops a layer.
+
+The weights are inputs of the compiled graphs, not constants, so every layer with the same shapes runs
+the same compiled segment: three compiles (entering the first layer, between layers, the head) for a
+model whose layers are alike. The eager model (bubo/model/decoder.py) stays the reference; the
+segments compute its float32 math op for op, and tests/engine/test_compiled_decode.py holds them to it.
+
+Covered: dense transformer layers (llama, qwen2, qwen3: biases, q/k norms) in float32 whose projections
+are repacked Q4/Q8 blocks (`QuantizedLinear.packed`) or float weights. Anything else (a hybrid's DeltaNet
+or gated attention, a mixture of experts, qwen4exp, another compute dtype, a weight format the matvecs
+don't read) keeps the eager step: `decode_step_for` says None and logs why once.
+"""
+
+import logging
+import os
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._inductor.inductor_prims import force_stride_order
+
+from bubo.engine.kv_cache import KVCache
+from bubo.gguf.config import RopeStyle
+from bubo.kernels.compiled import StaticKernel
+from bubo.kernels.q4_matvec import PackedQ4, q4_matvec
+from bubo.kernels.q8_matvec import PackedQ8, q8_matvec
+from bubo.model.attention import Attention
+from bubo.model.decoder import Decoder, DecoderLayer
+from bubo.model.layers import MLP, RMSNorm, apply_rotary, rms_norm
+from bubo.model.quantized_linear import MIN_PACKED_WEIGHTS, QuantizedLinear
+
+__all__ = ["CompiledDecodeStep", "compile_decode_enabled", "decode_step_for", "prepare_decode_step"]
+
+log = logging.getLogger(__name__)
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+def compile_decode_enabled() -> bool:
+    """Whether CPU decode steps run compiled: on unless BUBO_COMPILE_DECODE is 0."""
+    return os.environ.get("BUBO_COMPILE_DECODE", "1") != "0"
+
+
+class UnsupportedModelError(ValueError):
+    """The model has a part the compiled step doesn't cover; it decodes eagerly."""
+
+
+@dataclass(frozen=True)
+class _Projection:
+    """How the step runs one or more projections of the same input as one product: the weight's
+    format, the widths of the members (split from one output), and whether a bias is added. The
+    tensors are passed in at each call: [words, scale(, offset)] packed, or [weight] float (+ bias)."""
+
+    kind: str  # "q4", "q8" or "dense"
+    sizes: tuple[int, ...]
+    has_bias: bool
+
+    def __call__(self, x: torch.Tensor, tensors: Tensors) -> list[torch.Tensor]:
+        out_features = sum(self.sizes)
+        # Store the input once: left as an expression, inductor would inline it (a norm, SiLU's exp)
+        # into the matvec's loop, to be recomputed for every tile of output rows.
+        x = force_stride_order(x, x.stride())
+        if self.kind == "q4":
+            y = q4_matvec(x, PackedQ4(*tensors[:3], out_features))
+        elif self.kind == "q8":
+            y = q8_matvec(x, PackedQ8(*tensors[:2], out_features))
+        else:
+            y = F.linear(x, tensors[0])
+        if self.has_bias:
+            y = y + tensors[-1]
+        return list(y.split(self.sizes)) if len(self.sizes) > 1 else [y]
+
+
+def _projections(*linears: nn.Module) -> list[tuple[_Projection, Tensors]]:
+    """The products that compute `linears` (one input), each with its tensors: one when they are a
+    packed row group (or float weights, stacked here), else one per member."""
+    group = getattr(linears[0], "group", None)
+    if group is not None and group.members == tuple(id(m) for m in linears):
+        return [_packed(group.packed, [m.bias for m in linears], group.sizes)]
+    if all(isinstance(m, nn.Linear) for m in linears):
+        weight = torch.cat([m.weight for m in linears])
+        biases = [m.bias for m in linears]
+        sizes = tuple(m.out_features for m in linears)
+        return [_with_bias("dense", (weight,), biases, sizes)]
+    out = []
+    for m in linears:
+        if isinstance(m, QuantizedLinear) and m.packed is not None:
+            out.append(_packed(m.packed, [m.bias], (m.out_features,)))
+        elif isinstance(m, QuantizedLinear) and m.out_features * m.in_features <= MIN_PACKED_WEIGHTS:
+            # Too small to pack (test models): its float weight is as small as its blocks.
+            weight = m._dequantize_rows(0, m.out_features, torch.float32).clone()
+            out.append(_with_bias("dense", (weight,), [m.bias], (m.out_features,)))
+        elif isinstance(m, nn.Linear):
+            out.append(_with_bias("dense", (m.weight,), [m.bias], (m.out_features,)))
+        else:
+            raise UnsupportedModelError(f"a projection the compiled step can't run: {m}")
+    return out
+
+
+def _packed(packed: PackedQ4 | PackedQ8, biases: list, sizes: tuple[int, ...]) -> tuple[_Projection, Tensors]:
+    if isinstance(packed, PackedQ4):
+        return _with_bias("q4", (packed.words, packed.scale, packed.offset), biases, sizes)
+    return _with_bias("q8", (packed.words, packed.scale), biases, sizes)
+
+
+def _with_bias(
+    kind: str, tensors: Tensors, biases: list, sizes: tuple[int, ...]
+) -> tuple[_Projection, Tensors]:
+    if all(b is None for b in biases):
+        return _Projection(kind, sizes, False), tensors
+    if any(b is None for b in biases):
+        raise UnsupportedModelError("projections of one input with and without biases")
+    return _Projection(kind, sizes, True), (*tensors, torch.cat(list(biases)))
+
+
+def _project(
+    x: torch.Tensor, products: Sequence[_Projection], tensors: Sequence[Tensors]
+) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for product, ts in zip(products, tensors, strict=True):
+        out += product(x, ts)
+    return out
+
+
+@dataclass(frozen=True)
+class _LayerPlan:
+    """What is fixed about a layer's compiled math (its tensors come separately, `_LayerTensors`)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    rope_style: RopeStyle
+    qk_norm: bool
+    qkv: tuple[_Projection, ...]
+    o: tuple[_Projection, ...]
+    gate_up: tuple[_Projection, ...]
+    down: tuple[_Projection, ...]
+
+
+@dataclass(frozen=True)
+class _LayerTensors:
+    attn_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qkv: tuple[Tensors, ...]
+    o: tuple[Tensors, ...]
+    ffn_norm: torch.Tensor
+    gate_up: tuple[Tensors, ...]
+    down: tuple[Tensors, ...]
+
+    def flat(self) -> list[torch.Tensor]:
+        """Every tensor in a fixed order (`_unflatten` reads it back)."""
+        norms = [self.attn_norm, self.ffn_norm]
+        if self.q_norm is not None and self.k_norm is not None:
+            norms += [self.q_norm, self.k_norm]
+        return norms + [
+            t for group in (self.qkv, self.o, self.gate_up, self.down) for ts in group for t in ts
+        ]
+
+
+def _unflatten(plan: _LayerPlan, flat: Sequence[torch.Tensor]) -> _LayerTensors:
+    flat = list(flat)
+    attn_norm, ffn_norm = flat.pop(0), flat.pop(0)
+    q_norm = k_norm = None
+    if plan.qk_norm:
+        q_norm, k_norm = flat.pop(0), flat.pop(0)
+
+    def take(products: tuple[_Projection, ...]) -> tuple[Tensors, ...]:
+        out = []
+        for product in products:
+            count = (3 if product.kind == "q4" else 2 if product.kind == "q8" else 1) + product.has_bias
+            out.append(tuple(flat[:count]))
+            del flat[:count]
+        return tuple(out)
+
+    qkv, o, gate_up, down = take(plan.qkv), take(plan.o), take(plan.gate_up), take(plan.down)
+    return _LayerTensors(attn_norm, q_norm, k_norm, qkv, o, ffn_norm, gate_up, down)
+
+
+def _plan_layer(layer: nn.Module) -> tuple[_LayerPlan, _LayerTensors]:
+    if not isinstance(layer, DecoderLayer) or type(layer.attention) is not Attention:
+        raise UnsupportedModelError(f"a {type(layer).__name__} with a {type(layer.attention).__name__}")
+    attention, mlp = layer.attention, layer.mlp
+    if attention.output_gate or not isinstance(mlp, MLP):
+        raise UnsupportedModelError("gated attention or a mixture of experts")
+    norms = (layer.attn_norm, layer.ffn_norm, attention.q_norm, attention.k_norm)
+    if not all(n is None or type(n) is RMSNorm for n in norms):
+        raise UnsupportedModelError("a norm other than RMSNorm")
+    if len({n.eps for n in norms if n is not None}) != 1:
+        raise UnsupportedModelError("norms with different eps")
+    qkv = _projections(attention.q_proj, attention.k_proj, attention.v_proj)
+    o = _projections(attention.o_proj)
+    gate_up = _projections(mlp.gate, mlp.up)
+    down = _projections(mlp.down)
+    plan = _LayerPlan(
+        num_heads=attention.num_heads,
+        num_kv_heads=attention.num_kv_heads,
+        head_dim=attention.head_dim,
+        eps=layer.attn_norm.eps,
+        rope_style=attention.rope_style,
+        qk_norm=attention.q_norm is not None,
+        qkv=tuple(p for p, _ in qkv),
+        o=tuple(p for p, _ in o),
+        gate_up=tuple(p for p, _ in gate_up),
+        down=tuple(p for p, _ in down),
+    )
+    tensors = _LayerTensors(
+        attn_norm=layer.attn_norm.weight,
+        q_norm=None if attention.q_norm is None else attention.q_norm.weight,
+        k_norm=None if attention.k_norm is None else attention.k_norm.weight,
+        qkv=tuple(t for _, t in qkv),
+        o=tuple(t for _, t in o),
+        ffn_norm=layer.ffn_norm.weight,
+        gate_up=tuple(t for _, t in gate_up),
+        down=tuple(t for _, t in down),
+    )
+    return plan, tensors
+
+
+def _enter(
+    plan: _LayerPlan, w: _LayerTensors, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> Tensors:
+    """Attention.project on the layer's normed input x [hidden]: rotated q [1, heads, 1, D], k and v
+    [1, kv_heads, 1, D]."""
+    q, k, v = _project(rms_norm(x, w.attn_norm, plan.eps), plan.qkv, w.qkv)
+    q = q.view(1, 1, plan.num_heads, plan.head_dim)
+    k = k.view(1, 1, plan.num_kv_heads, plan.head_dim)
+    v = v.view(1, 1, plan.num_kv_heads, plan.head_dim)
+    if w.q_norm is not None and w.k_norm is not None:
+        q, k = rms_norm(q, w.q_norm, plan.eps), rms_norm(k, w.k_norm, plan.eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return apply_rotary(q, cos, sin, plan.rope_style), apply_rotary(k, cos, sin, plan.rope_style), v
+
+
+def _leave(plan: _LayerPlan, w: _LayerTensors, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The rest of DecoderLayer after attention: o_proj of the heads' outputs [1, heads, 1, D], the
+    residual, the MLP and its residual -> x [hidden]."""
+    (o,) = _project(attended.transpose(1, 2).reshape(-1), plan.o, w.o)
+    x = x + o
+    gate, up = _project(rms_norm(x, w.ffn_norm, plan.eps), plan.gate_up, w.gate_up)
+    (down,) = _project(F.silu(gate) * up, plan.down, w.down)
+    return x + down
+
+
+class CompiledDecodeStep:
+    """`step(token, cache)` -> float32 logits [vocab] of the next position, as `model(token.view(1, 1),
+    cache)[0, -1]` computes them, for a single-sequence KVCache (the cache advances by one)."""
+
+    def __init__(self, model: Decoder) -> None:
+        if model.device.type != "cpu" or model.dtype != torch.float32:
+            raise UnsupportedModelError(f"compute on {model.device} in {model.dtype}; compiled: CPU float32")
+        if type(model.norm) is not RMSNorm:
+            raise UnsupportedModelError("a final norm other than RMSNorm")
+        self.model = model
+        planned = [_plan_layer(layer) for layer in model.layers]
+        plans = {plan for plan, _ in planned}
+        if len(plans) != 1:
+            raise UnsupportedModelError("layers of different shapes")
+        self.plan = plan = plans.pop()
+        self.layers = [tensors.flat() for _, tensors in planned]
+        self.layer_slots = [layer.attention.layer_index for layer in model.layers]
+        (self.head_plan, self.head_tensors) = _projections(model.output)[0]
+        self.final_norm = (model.norm.weight, model.norm.eps)
+        per_layer = len(self.layers[0])
+
+        def enter(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *layer: torch.Tensor) -> Tensors:
+            return _enter(plan, _unflatten(plan, layer), x, cos, sin)
+
+        def between(
+            x: torch.Tensor,
+            attended: torch.Tensor,
+            cos: torch.Tensor,
+            sin: torch.Tensor,
+            *layers: torch.Tensor,
+        ) -> Tensors:
+            x = _leave(plan, _unflatten(plan, layers[:per_layer]), x, attended)
+            return (x, *_enter(plan, _unflatten(plan, layers[per_layer:]), x, cos, sin))
+
+        head_plan, (norm_weight, eps) = self.head_plan, self.final_norm
+
+        def finish(x: torch.Tensor, attended: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+            x = _leave(plan, _unflatten(plan, tensors[:per_layer]), x, attended)
+            (logits,) = head_plan(rms_norm(x, tensors[per_layer], eps), tensors[per_layer + 1 :])
+            return logits.float()
+
+        # The graphs are compiled on their first call (or `warm_up`), once per distinct set of shapes.
+        self._enter: Callable[..., Tensors] = StaticKernel(enter, fused=True)  # type: ignore[arg-type]
+        self._between: Callable[..., Tensors] = StaticKernel(between, fused=True)  # type: ignore[arg-type]
+        self._finish = StaticKernel(finish, fused=True)
+        self._norm_weight = norm_weight
+
+    def __call__(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        model, start = self.model, cache.length
+        positions = torch.arange(start + cache.rope_delta, start + cache.rope_delta + 1)
+        cos, sin = model.rotary(positions, model.dtype)
+        x = model.embedding(token.view(1)).view(-1)
+        q, k, v = self._enter(x, cos, sin, *self.layers[0])
+        last = len(self.layers) - 1
+        for i, slot in enumerate(self.layer_slots):
+            keys, values = cache.update(slot, k, v)
+            attended = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+            if i < last:
+                x, q, k, v = self._between(x, attended, cos, sin, *self.layers[i], *self.layers[i + 1])
+            else:
+                logits = self._finish(x, attended, *self.layers[i], self._norm_weight, *self.head_tensors)
+        cache.advance(1)
+        return logits
+
+    def warm_up(self) -> None:
+        """Compile every graph now (seconds to a minute on a cold inductor cache) by running one step
+        on a scratch cache, rather than on the first decoded token."""
+        cache = self.model.new_cache(max_len=2)
+        with torch.inference_mode():
+            self(torch.zeros((), dtype=torch.long), cache)
+
+
+_steps: "weakref.WeakKeyDictionary[nn.Module, CompiledDecodeStep | None]" = weakref.WeakKeyDictionary()
+
+
+def decode_step_for(model: nn.Module, cache: object) -> CompiledDecodeStep | None:
+    """The compiled decode step for `model` when it covers this model and `cache` (one sequence's
+    KVCache, no snapshots wanted inside the step) and compiling is on; else None: decode eagerly."""
+    if not isinstance(cache, KVCache) or cache.batch != 1 or cache.snapshot_at:
+        return None
+    return prepare_decode_step(model)
+
+
+def prepare_decode_step(model: nn.Module) -> CompiledDecodeStep | None:
+    """Build (and compile, on first use) the compiled decode step of `model`, or None when it doesn't
+    cover the model or compiling is off. Called at load, so the compile isn't paid on a first token."""
+    if not compile_decode_enabled() or not isinstance(model, Decoder) or model.device.type != "cpu":
+        return None
+    if not any(isinstance(m, QuantizedLinear) and m.packed is not None for m in model.modules()):
+        # Only repacked weights make the eager step slow (small float models run it in microseconds):
+        # not worth a compile, which the many tiny test models would each pay.
+        return None
+    if model not in _steps:
+        started = time.perf_counter()
+        try:
+            step: CompiledDecodeStep | None = CompiledDecodeStep(model)
+            step.warm_up()
+            log.info("compiled decode step ready in %.1f s", time.perf_counter() - started)
+        except UnsupportedModelError as reason:
+            log.info("decoding %s eagerly: %s", model.config.architecture, reason)
+            step = None
+        _steps[model] = step
+    return _steps[model]

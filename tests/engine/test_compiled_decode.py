@@ -1,0 +1,131 @@
+"""The compiled CPU decode step (bubo/engine/compiled_decode.py) against the eager decoder it replaces:
+the same greedy tokens, logits within float32 rounding, on the tiny test models (float weights, and
+quantized weights repacked for the matvecs) and on the default model through `generate`."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from bubo.engine.compiled_decode import CompiledDecodeStep, UnsupportedModelError, decode_step_for
+from bubo.engine.generate import GenerationResult, generate
+from bubo.engine.kv_cache import KVCache
+from bubo.engine.loaded_model import LoadedModel
+from bubo.engine.sampler import SamplingParams
+from bubo.gguf.config import config_from_gguf
+from bubo.gguf.reader import GGUFFile
+from bubo.model import quantized_linear
+from bubo.model.decoder import Decoder
+from bubo.model.loader import load_decoder
+from tests.fixtures.gguf_writer import randomize_, write_gguf
+from tests.fixtures.hybrid_models import tiny_hybrid
+from tests.model.test_decoder import CASES
+
+# Float32 rounding: the compiled graphs fuse and reorder the same float32 operations.
+LOGIT_TOLERANCE = 1e-4
+STEPS = 8
+
+# Every matrix Q4_0 or Q8_0 (packed once the threshold allows it), one float: no row groups.
+_MIXED = {
+    "token_embd.weight": Q.Q8_0,
+    "output.weight": Q.Q8_0,
+    "blk.*.attn_q.weight": Q.Q4_0,
+    "blk.*.attn_k.weight": Q.Q8_0,
+    "blk.*.attn_v.weight": Q.F16,
+    "blk.*.attn_output.weight": Q.Q4_1,
+    "blk.*.ffn_gate.weight": Q.Q4_0,
+    "blk.*.ffn_up.weight": Q.Q4_0,
+    "blk.*.ffn_down.weight": Q.Q8_0,
+}
+
+
+def _model(name: str, path: Path, quantize: dict | None = None) -> Decoder:
+    reference = CASES[name]()
+    randomize_(reference, seed=5)
+    file = GGUFFile(write_gguf(reference, path, quantize=quantize))
+    return load_decoder(file, config_from_gguf(file), dtype=torch.float32)
+
+
+@torch.inference_mode()
+def _compare(model: Decoder, step: CompiledDecodeStep, cache: KVCache | None = None) -> None:
+    """Prefill the same prompt into two caches, then decode greedily: eagerly in one, compiled in the other."""
+    prompt = torch.tensor([[3, 17, 42, 7, 99]])
+    eager_cache = model.new_cache(max_len=32)
+    compiled_cache = cache if cache is not None else model.new_cache(max_len=32)
+    eager = model(prompt, eager_cache, last_only=True)[0, -1]
+    compiled = model(prompt, compiled_cache, last_only=True)[0, -1]
+    for _ in range(STEPS):
+        token, other = eager.argmax(), compiled.argmax()
+        assert int(token) == int(other)
+        eager = model(token.view(1, 1), eager_cache)[0, -1]
+        compiled = step(other, compiled_cache)
+        assert compiled.dtype == torch.float32 and compiled.shape == eager.shape
+        assert (compiled - eager).abs().max().item() <= LOGIT_TOLERANCE
+    assert compiled_cache.length == eager_cache.length == prompt.shape[1] + STEPS
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-bias", "qwen3-qk-norm"])
+def test_float_models_match_the_eager_step(name: str, tmp_path: Path) -> None:
+    model = _model(name, tmp_path / f"{name}.gguf")
+    _compare(model, CompiledDecodeStep(model))
+
+
+def test_packed_quantized_projections_match_the_eager_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The tiny model's matrices are below the packing threshold; lowered, they take the matvec path.
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    model = _model("qwen2-bias", tmp_path / "mixed.gguf", quantize=_MIXED)
+    q_proj = model.layers[0].attention.q_proj
+    assert isinstance(q_proj, quantized_linear.QuantizedLinear) and q_proj.packed is not None
+    _compare(model, CompiledDecodeStep(model))
+
+
+def test_blocks_that_are_not_one_run(tmp_path: Path) -> None:
+    """A cache whose blocks are scattered over a shared pool reads its keys by gathering them."""
+    model = _model("llama-tied", tmp_path / "llama.gguf")
+    pool = model.new_block_pool(64, block_size=2)
+    held = [pool.take() for _ in range(pool.num_blocks)]
+    pool.release(held[1::2])  # the cache can only get every other block
+    cache = model.new_cache(max_len=32, pool=pool)
+    assert cache.reserve(8)
+    assert any(b + 1 != c for b, c in zip(cache.tables[0], cache.tables[0][1:], strict=False))
+    _compare(model, CompiledDecodeStep(model), cache)
+
+
+def test_hybrid_models_decode_eagerly(tmp_path: Path) -> None:
+    reference = tiny_hybrid("qwen35", ["linear_attention", "full_attention"])
+    randomize_(reference, seed=1)
+    file = GGUFFile(write_gguf(reference, tmp_path / "hybrid.gguf"))
+    model = load_decoder(file, config_from_gguf(file), dtype=torch.float32)
+    with pytest.raises(UnsupportedModelError):
+        CompiledDecodeStep(model)
+
+
+def _greedy(loaded: LoadedModel, prompt: str, tokens: int) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    events = generate(loaded.model, loaded.tokenizer, loaded.tokenizer.encode(prompt), params)
+    result = list(events)[-1]
+    assert isinstance(result, GenerationResult)
+    return result.token_ids
+
+
+def test_default_model_generates_the_same_tokens(
+    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default model's projections are packed: `generate` decodes it compiled, token for token as
+    the eager decoder does."""
+    assert decode_step_for(smollm2.model, smollm2.model.new_cache(max_len=8)) is not None
+    compiled = _greedy(smollm2, "The capital of France is", 24)
+    monkeypatch.setenv("BUBO_COMPILE_DECODE", "0")
+    assert decode_step_for(smollm2.model, smollm2.model.new_cache(max_len=8)) is None
+    eager = _greedy(smollm2, "The capital of France is", 24)
+    assert compiled == eager
+    assert smollm2.tokenizer.decode(compiled).startswith(" Paris")
+
+
+def test_default_model_logits_match_the_eager_step(smollm2: LoadedModel) -> None:
+    step = decode_step_for(smollm2.model, smollm2.model.new_cache(max_len=8))
+    assert step is not None
+    _compare(smollm2.model, step)
