@@ -38,10 +38,12 @@ stage() {  # stage NAME SECONDS COMMAND...
     tail -n 40 "$OUT/$name.log"
 }
 
-stage tests 170 python3 -m pytest -q -p no:cacheprovider -n 12 --timeout 120 -rfEs \
+# One autotune config per kernel in the tests (BUBO_TRITON_AUTOTUNE=0): run 1 spent its time compiling
+# every config; -v streams each test's outcome into the log as it ends.
+stage tests 150 env BUBO_TRITON_AUTOTUNE=0 python3 -m pytest -v -p no:cacheprovider -n 12 --timeout 100 -rfE \
     tests/kernels tests/model/test_moe.py tests/model/test_decoder.py tests/gguf/test_quants.py \
     tests/engine/test_sampler.py ${EXTRA_TESTS:-}
-stage layers 200 python3 benchmarks/bench_layers.py --bandwidth-gbs "$BANDWIDTH_GBS" \
-    --prompts 4096,32768 --decode-steps 16 --json "$OUT/layers.json"
-stage kernels 120 python3 benchmarks/bench_triton_kernels.py --types Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K,IQ4_XS \
-    --rows 1,4,512 --moe-tokens 1,16,512
+stage layers 130 python3 benchmarks/bench_layers.py --bandwidth-gbs "$BANDWIDTH_GBS" \
+    --prompts 4096,32768 --decode-steps 16 --profile --json "$OUT/layers.json"
+stage kernels 100 python3 benchmarks/bench_triton_kernels.py --types Q4_K,Q6_K,Q5_K,Q8_0,Q4_0,Q4_1,IQ4_XS \
+    --rows 1,4,512 --moe-tokens 1,16,512 --bandwidth-gbs "$BANDWIDTH_GBS"
