@@ -172,14 +172,20 @@ def test_selection_matches_transformers(case: _Case, length: int) -> None:
     assert torch.equal(kept[:, 11:], (8 + tail[11:]).expand(BATCH, -1))
 
 
-def test_zero_score_ties_break_as_transformers() -> None:
-    """With the indexer's query projection zeroed every block scores 0 (relu), so which blocks are
-    kept is decided by torch.topk's tie order over each query's visible blocks, as in transformers."""
+def _zero_score_case() -> _Case:
+    """A case whose indexer query projection is zeroed (here and in transformers): every block scores 0."""
     case = _Case()
     query_rows = TINY_QWEN4EXP_CONFIG["indexer_n_heads"] * TINY_QWEN4EXP_CONFIG["indexer_head_dim"]
     with torch.no_grad():
         case.reference.indexer.index_qk_proj.weight[:query_rows] = 0
         case.attention.indexer.q_proj.weight.zero_()
+    return case
+
+
+def test_zero_score_ties_break_as_transformers() -> None:
+    """With the indexer's query projection zeroed every block scores 0 (relu), so which blocks are
+    kept is decided by torch.topk's tie order over each query's visible blocks, as in transformers."""
+    case = _zero_score_case()
     x = _hidden(70)
     _, state = case.new_state()
     cos, sin = case.rotary(torch.arange(70), torch.float32)
@@ -191,11 +197,7 @@ def test_zero_score_ties_break_as_transformers() -> None:
 def test_zero_score_ties_break_as_transformers_one_token_at_a_time() -> None:
     """The decode path skips the tie check (its one query sees every block, so the batched topk is
     already the per-query one): every decode step still keeps the blocks transformers keeps."""
-    case = _Case()
-    query_rows = TINY_QWEN4EXP_CONFIG["indexer_n_heads"] * TINY_QWEN4EXP_CONFIG["indexer_head_dim"]
-    with torch.no_grad():
-        case.reference.indexer.index_qk_proj.weight[:query_rows] = 0
-        case.attention.indexer.q_proj.weight.zero_()
+    case = _zero_score_case()
     x = _hidden(70)
     expected = case.reference_selection(x)
     _, state = case.new_state()
