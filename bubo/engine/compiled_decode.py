@@ -35,9 +35,10 @@ from torch._inductor.inductor_prims import force_stride_order
 
 from bubo.engine.kv_cache import KVCache
 from bubo.gguf.config import RopeStyle
+from bubo.kernels.codes import word_bits
 from bubo.kernels.compiled import StaticKernel
-from bubo.kernels.q4_matvec import PackedQ4, q4_matvec
-from bubo.kernels.q8_matvec import PackedQ8, q8_matvec
+from bubo.kernels.q4_matvec import PackedQ4, q4_matvec_bits
+from bubo.kernels.q8_matvec import PackedQ8, q8_matvec_bits
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DecoderLayer
 from bubo.model.layers import MLP, RMSNorm, apply_rotary, rms_norm
@@ -63,7 +64,7 @@ class UnsupportedModelError(ValueError):
 class _Projection:
     """How the step runs one or more projections of the same input as one product: the weight's
     format, the widths of the members (split from one output), and whether a bias is added. The
-    tensors are passed in at each call: [words, scale(, offset)] packed, or [weight] float (+ bias)."""
+    tensors are passed in at each call: [word bits, scale(, offset)] packed, or [weight] float (+ bias)."""
 
     kind: str  # "q4", "q8" or "dense"
     sizes: tuple[int, ...]
@@ -75,9 +76,9 @@ class _Projection:
         # into the matvec's loop, to be recomputed for every tile of output rows.
         x = force_stride_order(x, x.stride())
         if self.kind == "q4":
-            y = q4_matvec(x, PackedQ4(*tensors[:3], out_features))
+            y = q4_matvec_bits(x, *tensors[:3], out_features)
         elif self.kind == "q8":
-            y = q8_matvec(x, PackedQ8(*tensors[:2], out_features))
+            y = q8_matvec_bits(x, *tensors[:2], out_features)
         else:
             y = F.linear(x, tensors[0])
         if self.has_bias:
@@ -113,8 +114,8 @@ def _projections(*linears: nn.Module) -> list[tuple[_Projection, Tensors]]:
 
 def _packed(packed: PackedQ4 | PackedQ8, biases: list, sizes: tuple[int, ...]) -> tuple[_Projection, Tensors]:
     if isinstance(packed, PackedQ4):
-        return _with_bias("q4", (packed.words, packed.scale, packed.offset), biases, sizes)
-    return _with_bias("q8", (packed.words, packed.scale), biases, sizes)
+        return _with_bias("q4", (word_bits(packed.words), packed.scale, packed.offset), biases, sizes)
+    return _with_bias("q8", (word_bits(packed.words), packed.scale), biases, sizes)
 
 
 def _with_bias(

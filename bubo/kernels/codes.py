@@ -10,10 +10,16 @@ matrix costs half the speed). Rows are padded to a whole number of tiles with ze
 
 Codes: a field of `bits` bits at position s of a word is isolated by masking it in place: the result
 is code * 2^(bits * s), an integer with at most `bits` significant bits, so its float32 conversion is
-exact. The activation it multiplies is scaled by 2^(-bits * s) instead, a power of two and so exact
-too (short of underflow below 1e-30, where the product is negligible): each product x * code is bit
-for bit the one a shift would give, for one AND per code rather than a shift and an AND. The top
-field can't be masked in place (it would set the sign bit) and is shifted down instead.
+exact. A kernel sums the products of one field position and scales that sum by 2^(-bits * s) once: a
+power of two, so the scaled sum is bit for bit the one shifted codes would give (short of overflow or
+underflow, some 30 orders of magnitude away), for one AND per code rather than a shift and an AND. The
+top field can't be masked in place (it would set the sign bit) and is shifted down instead.
+
+Words enter a compiled kernel as float32 bit patterns (`word_bits`) and are viewed back to int32
+inside it. Inductor loads a vector of int32 with `Vectorized<int32_t>::loadu(ptr, count)`, which in
+ATen's AVX2 header always copies through a stack buffer (two 16-byte stores, then one 32-byte load: a
+store-forwarding stall on every load); the float32 load has a full-width fast path. Measured on the
+default model's matrices: 2.3-2.9x the speed of the same kernel fed int32.
 """
 
 import dataclasses
@@ -31,6 +37,7 @@ __all__ = [
     "slice_tiled",
     "tiled_by_rows",
     "to_tiles",
+    "word_bits",
 ]
 
 
@@ -119,6 +126,11 @@ def placed_codes(word: torch.Tensor, s: int, bits: int) -> tuple[torch.Tensor, f
     if s == top:
         return ((word >> (bits * s)) & mask).to(torch.float32), 1.0
     return (word & (mask << (bits * s))).to(torch.float32), 2.0 ** (-bits * s)
+
+
+def word_bits(words: torch.Tensor) -> torch.Tensor:
+    """int32 code words as the float32 bit patterns a compiled kernel takes them in (see above): a view."""
+    return words.view(torch.float32)
 
 
 def pairwise_sum(terms: list[torch.Tensor]) -> torch.Tensor:

@@ -20,10 +20,18 @@ import torch
 from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
-from bubo.kernels.codes import from_tiles, pairwise_sum, placed_codes, tiled_by_rows
+from bubo.kernels.codes import from_tiles, pairwise_sum, placed_codes, tiled_by_rows, word_bits
 from bubo.kernels.compiled import StaticKernel
 
-__all__ = ["PACKABLE_Q4", "PackedQ4", "pack_q4", "q4_matvec", "q4_matvec_reference", "q4_unpack"]
+__all__ = [
+    "PACKABLE_Q4",
+    "PackedQ4",
+    "pack_q4",
+    "q4_matvec",
+    "q4_matvec_bits",
+    "q4_matvec_reference",
+    "q4_unpack",
+]
 
 PACKABLE_Q4 = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1})
 _NIBBLES = 8  # per int32 word
@@ -88,20 +96,24 @@ def q4_unpack(packed: PackedQ4, start: int, stop: int, out: torch.Tensor | None 
     return codes.view(packed.in_features, n)
 
 
-def _matvec(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+def _matvec(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     # sum_b scale[b] * (x_b . codes_b) + offset[b] * sum(x_b): the inner dot product runs on codes alone.
     # One reduction over blocks whose body expands a block's 32 codes, so that inductor emits a single
-    # loop per tile with nothing stored between the words and the result.
+    # loop per tile with nothing stored between the words and the result. The products of one nibble
+    # position form a chain (four FMAs, one per word) scaled once by its placement factor.
+    words = bits.view(torch.int32)
     n_blocks = words.shape[1]
     xr = x.view(n_blocks, _WORDS, _NIBBLES)
-    terms = []
-    for w in range(_WORDS):
-        word = words[:, :, w]
-        for s in range(_NIBBLES):
-            codes, place = placed_codes(word, s, 4)
-            terms.append((xr[None, :, w, s, None] * place) * codes)
+    positions = []
+    for s in range(_NIBBLES):
+        chain = None
+        for w in range(_WORDS):
+            codes, place = placed_codes(words[:, :, w], s, 4)
+            term = xr[None, :, w, s, None] * codes
+            chain = term if chain is None else chain + term
+        positions.append(chain if place == 1.0 else chain * place)
     block_sums = x.view(1, n_blocks, 1, 32).sum(-1)
-    return (pairwise_sum(terms) * scale + block_sums * offset).sum(1).view(-1)
+    return (pairwise_sum(positions) * scale + block_sums * offset).sum(1).view(-1)
 
 
 _compiled_matvec = StaticKernel(_matvec, fused=True)
@@ -109,8 +121,16 @@ _compiled_matvec = StaticKernel(_matvec, fused=True)
 
 def q4_matvec(x: torch.Tensor, packed: PackedQ4) -> torch.Tensor:
     """x [in_features] (float32) -> x W^T [out_features], in one compiled pass over the codes."""
-    out = _compiled_matvec(x, packed.words, packed.scale, packed.offset)
-    return out if out.shape[0] == packed.out_features else out[: packed.out_features]
+    return q4_matvec_bits(x, word_bits(packed.words), packed.scale, packed.offset, packed.out_features)
+
+
+def q4_matvec_bits(
+    x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """`q4_matvec` on the packed tensors, the words as their float32 bits (`word_bits`): the form in
+    which a compiled graph that contains the matvec takes them as inputs."""
+    out = _compiled_matvec(x, bits, scale, offset)
+    return out if out.shape[0] == out_features else out[:out_features]
 
 
 def q4_matvec_reference(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:

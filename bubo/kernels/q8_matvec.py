@@ -12,10 +12,10 @@ import torch
 from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
-from bubo.kernels.codes import from_tiles, pairwise_sum, tiled_by_rows
+from bubo.kernels.codes import from_tiles, pairwise_sum, tiled_by_rows, word_bits
 from bubo.kernels.compiled import StaticKernel
 
-__all__ = ["PackedQ8", "pack_q8", "q8_matvec", "q8_matvec_reference", "q8_unpack"]
+__all__ = ["PackedQ8", "pack_q8", "q8_matvec", "q8_matvec_bits", "q8_matvec_reference", "q8_unpack"]
 
 _BYTES = 4  # per int32 word
 _WORDS = 8  # per 32-weight block
@@ -72,9 +72,10 @@ def q8_unpack(packed: PackedQ8, start: int, stop: int, out: torch.Tensor | None 
     return codes.view(packed.in_features, n)
 
 
-def _matvec(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _matvec(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     # sum_b scale[b] * (x_b . codes_b): the inner dot product runs on codes alone, as one reduction over
     # blocks expanding a block's 32 codes in its body (see q4_matvec).
+    words = bits.view(torch.int32)
     xr = x.view(words.shape[1], _WORDS, _BYTES)
     terms = []
     for w in range(_WORDS):
@@ -88,8 +89,15 @@ _compiled_matvec = StaticKernel(_matvec, fused=True)
 
 def q8_matvec(x: torch.Tensor, packed: PackedQ8) -> torch.Tensor:
     """x [in_features] (float32) -> x W^T [out_features], in one compiled pass over the codes."""
-    out = _compiled_matvec(x, packed.words, packed.scale)
-    return out if out.shape[0] == packed.out_features else out[: packed.out_features]
+    return q8_matvec_bits(x, word_bits(packed.words), packed.scale, packed.out_features)
+
+
+def q8_matvec_bits(
+    x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """`q8_matvec` on the packed tensors, the words as their float32 bits (see q4_matvec_bits)."""
+    out = _compiled_matvec(x, bits, scale)
+    return out if out.shape[0] == out_features else out[:out_features]
 
 
 def q8_matvec_reference(x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
