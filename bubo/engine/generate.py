@@ -14,6 +14,7 @@ import torch
 
 from bubo.engine.compiled_decode import decode_step_for
 from bubo.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from bubo.engine.graph_decode import graph_step_for
 from bubo.engine.kv_cache import KVCache
 from bubo.engine.sampler import Sampler, SamplingParams
 from bubo.engine.speculative import Drafter, SpeculativeDecoder
@@ -313,8 +314,9 @@ def _plain_tokens(
     model: Model, cache: Cache, chooser: TokenChooser, logits: torch.Tensor
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """One token per forward pass, each with the logits row it was chosen from; the pass is the compiled
-    decode step where it covers the model and cache (bubo/engine/compiled_decode.py)."""
-    step = decode_step_for(model, cache)
+    decode step where it covers the model and cache (bubo/engine/compiled_decode.py, CPU), or the decode
+    step captured as a CUDA graph (bubo/engine/graph_decode.py, CUDA)."""
+    step = decode_step_for(model, cache) or graph_step_for(model, cache)
     while True:
         token, on_device = chooser.pick_on_device(logits)
         yield token, logits
