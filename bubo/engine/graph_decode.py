@@ -222,6 +222,11 @@ class GraphDecodeStep:
         self._captured: _Captured | None = None
 
     @property
+    def captured(self) -> bool:
+        """Whether a captured step is ready to replay (for the last cache's pool)."""
+        return self._captured is not None
+
+    @property
     def model(self) -> Decoder:
         model = self._model()
         if model is None:

@@ -130,10 +130,12 @@ def test_static_step_matches_the_eager_step(name: str, tmp_path: Path) -> None:
     assert _compare(model, step, _cache(model), sample=True) > 1
 
 
+_QUANTIZED = {"blk.*.attn_q.weight": Q.Q4_0, "blk.*.ffn_down.weight": Q.Q8_0, "output.weight": Q.Q8_0}
+
+
 def test_quantized_weights(tmp_path: Path) -> None:
     """QuantizedLinear's own forward in the step, watched for host reads."""
-    quantize = {"blk.*.attn_q.weight": Q.Q4_0, "blk.*.ffn_down.weight": Q.Q8_0, "output.weight": Q.Q8_0}
-    model = _model("qwen2-bias", tmp_path / "quantized.gguf", quantize=quantize)
+    model = _model("qwen2-bias", tmp_path / "quantized.gguf", quantize=_QUANTIZED)
     _compare(model, GraphDecodeStep(model, masked_attention, capture=_watched), _cache(model), sample=False)
 
 
@@ -411,18 +413,32 @@ def test_generate_decodes_through_the_graph_step(tmp_path: Path, monkeypatch: py
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture
-def cuda_model(tmp_path: Path) -> Iterator[Decoder]:
-    yield _model("qwen3-qk-norm", tmp_path / "qwen3.gguf", device="cuda")
+@pytest.fixture(params=["float", "quantized"])
+def cuda_model(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Decoder]:
+    """A tiny qwen3 on CUDA: float weights (torch matmuls), or some quantized (the Triton GEMV kernels)."""
+    quantize = _QUANTIZED if request.param == "quantized" else None
+    yield _model("qwen3-qk-norm", tmp_path / "qwen3.gguf", device="cuda", quantize=quantize)
     torch.cuda.synchronize()
 
 
 @cuda
 def test_cuda_graph_replay_matches_eager(cuda_model: Decoder) -> None:
+    """Captured once, then replayed with every later token's inputs loaded; the replays (and the loads
+    before them) under CUDA's sync debug mode, which raises on any synchronising call."""
     step = graph_step_for(cuda_model, _cache(cuda_model))
     assert step is not None
-    _compare(cuda_model, step, _cache(cuda_model), sample=True)
-    assert not step.failed
+
+    def strict(token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if not step.captured:
+            return step(token, cache)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step(token, cache)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    _compare(cuda_model, strict, _cache(cuda_model), sample=True)
+    assert step.captured and not step.failed
 
 
 @cuda
