@@ -19,7 +19,6 @@ from torch._dynamo.backends.registry import lookup_backend
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bubo.engine import generate as generate_module
 from bubo.engine import graph_decode
 from bubo.engine.generate import GenerationResult, generate
 from bubo.engine.graph_decode import (
@@ -387,27 +386,6 @@ class _Bytes:
 
     def is_special(self, token_id: int) -> bool:
         return False
-
-
-def test_generate_decodes_through_the_graph_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`generate`'s plain loop takes the step `graph_step_for` gives (here with the capture injected,
-    as no CUDA is present) and produces the eager loop's tokens."""
-    model = _model("qwen2-bias", tmp_path / "qwen2.gguf")
-    eager = _greedy_tokens(model, STEPS)
-    calls = []
-
-    def graph_step(model_: Decoder, cache: object) -> GraphDecodeStep:
-        step = GraphDecodeStep(model_, masked_attention, capture=_run_as_is)
-
-        def counted(token: torch.Tensor, cache_: KVCache) -> torch.Tensor:
-            calls.append(token)
-            return step(token, cache_)
-
-        return counted  # type: ignore[return-value]
-
-    monkeypatch.setattr(generate_module, "graph_step_for", graph_step)
-    assert _greedy_tokens(model, STEPS) == eager
-    assert len(calls) == STEPS - 1
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
