@@ -12,9 +12,10 @@ Triton paged kernel reading the lengths and table from device tensors (CUDA), or
 table's positions under a length mask (anywhere, the path the CPU tests trace).
 
 The step is the eager model's own modules (projections, norms, rotary, MLP, head) called in the eager
-order, so it covers what they cover without host syncs: dense transformer layers (llama, qwen2, qwen3,
-gated attention), not DeltaNet layers, mixtures of experts (their routing reads expert ids back), or
-qwen4exp's streams. tests/engine/test_graph_decode.py holds it to the eager decoder and traces it with
+order, so it covers what they cover without host syncs: transformer layers (llama, qwen2, qwen3,
+gated attention) with a dense MLP, or a mixture of experts whose quantized experts run in the fused
+Triton kernel (qwen3moe on CUDA: the routed ids stay on the device); not DeltaNet layers, the CPU's
+expert loop (it reads the ids back), or qwen4exp's streams. tests/engine/test_graph_decode.py holds it to the eager decoder and traces it with
 `torch.compile(fullgraph=True)`, which fails on any `.item()`, `.tolist()` or value-dependent branch.
 
 Capture follows PyTorch's recipe (warm-up runs on a side stream, then `torch.cuda.graph`); it happens on
@@ -35,10 +36,11 @@ from torch import nn
 
 from bubo.engine.block_pool import BlockPool
 from bubo.engine.kv_cache import KVCache
-from bubo.kernels.triton_support import triton_enabled
+from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DecoderLayer
 from bubo.model.layers import MLP, RMSNorm
+from bubo.model.moe import QuantizedExpertMatrices, SparseMoE
 
 __all__ = [
     "GraphDecodeStep",
@@ -151,10 +153,22 @@ def check_supported(model: nn.Module) -> Decoder:
     for layer in model.layers:
         if not isinstance(layer, DecoderLayer) or type(layer.attention) is not Attention:
             raise UnsupportedGraphModelError(f"a layer with a {type(layer.attention).__name__}")
-        if not isinstance(layer.mlp, MLP):
-            # SparseMoE routes by reading the chosen expert ids back to the host.
-            raise UnsupportedGraphModelError(f"a {type(layer.mlp).__name__} feed-forward")
+        if not (isinstance(layer.mlp, MLP) or _fused_experts(layer.mlp, model.device)):
+            # The expert loop (CPU, float experts) reads the chosen expert ids back to the host.
+            raise UnsupportedGraphModelError(
+                f"a {type(layer.mlp).__name__} feed-forward, not fused on the device"
+            )
     return model
+
+
+def _fused_experts(mlp: nn.Module, device: torch.device) -> bool:
+    """Whether `mlp` is a mixture of experts whose one-token step is the fused Triton kernel, which takes
+    the routed expert ids on the device (quantized experts of the types it reads, on CUDA)."""
+    if not isinstance(mlp, SparseMoE):
+        return False
+    stacks = (mlp.gate, mlp.up, mlp.down)
+    quantized = all(isinstance(s, QuantizedExpertMatrices) and s.ggml_type in TRITON_TYPES for s in stacks)
+    return quantized and triton_enabled(device)
 
 
 def static_decode_step(model: Decoder, pool: BlockPool, inputs: StepInputs, attend: Attend) -> torch.Tensor:

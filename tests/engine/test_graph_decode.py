@@ -37,6 +37,7 @@ from bubo.engine.sampler import Sampler, SamplingParams
 from bubo.engine.token_choice import TokenChooser
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
+from bubo.model import moe
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
 from tests.fixtures.gguf_writer import randomize_, write_gguf
@@ -101,16 +102,20 @@ def _sampling_chooser(model: Decoder) -> TokenChooser:
 
 @torch.inference_mode()
 def _compare(
-    model: Decoder, step: Callable[[torch.Tensor, KVCache], torch.Tensor], cache: KVCache, sample: bool
+    model: Decoder,
+    step: Callable[[torch.Tensor, KVCache], torch.Tensor],
+    cache: KVCache,
+    sample: bool,
+    steps: int = STEPS,
 ) -> int:
-    """Prefill the prompt into `cache` and an eager one, then decode STEPS tokens chosen on the device
+    """Prefill the prompt into `cache` and an eager one, then decode `steps` tokens chosen on the device
     from the step's logits (sampled, or greedy) and fed to both. Returns how many distinct tokens ran."""
     eager_cache = model.new_cache(max_len=cache.max_len)
     eager = model(PROMPT, eager_cache, last_only=True)[0, -1]
     logits = model(PROMPT, cache, last_only=True)[0, -1]
     chooser = _sampling_chooser(model) if sample else None
     tokens = set()
-    for _ in range(STEPS):
+    for _ in range(steps):
         token = chooser.pick_on_device(logits)[1] if chooser is not None else logits.argmax()
         assert token.device == model.device
         tokens.add(int(token))
@@ -118,7 +123,7 @@ def _compare(
         logits = step(token, cache)
         assert logits.dtype == torch.float32 and logits.shape == eager.shape
         assert (logits - eager).abs().max().item() <= LOGIT_TOLERANCE
-    assert cache.length == eager_cache.length == PROMPT.shape[1] + STEPS
+    assert cache.length == eager_cache.length == PROMPT.shape[1] + steps
     return len(tokens)
 
 
@@ -348,6 +353,30 @@ def test_a_step_does_not_keep_its_model_alive(tmp_path: Path) -> None:
         _ = step.model
 
 
+def _moe_model(path: Path, quantize: dict | None, device: str = "cpu") -> Decoder:
+    from tests.model.test_moe import _reference
+
+    file = GGUFFile(write_gguf(_reference(), path, quantize=quantize))
+    return load_decoder(file, config_from_gguf(file), dtype=torch.float32, device=device)
+
+
+def test_mixture_of_experts_in_the_fused_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """qwen3moe with quantized experts in the fused Triton MoE kernel, which takes one token's routed
+    expert ids on the device (run here by triton's interpreter, the eager step through it too)."""
+    pytest.importorskip("triton")
+    from bubo.kernels.triton_quant import interpreting
+    from tests.model.test_moe import _EXPERTS_Q
+
+    if not interpreting():
+        pytest.skip("a CPU model runs the Triton kernels only in triton's interpreter (TRITON_INTERPRET=1)")
+    monkeypatch.setattr(moe, "triton_enabled", lambda device: True)
+    monkeypatch.setattr(graph_decode, "triton_enabled", lambda device: True)
+    model = _moe_model(tmp_path / "moe-q.gguf", _EXPERTS_Q)
+    # Few steps: the interpreter takes seconds a step.
+    step = GraphDecodeStep(model, masked_attention, capture=_run_as_is)
+    _compare(model, step, _cache(model), sample=False, steps=3)
+
+
 def test_models_the_step_does_not_cover(tmp_path: Path) -> None:
     reference = tiny_hybrid("qwen35", ["linear_attention", "full_attention"])
     randomize_(reference, seed=1)
@@ -356,6 +385,9 @@ def test_models_the_step_does_not_cover(tmp_path: Path) -> None:
         check_supported(load_decoder(file, config_from_gguf(file), dtype=torch.float32))
     with pytest.raises(UnsupportedGraphModelError):
         check_supported(torch.nn.Linear(2, 2))
+    # Experts in the host loop (float, or not on CUDA) read the routed ids back.
+    with pytest.raises(UnsupportedGraphModelError, match="SparseMoE"):
+        check_supported(_moe_model(tmp_path / "moe.gguf", None))
 
 
 def test_graph_steps_are_for_cuda_models_and_can_be_turned_off(
@@ -416,6 +448,17 @@ def test_cuda_graph_replay_matches_eager(cuda_model: Decoder) -> None:
             torch.cuda.set_sync_debug_mode("default")
 
     _compare(cuda_model, strict, _cache(cuda_model), sample=True)
+    assert step.captured and not step.failed
+
+
+@cuda
+def test_cuda_graph_replay_with_fused_experts(tmp_path: Path) -> None:
+    from tests.model.test_moe import _EXPERTS_Q
+
+    model = _moe_model(tmp_path / "moe-q.gguf", _EXPERTS_Q, device="cuda")
+    step = graph_step_for(model, _cache(model))
+    assert step is not None
+    _compare(model, step, _cache(model), sample=True)
     assert step.captured and not step.failed
 
 
