@@ -26,6 +26,7 @@ BUBO_CUDA_GRAPHS=0 turns the path off.
 
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -199,7 +200,9 @@ def capture_cuda_graph(run: Run) -> Run:
             run()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: the server's other slots keep running their own (eager) work in their threads while
+    # this one captures; only this thread's calls are checked for capture safety.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = run()
 
     def replay() -> torch.Tensor:
@@ -231,6 +234,9 @@ class GraphDecodeStep:
         self.attend = attend
         self.capture = capture
         self.failed = False
+        # The server's slots run `generate` in threads of their own: one at a time loads the inputs,
+        # replays and advances its cache, as they all share the one set of inputs.
+        self._lock = threading.Lock()
         # One captured graph, for the pool of the last cache: the server's slots share one pool (one
         # capture for the process); a fresh cache per generation brings its own pool, captured again.
         self._captured: _Captured | None = None
@@ -251,6 +257,10 @@ class GraphDecodeStep:
         model = self.model
         if self.failed:
             return model(token.view(1, 1), cache)[0, -1]
+        with self._lock:
+            return self._replay(model, token, cache)
+
+    def _replay(self, model: Decoder, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if not cache.reserve(1):
             raise ValueError(f"KV cache full: no room past {cache.length} positions")
         captured = self._captured
