@@ -11,16 +11,17 @@ step writes k/v with `index_copy_` at the device index and attends over a static
 Triton paged kernel reading the lengths and table from device tensors (CUDA), or a gather of the
 table's positions under a length mask (anywhere, the path the CPU tests trace).
 
-The step is the eager model's own modules (projections, norms, rotary, MLP, head) called in the eager
-order, so it covers what they cover without host syncs: transformer layers (llama, qwen2, qwen3,
-gated attention) with a dense MLP, or a mixture of experts whose quantized experts run in the fused
-Triton kernel (qwen3moe on CUDA: the routed ids stay on the device); not DeltaNet layers, the CPU's
-expert loop (it reads the ids back), or qwen4exp's streams. tests/engine/test_graph_decode.py holds it to the eager decoder and traces it with
+The step is the eager model's own modules (projections, norms, rotary, DeltaNet, MLP, head) called in
+the eager order, so it covers what they cover without host syncs: attention layers (llama, qwen2, qwen3,
+gated attention) and Gated DeltaNet layers (hybrid qwen35 / qwen3next: their recurrent states are the
+cache's own tensors, advanced in place), with a dense MLP or a mixture of experts whose quantized
+experts run in the fused Triton kernel (qwen3moe / qwen35moe on CUDA: the routed ids stay on the
+device); not the CPU's expert loop (it reads the ids back) or qwen4exp's streams and indexer. tests/engine/test_graph_decode.py holds it to the eager decoder and traces it with
 `torch.compile(fullgraph=True)`, which fails on any `.item()`, `.tolist()` or value-dependent branch.
 
 Capture follows PyTorch's recipe (warm-up runs on a side stream, then `torch.cuda.graph`); it happens on
-a generation's first decoded token, with that token's inputs loaded, so the warm-up runs write the same
-keys and values the replay will. A failed capture logs a warning once and the model decodes eagerly.
+a cache's first decoded token, with that token's inputs loaded, so the warm-up runs write the same keys
+and values the replay will (a DeltaNet layer's state is restored after them: they advance it). A failed capture logs a warning once and the model decodes eagerly.
 BUBO_CUDA_GRAPHS=0 turns the path off.
 """
 
@@ -28,7 +29,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,8 @@ from bubo.engine.block_pool import BlockPool
 from bubo.engine.kv_cache import KVCache
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
 from bubo.model.attention import Attention
-from bubo.model.decoder import Decoder, DecoderLayer
+from bubo.model.decoder import Decoder, DecoderLayer, DeltaNetMixer
+from bubo.model.deltanet import DeltaNetState
 from bubo.model.layers import MLP, RMSNorm
 from bubo.model.moe import QuantizedExpertMatrices, SparseMoE
 
@@ -152,8 +154,11 @@ def check_supported(model: nn.Module) -> Decoder:
     if config.hc_count or config.indexer or config.ple or type(model.norm) is not RMSNorm:
         raise UnsupportedGraphModelError("qwen4exp's residual streams, indexer or PLE")
     for layer in model.layers:
-        if not isinstance(layer, DecoderLayer) or type(layer.attention) is not Attention:
-            raise UnsupportedGraphModelError(f"a layer with a {type(layer.attention).__name__}")
+        mixer = layer.attention
+        if not isinstance(layer, DecoderLayer) or not (
+            type(mixer) is Attention or type(mixer) is DeltaNetMixer
+        ):
+            raise UnsupportedGraphModelError(f"a layer with a {type(mixer).__name__}")
         if not (isinstance(layer.mlp, MLP) or _fused_experts(layer.mlp, model.device)):
             # The expert loop (CPU, float experts) reads the chosen expert ids back to the host.
             raise UnsupportedGraphModelError(
@@ -172,14 +177,25 @@ def _fused_experts(mlp: nn.Module, device: torch.device) -> bool:
     return quantized and triton_enabled(device)
 
 
-def static_decode_step(model: Decoder, pool: BlockPool, inputs: StepInputs, attend: Attend) -> torch.Tensor:
+def static_decode_step(
+    model: Decoder,
+    pool: BlockPool,
+    recurrent: Sequence[DeltaNetState],
+    inputs: StepInputs,
+    attend: Attend,
+) -> torch.Tensor:
     """float32 logits [vocab] of the position after `inputs.token`, as `model(token.view(1, 1),
-    cache)[0, -1]` computes them, with the new keys and values written into `pool` at `inputs.slot`.
+    cache)[0, -1]` computes them, with the new keys and values written into `pool` at `inputs.slot` and
+    the DeltaNet layers' `recurrent` states (a hybrid model's; the cache's own) advanced in place.
     Every shape is fixed and nothing is read back to the host: capturable, and traceable whole."""
     cos, sin = model.rotary(inputs.position, model.dtype)
     x = model.embedding(inputs.token.view(1, 1))
     for layer in model.layers:
         attention = layer.attention
+        if isinstance(attention, DeltaNetMixer):
+            x = x + attention.deltanet(layer.attn_norm(x), recurrent[attention.state_index])
+            x = x + layer.mlp(layer.ffn_norm(x))
+            continue
         q, k, v, gate = attention.project(layer.attn_norm(x), cos, sin)
         keys, values = pool.keys[attention.layer_index], pool.values[attention.layer_index]
         keys.index_copy_(1, inputs.slot, k[0].to(keys.dtype))
@@ -214,10 +230,9 @@ def capture_cuda_graph(run: Run) -> Run:
 
 @dataclass
 class _Captured:
-    """One captured step: its pool (held so that the memory the graph addresses stays allocated), its
-    inputs, and the replay."""
+    """One cache's captured step: its inputs and the replay (whose closure holds the pool and recurrent
+    states, so the memory the graph addresses stays allocated while the cache lives)."""
 
-    pool: BlockPool
     inputs: StepInputs
     replay: Run
 
@@ -225,8 +240,8 @@ class _Captured:
 class GraphDecodeStep:
     """`step(token, cache)` -> float32 logits [vocab], as `model(token.view(1, 1), cache)[0, -1]`, for
     a single-sequence KVCache (the cache advances by one): the static step captured by `capture` on
-    first use with a cache's pool and replayed after that, or the eager model's step once a capture
-    failed. `attend` is the static attention (`paged_attention` on CUDA with Triton)."""
+    first use with a cache and replayed after that, or the eager model's step once a capture failed.
+    `attend` is the static attention (`paged_attention` on CUDA with Triton)."""
 
     def __init__(self, model: nn.Module, attend: Attend, capture: Callable[[Run], Run] = capture_cuda_graph):
         # Held weakly: `graph_step_for` keeps steps in a dict keyed weakly by their model.
@@ -237,14 +252,14 @@ class GraphDecodeStep:
         # The server's slots run `generate` in threads of their own: one at a time loads the inputs,
         # replays and advances its cache, as they all share the one set of inputs.
         self._lock = threading.Lock()
-        # One captured graph, for the pool of the last cache: the server's slots share one pool (one
-        # capture for the process); a fresh cache per generation brings its own pool, captured again.
-        self._captured: _Captured | None = None
+        # A graph per cache: it addresses the cache's pool and recurrent states. A server slot keeps
+        # its cache (one capture per slot); a fresh cache per generation is captured again. Weak keys:
+        # a cache's graph goes with it.
+        self._captured: weakref.WeakKeyDictionary[KVCache, _Captured] = weakref.WeakKeyDictionary()
 
-    @property
-    def captured(self) -> bool:
-        """Whether a captured step is ready to replay (for the last cache's pool)."""
-        return self._captured is not None
+    def captured(self, cache: KVCache) -> bool:
+        """Whether a captured step is ready to replay for `cache`."""
+        return cache in self._captured
 
     @property
     def model(self) -> Decoder:
@@ -263,19 +278,29 @@ class GraphDecodeStep:
     def _replay(self, model: Decoder, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if not cache.reserve(1):
             raise ValueError(f"KV cache full: no room past {cache.length} positions")
-        captured = self._captured
-        if captured is None or captured.pool is not cache.pool:
+        captured = self._captured.get(cache)
+        if captured is None:
             inputs = StepInputs.allocate(cache.pool.num_blocks, model.device)
             inputs.load(token, cache)
-            model_ref, pool, attend = self._model, cache.pool, self.attend
+            model_ref, pool, recurrent, attend = self._model, cache.pool, list(cache.recurrent), self.attend
+            # The warm-up runs advance the DeltaNet states (keys and values they only write again): put
+            # back before the first replay, or before the eager step when the capture failed.
+            saved = [state.snapshot() for state in recurrent]
+            replay: Run | None
             try:
-                replay = self.capture(lambda: static_decode_step(model_ref(), pool, inputs, attend))
+                replay = self.capture(
+                    lambda: static_decode_step(model_ref(), pool, recurrent, inputs, attend)
+                )
             except Exception as error:  # any failure to capture: decode eagerly, as before
                 log.warning("CUDA graph capture of the decode step failed, decoding eagerly: %r", error)
                 self.failed = True
-                self._captured = None
+                self._captured.clear()
+                replay = None
+            for state, before in zip(recurrent, saved, strict=True):
+                state.restore(before)
+            if replay is None:
                 return model(token.view(1, 1), cache)[0, -1]
-            captured = self._captured = _Captured(pool, inputs, replay)
+            captured = self._captured[cache] = _Captured(inputs, replay)
         else:
             captured.inputs.load(token, cache)
         logits = captured.replay()

@@ -65,7 +65,10 @@ def _model(name: str, path: Path, device: str = "cpu", quantize: dict | None = N
 
 
 def _run_as_is(run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """A capture that replays by running the step again: what a graph replay computes."""
+    """A capture that runs the step as `capture_cuda_graph`'s warm-up does, then replays by running it
+    again: what a graph replay computes."""
+    for _ in range(graph_decode.WARM_UP_RUNS):
+        run()
     return run
 
 
@@ -144,8 +147,8 @@ def test_quantized_weights(tmp_path: Path) -> None:
 
 
 def test_scattered_blocks_and_a_second_cache_on_the_same_pool(tmp_path: Path) -> None:
-    """Blocks that are not one run; then another cache of the same pool (a server's next slot) replays
-    the same capture with its own table, position and length loaded."""
+    """Blocks that are not one run; then another cache of the same pool (a server's next slot) and one
+    of another pool: one capture per cache, replayed for all of its steps."""
     model = _model("llama-tied", tmp_path / "llama.gguf")
     pool = model.new_block_pool(128, block_size=2)
     held = [pool.take() for _ in range(pool.num_blocks)]
@@ -161,11 +164,12 @@ def test_scattered_blocks_and_a_second_cache_on_the_same_pool(tmp_path: Path) ->
     assert first.reserve(8)
     assert any(b + 1 != c for b, c in zip(first.tables[0], first.tables[0][1:], strict=False))
     _compare(model, step, first, sample=False)
-    _compare(model, step, model.new_cache(max_len=24, pool=pool), sample=True)
-    assert len(captures) == 1
-    # A cache of another pool needs a capture of its own (the graph addresses its pool's memory).
+    assert len(captures) == 1 and step.captured(first)
+    second = model.new_cache(max_len=24, pool=pool)
+    _compare(model, step, second, sample=True)
+    assert len(captures) == 2 and step.captured(second)
     _compare(model, step, _cache(model), sample=False)
-    assert len(captures) == 2
+    assert len(captures) == 3
 
 
 def test_step_traces_as_one_graph_of_static_shapes(tmp_path: Path) -> None:
@@ -206,7 +210,7 @@ class _HostReadWatch(TorchDispatchMode):
 
 
 def _watched(run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """A capture that runs the step under `_HostReadWatch` every time, as the CUDA capture would run it."""
+    """`_run_as_is` with the step run under `_HostReadWatch` every time (the warm-up runs too)."""
 
     def tolist(self: torch.Tensor) -> list:
         raise AssertionError("a host read in the step: Tensor.tolist")
@@ -215,7 +219,7 @@ def _watched(run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         with _HostReadWatch(), mock.patch.object(torch.Tensor, "tolist", tolist):
             return run()
 
-    return replay
+    return _run_as_is(replay)
 
 
 def test_the_step_reads_nothing_back_while_it_runs(tmp_path: Path) -> None:
@@ -264,7 +268,7 @@ def _step_with_a_host_read(
     assert cache.reserve(1)
     inputs = StepInputs.allocate(cache.pool.num_blocks, model.device)
     inputs.load(torch.tensor(5), cache)
-    return capture(lambda: static_decode_step(model, cache.pool, inputs, attend_with_sync))
+    return capture(lambda: static_decode_step(model, cache.pool, cache.recurrent, inputs, attend_with_sync))
 
 
 SYNCS = [_item, _tolist, _branch, _nonzero]
@@ -286,9 +290,9 @@ def test_a_host_read_in_the_step_fails_the_trace(
 def test_a_host_read_in_the_step_fails_the_watch(
     sync: Callable[[torch.Tensor], float], tmp_path: Path
 ) -> None:
-    run = _step_with_a_host_read(_model("llama-tied", tmp_path / "llama.gguf"), sync, _watched)
+    model = _model("llama-tied", tmp_path / "llama.gguf")
     with pytest.raises(AssertionError, match="a host read in the step"):
-        run()
+        _step_with_a_host_read(model, sync, _watched)()
 
 
 def test_inputs_are_loaded_in_place(tmp_path: Path) -> None:
@@ -313,14 +317,18 @@ def test_inputs_are_loaded_in_place(tmp_path: Path) -> None:
     assert inputs.table[0].tolist() == table + [0] * (cache.pool.num_blocks - len(table))
 
 
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_a_failed_capture_decodes_eagerly_and_warns_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model = _model("llama-tied", tmp_path / "llama.gguf")
+    """The capture fails after its warm-up runs (which advanced a hybrid's DeltaNet states): the token
+    is decoded eagerly from the states as they were, and every later one too, with one warning."""
+    model = _model("llama-tied", tmp_path / "llama.gguf") if kind == "dense" else _hybrid(tmp_path / "h.gguf")
     attempts = []
 
     def failing(run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         attempts.append(run)
+        _run_as_is(run)
         raise RuntimeError("operation not permitted when stream is capturing")
 
     step = GraphDecodeStep(model, masked_attention, capture=failing)
@@ -377,12 +385,30 @@ def test_mixture_of_experts_in_the_fused_kernel(tmp_path: Path, monkeypatch: pyt
     _compare(model, step, _cache(model), sample=False, steps=3)
 
 
-def test_models_the_step_does_not_cover(tmp_path: Path) -> None:
-    reference = tiny_hybrid("qwen35", ["linear_attention", "full_attention"])
+def _hybrid(path: Path, arch: str = "qwen35", quantize: dict | None = None, device: str = "cpu") -> Decoder:
+    reference = tiny_hybrid(arch, ["linear_attention", "full_attention", "linear_attention"])
     randomize_(reference, seed=1)
-    file = GGUFFile(write_gguf(reference, tmp_path / "hybrid.gguf"))
-    with pytest.raises(UnsupportedGraphModelError):
-        check_supported(load_decoder(file, config_from_gguf(file), dtype=torch.float32))
+    file = GGUFFile(write_gguf(reference, path, quantize=quantize))
+    return load_decoder(file, config_from_gguf(file), dtype=torch.float32, device=device)
+
+
+def test_hybrid_deltanet_and_gated_attention(tmp_path: Path) -> None:
+    """A hybrid model: DeltaNet layers advance the cache's recurrent states in place, the gated
+    attention layer writes the pool; watched for host reads."""
+    model = _hybrid(tmp_path / "hybrid.gguf")
+    step = GraphDecodeStep(model, masked_attention, capture=_watched)
+    _compare(model, step, _cache(model), sample=True)
+
+
+def test_hybrid_traces_as_one_graph(tmp_path: Path) -> None:
+    model = _hybrid(tmp_path / "hybrid.gguf")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        step = GraphDecodeStep(model, masked_attention, capture=_compiled_whole)
+        _compare(model, step, _cache(model), sample=False, steps=6)
+
+
+def test_models_the_step_does_not_cover(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedGraphModelError):
         check_supported(torch.nn.Linear(2, 2))
     # Experts in the host loop (float, or not on CUDA) read the routed ids back.
@@ -439,7 +465,7 @@ def test_cuda_graph_replay_matches_eager(cuda_model: Decoder) -> None:
     assert step is not None
 
     def strict(token: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        if not step.captured:
+        if not step.captured(cache):
             return step(token, cache)
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -448,7 +474,7 @@ def test_cuda_graph_replay_matches_eager(cuda_model: Decoder) -> None:
             torch.cuda.set_sync_debug_mode("default")
 
     _compare(cuda_model, strict, _cache(cuda_model), sample=True)
-    assert step.captured and not step.failed
+    assert not step.failed
 
 
 @cuda
@@ -459,7 +485,21 @@ def test_cuda_graph_replay_with_fused_experts(tmp_path: Path) -> None:
     step = graph_step_for(model, _cache(model))
     assert step is not None
     _compare(model, step, _cache(model), sample=True)
-    assert step.captured and not step.failed
+    assert not step.failed
+
+
+@cuda
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_cuda_graph_replay_hybrid(arch: str, tmp_path: Path) -> None:
+    """DeltaNet layers (the fused recurrent kernel), gated attention and, for qwen35moe, quantized
+    experts in the fused MoE kernel: the flagship's layer kinds at toy size."""
+    from tests.model.test_moe import _EXPERTS_Q
+
+    model = _hybrid(tmp_path / f"{arch}.gguf", arch, _EXPERTS_Q if arch == "qwen35moe" else None, "cuda")
+    step = graph_step_for(model, _cache(model))
+    assert step is not None
+    _compare(model, step, _cache(model), sample=True)
+    assert not step.failed
 
 
 @cuda
