@@ -14,7 +14,9 @@ import torch
 
 from bubo.engine.compiled_decode import decode_step_for
 from bubo.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from bubo.engine.graph_decode import graph_step_for
 from bubo.engine.kv_cache import KVCache
+from bubo.engine.run_ahead import run_ahead_tokens
 from bubo.engine.sampler import Sampler, SamplingParams
 from bubo.engine.speculative import Drafter, SpeculativeDecoder
 from bubo.engine.token_choice import TokenChooser
@@ -313,8 +315,15 @@ def _plain_tokens(
     model: Model, cache: Cache, chooser: TokenChooser, logits: torch.Tensor
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """One token per forward pass, each with the logits row it was chosen from; the pass is the compiled
-    decode step where it covers the model and cache (bubo/engine/compiled_decode.py)."""
+    decode step where it covers the model and cache (bubo/engine/compiled_decode.py, CPU), or the decode
+    step captured as a CUDA graph (bubo/engine/graph_decode.py), each launched before the previous token
+    is read back (bubo/engine/run_ahead.py)."""
     step = decode_step_for(model, cache)
+    graph = graph_step_for(model, cache) if step is None else None
+    if graph is not None:
+        assert isinstance(cache, KVCache)  # graph_step_for says None for any other cache
+        yield from run_ahead_tokens(graph, cache, chooser, logits)
+        return
     while True:
         token, on_device = chooser.pick_on_device(logits)
         yield token, logits
