@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One pass of the CUDA checks and GPU figures on a lent GPU machine (an H100/H200 with torch and triton
 # installed, no network): the CUDA-only tests and every Triton kernel test compiled for the GPU, then
-# the Qwen3.8-Flash-Next layer benchmark (issue 7 item 4) and the kernel benchmark. Each stage has its
+# the CUDA-graph decode step against the eager one on the default model, the Qwen3.8-Flash-Next layer
+# benchmark (issue 7 item 4) and the kernel benchmark. Each stage has its
 # own time limit, so one that hangs leaves the rest their time. Logs go to $OUT (default ./gpu-out).
 #
 #     bash benchmarks/gpu_check.sh                       # all stages
@@ -12,7 +13,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"tests layers kernels"}
+STAGES=${STAGES:-"tests graphs layers kernels"}
 BANDWIDTH_GBS=${BANDWIDTH_GBS:-4800}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 
@@ -42,7 +43,8 @@ stage() {  # stage NAME SECONDS COMMAND...
 # every config; -v streams each test's outcome into the log as it ends.
 stage tests 150 env BUBO_TRITON_AUTOTUNE=0 python3 -m pytest -v -p no:cacheprovider -n 12 --timeout 100 -rfE \
     tests/kernels tests/model/test_moe.py tests/model/test_decoder.py tests/gguf/test_quants.py \
-    tests/engine/test_sampler.py ${EXTRA_TESTS:-}
+    tests/engine/test_sampler.py tests/engine/test_graph_decode.py tests/engine/test_run_ahead.py ${EXTRA_TESTS:-}
+stage graphs 60 python3 benchmarks/bench_cuda_graphs.py --steps 64 --rounds 3
 stage layers 130 python3 benchmarks/bench_layers.py --bandwidth-gbs "$BANDWIDTH_GBS" \
     --prompts 4096,32768 --decode-steps 16 --profile --json "$OUT/layers.json"
 stage kernels 100 python3 benchmarks/bench_triton_kernels.py --types Q4_K,Q6_K,Q5_K,Q8_0,Q4_0,Q4_1,IQ4_XS \
