@@ -1,9 +1,11 @@
 """Matrix-vector products on Q8_0 weights, repacked once into 32-bit words, fused by inductor.
 
-The Q8_0 sibling of `q4_matvec` (see there for why): `words` int32 [tiles, blocks, 8, TILE], where
-byte s of words[t, b, w, i] (little end first) is the signed code of weight 32b + 4w + s of output
-row t * TILE + i; `scale` float32 [tiles, blocks, TILE]; weight = code * scale, as in the file. Same
-bytes as the blocks.
+The Q8_0 sibling of `q4_matvec` (see there for why): `words` int32 [tiles, blocks, words, TILE],
+where byte s of words[t, b, w, i] (little end first) is the signed code of weight
+4 * words * b + 4w + s of output row t * TILE + i; `scale` float32 [tiles, blocks, TILE]; weight =
+code * scale. Q8_0 has 8 words (32 weights) a block, its bytes as in the file; other types whose
+weights are a signed code of at most 8 bits times a per-block scale are repacked into it
+(bubo/kernels/repack.py: Q5_0, Q6_K with blocks of 4 words).
 """
 
 from dataclasses import dataclass
@@ -18,18 +20,17 @@ from bubo.kernels.compiled import StaticKernel
 __all__ = ["PackedQ8", "pack_q8", "q8_matvec", "q8_matvec_bits", "q8_matvec_reference", "q8_unpack"]
 
 _BYTES = 4  # per int32 word
-_WORDS = 8  # per 32-weight block
 
 
 @dataclass(frozen=True)
 class PackedQ8:
-    words: torch.Tensor  # int32 [tiles, blocks, 8, TILE]
+    words: torch.Tensor  # int32 [tiles, blocks, words, TILE]
     scale: torch.Tensor  # float32 [tiles, blocks, TILE]
     out_features: int
 
     @property
     def in_features(self) -> int:
-        return self.words.shape[1] * _WORDS * _BYTES
+        return self.words.shape[1] * self.words.shape[2] * _BYTES
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         return q8_matvec(x, self)
@@ -62,7 +63,7 @@ def _codes(words: torch.Tensor) -> list[torch.Tensor]:
 def q8_unpack(packed: PackedQ8, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls),
     written into `out` (float32, at least that many values) when given (see q4_unpack)."""
-    words = from_tiles(packed.words, start, stop)  # [blocks, 8, n]
+    words = from_tiles(packed.words, start, stop)  # [blocks, words, n]
     n = stop - start
     size = packed.in_features * n
     codes = (torch.empty(size) if out is None else out[:size]).view(*words.shape[:2], _BYTES, n)
@@ -76,9 +77,9 @@ def _matvec(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor) -> torch.T
     # sum_b scale[b] * (x_b . codes_b): the inner dot product runs on codes alone, as one reduction over
     # blocks expanding a block's 32 codes in its body (see q4_matvec).
     words = bits.view(torch.int32)
-    xr = x.view(words.shape[1], _WORDS, _BYTES)
+    xr = x.view(words.shape[1], words.shape[2], _BYTES)
     terms = []
-    for w in range(_WORDS):
+    for w in range(words.shape[2]):
         for s, codes in enumerate(_codes(words[:, :, w])):
             terms.append(xr[None, :, w, s, None] * codes)
     return (pairwise_sum(terms) * scale).sum(1).view(-1)
