@@ -17,8 +17,8 @@ file mixes Q4_K and Q6_K down projections: four between-layer graphs). The eager
 segments compute its float32 math op for op, and tests/engine/test_compiled_decode.py holds them to it.
 
 Covered: dense transformer layers (llama, qwen2, qwen3: biases, q/k norms) in float32 whose projections
-are repacked blocks (`QuantizedLinear.packed`: Q4_0/Q4_1/Q4_K as PackedQ4, Q8_0/Q5_0/Q6_K as PackedQ8)
-or float weights. Anything else (a hybrid's DeltaNet
+are repacked blocks (`QuantizedLinear.packed`: Q4_0/Q4_1/Q4_K as PackedQ4, Q8_0/Q5_0/Q6_K as
+PackedQ8, Q5_K as PackedQ8Offset) or float weights. Anything else (a hybrid's DeltaNet
 or gated attention, a mixture of experts, qwen4exp, another compute dtype, a weight format the matvecs
 don't read) keeps the eager step: `decode_step_for` says None and logs why once.
 """
@@ -41,7 +41,7 @@ from bubo.gguf.config import RopeStyle
 from bubo.kernels.codes import word_bits
 from bubo.kernels.compiled import StaticKernel
 from bubo.kernels.q4_matvec import PackedQ4, q4_matvec_bits
-from bubo.kernels.q8_matvec import PackedQ8, q8_matvec_bits
+from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset, q8_matvec_bits, q8_offset_matvec_bits
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DecoderLayer
 from bubo.model.layers import MLP, RMSNorm, apply_rotary, rms_norm
@@ -69,7 +69,7 @@ class _Projection:
     format, the widths of the members (split from one output), and whether a bias is added. The
     tensors are passed in at each call: [word bits, scale(, offset)] packed, or [weight] float (+ bias)."""
 
-    kind: str  # "q4", "q8" or "dense"
+    kind: str  # "q4", "q8", "q8_offset" or "dense"
     sizes: tuple[int, ...]
     has_bias: bool
 
@@ -82,11 +82,17 @@ class _Projection:
             y = q4_matvec_bits(x, *tensors[:3], out_features)
         elif self.kind == "q8":
             y = q8_matvec_bits(x, *tensors[:2], out_features)
+        elif self.kind == "q8_offset":
+            y = q8_offset_matvec_bits(x, *tensors[:3], out_features)
         else:
             y = F.linear(x, tensors[0])
         if self.has_bias:
             y = y + tensors[-1]
         return list(y.split(self.sizes)) if len(self.sizes) > 1 else [y]
+
+
+# Tensors each kind of product takes (before a bias): word bits, scale (and offset) packed; a weight.
+_TENSORS = {"q4": 3, "q8_offset": 3, "q8": 2, "dense": 1}
 
 
 def _projections(*linears: nn.Module) -> list[tuple[_Projection, Tensors]]:
@@ -115,9 +121,12 @@ def _projections(*linears: nn.Module) -> list[tuple[_Projection, Tensors]]:
     return out
 
 
-def _packed(packed: PackedQ4 | PackedQ8, biases: list, sizes: tuple[int, ...]) -> tuple[_Projection, Tensors]:
-    if isinstance(packed, PackedQ4):
-        return _with_bias("q4", (word_bits(packed.words), packed.scale, packed.offset), biases, sizes)
+def _packed(
+    packed: PackedQ4 | PackedQ8 | PackedQ8Offset, biases: list, sizes: tuple[int, ...]
+) -> tuple[_Projection, Tensors]:
+    if isinstance(packed, PackedQ4 | PackedQ8Offset):
+        kind = "q4" if isinstance(packed, PackedQ4) else "q8_offset"
+        return _with_bias(kind, (word_bits(packed.words), packed.scale, packed.offset), biases, sizes)
     return _with_bias("q8", (word_bits(packed.words), packed.scale), biases, sizes)
 
 
@@ -187,7 +196,7 @@ def _unflatten(plan: _LayerPlan, flat: Sequence[torch.Tensor]) -> _LayerTensors:
     def take(products: tuple[_Projection, ...]) -> tuple[Tensors, ...]:
         out = []
         for product in products:
-            count = (3 if product.kind == "q4" else 2 if product.kind == "q8" else 1) + product.has_bias
+            count = _TENSORS[product.kind] + product.has_bias
             out.append(tuple(flat[:count]))
             del flat[:count]
         return tuple(out)

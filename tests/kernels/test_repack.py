@@ -1,4 +1,4 @@
-"""Q4_K / Q6_K / Q5_0 blocks repacked for the compiled matvecs, against gguf's numpy dequantizer (bit
+"""Q4_K / Q5_K / Q6_K / Q5_0 blocks repacked for the compiled matvecs, against gguf's numpy dequantizer (bit
 for bit) and a float64 matvec on it: random blocks, and the real tensors of Gemma 3 270M Q4_K_M."""
 
 from pathlib import Path
@@ -11,13 +11,19 @@ import torch
 from bubo.gguf import GGUFFile
 from bubo.kernels import codes
 from bubo.kernels.q4_matvec import PackedQ4
-from bubo.kernels.q8_matvec import PackedQ8
+from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset
 from bubo.kernels.repack import REPACKABLE, repack
 from tests.kernels.k_blocks import random_blocks
 
 Q = gguf.GGMLQuantizationType
 
-LAYOUT = {Q.Q4_K: PackedQ4, Q.Q6_K: PackedQ8, Q.Q5_0: PackedQ8}
+LAYOUT = {
+    Q.Q4_K: PackedQ4,
+    Q.Q5_K: PackedQ8Offset,
+    Q.Q6_K: PackedQ8,
+    Q.Q5_0: PackedQ8,
+    Q.Q5_1: PackedQ8Offset,
+}
 
 
 def _assert_unpacks_exactly(raw: np.ndarray, qtype: Q) -> None:
@@ -56,8 +62,8 @@ def test_packing_in_row_steps_matches_the_blocks(qtype: Q, monkeypatch: pytest.M
 
 
 def test_rejects_other_types() -> None:
-    with pytest.raises(ValueError, match="no repacking for Q5_K"):
-        repack(torch.zeros(2, 176, dtype=torch.uint8), Q.Q5_K)
+    with pytest.raises(ValueError, match="no repacking for Q3_K"):
+        repack(torch.zeros(2, 110, dtype=torch.uint8), Q.Q3_K)
 
 
 def test_real_k_quant_tensors_unpack_exactly(gemma3_path: Path) -> None:
