@@ -6,7 +6,7 @@ where byte s of words[t, b, w, i] (little end first) is the signed code of weigh
 code * scale. Q8_0 has 8 words (32 weights) a block, its bytes as in the file; other types whose
 weights are a signed code of at most 8 bits times a per-block scale are repacked into it
 (bubo/kernels/repack.py: Q5_0, Q6_K with blocks of 4 words). `PackedQ8Offset` adds a per-block offset,
-weight = code * scale + offset, for codes with a per-block minimum (Q5_K).
+weight = code * scale + offset, for codes with a per-block minimum (Q5_K, Q5_1).
 """
 
 from dataclasses import dataclass
