@@ -12,15 +12,18 @@ own, at 3 ops a layer.
 
 The weights are inputs of the compiled graphs, not constants, so every layer with the same shapes runs
 the same compiled segment: three compiles (entering the first layer, between layers, the head) for a
-model whose layers are alike. The eager model (bubo/model/decoder.py) stays the reference; the
+model whose layers are alike, one more for each other pair of neighbouring layer formats (a Q4_K_M
+file mixes Q4_K and Q6_K down projections: four between-layer graphs). The eager model (bubo/model/decoder.py) stays the reference; the
 segments compute its float32 math op for op, and tests/engine/test_compiled_decode.py holds them to it.
 
 Covered: dense transformer layers (llama, qwen2, qwen3: biases, q/k norms) in float32 whose projections
-are repacked Q4/Q8 blocks (`QuantizedLinear.packed`) or float weights. Anything else (a hybrid's DeltaNet
+are repacked blocks (`QuantizedLinear.packed`: Q4_0/Q4_1/Q4_K as PackedQ4, Q8_0/Q5_0/Q6_K as
+PackedQ8, Q5_K as PackedQ8Offset) or float weights. Anything else (a hybrid's DeltaNet
 or gated attention, a mixture of experts, qwen4exp, another compute dtype, a weight format the matvecs
 don't read) keeps the eager step: `decode_step_for` says None and logs why once.
 """
 
+import itertools
 import logging
 import os
 import time
@@ -38,7 +41,7 @@ from bubo.gguf.config import RopeStyle
 from bubo.kernels.codes import word_bits
 from bubo.kernels.compiled import StaticKernel
 from bubo.kernels.q4_matvec import PackedQ4, q4_matvec_bits
-from bubo.kernels.q8_matvec import PackedQ8, q8_matvec_bits
+from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset, q8_matvec_bits, q8_offset_matvec_bits
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DecoderLayer
 from bubo.model.layers import MLP, RMSNorm, apply_rotary, rms_norm
@@ -66,7 +69,7 @@ class _Projection:
     format, the widths of the members (split from one output), and whether a bias is added. The
     tensors are passed in at each call: [word bits, scale(, offset)] packed, or [weight] float (+ bias)."""
 
-    kind: str  # "q4", "q8" or "dense"
+    kind: str  # "q4", "q8", "q8_offset" or "dense"
     sizes: tuple[int, ...]
     has_bias: bool
 
@@ -79,11 +82,17 @@ class _Projection:
             y = q4_matvec_bits(x, *tensors[:3], out_features)
         elif self.kind == "q8":
             y = q8_matvec_bits(x, *tensors[:2], out_features)
+        elif self.kind == "q8_offset":
+            y = q8_offset_matvec_bits(x, *tensors[:3], out_features)
         else:
             y = F.linear(x, tensors[0])
         if self.has_bias:
             y = y + tensors[-1]
         return list(y.split(self.sizes)) if len(self.sizes) > 1 else [y]
+
+
+# Tensors each kind of product takes (before a bias): word bits, scale (and offset) packed; a weight.
+_TENSORS = {"q4": 3, "q8_offset": 3, "q8": 2, "dense": 1}
 
 
 def _projections(*linears: nn.Module) -> list[tuple[_Projection, Tensors]]:
@@ -112,9 +121,12 @@ def _projections(*linears: nn.Module) -> list[tuple[_Projection, Tensors]]:
     return out
 
 
-def _packed(packed: PackedQ4 | PackedQ8, biases: list, sizes: tuple[int, ...]) -> tuple[_Projection, Tensors]:
-    if isinstance(packed, PackedQ4):
-        return _with_bias("q4", (word_bits(packed.words), packed.scale, packed.offset), biases, sizes)
+def _packed(
+    packed: PackedQ4 | PackedQ8 | PackedQ8Offset, biases: list, sizes: tuple[int, ...]
+) -> tuple[_Projection, Tensors]:
+    if isinstance(packed, PackedQ4 | PackedQ8Offset):
+        kind = "q4" if isinstance(packed, PackedQ4) else "q8_offset"
+        return _with_bias(kind, (word_bits(packed.words), packed.scale, packed.offset), biases, sizes)
     return _with_bias("q8", (word_bits(packed.words), packed.scale), biases, sizes)
 
 
@@ -184,7 +196,7 @@ def _unflatten(plan: _LayerPlan, flat: Sequence[torch.Tensor]) -> _LayerTensors:
     def take(products: tuple[_Projection, ...]) -> tuple[Tensors, ...]:
         out = []
         for product in products:
-            count = (3 if product.kind == "q4" else 2 if product.kind == "q8" else 1) + product.has_bias
+            count = _TENSORS[product.kind] + product.has_bias
             out.append(tuple(flat[:count]))
             del flat[:count]
         return tuple(out)
@@ -258,6 +270,42 @@ def _leave(plan: _LayerPlan, w: _LayerTensors, x: torch.Tensor, attended: torch.
     return x + down
 
 
+# Layers whose projections differ in format (a Q4_K_M file's ffn_down is Q4_K in some layers and Q6_K
+# in others) run different graphs, one per pair of neighbouring formats: a bound on the compiles.
+MAX_BETWEEN_GRAPHS = 8
+
+
+def _enter_graph(plan: _LayerPlan) -> Callable[..., Tensors]:
+    def enter(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *layer: torch.Tensor) -> Tensors:
+        return _enter(plan, _unflatten(plan, layer), x, cos, sin)
+
+    return StaticKernel(enter, fused=True)  # type: ignore[arg-type,return-value]
+
+
+def _between_graph(plan: _LayerPlan, following: _LayerPlan, count: int) -> Callable[..., Tensors]:
+    """The graph from one layer's attention (`plan`, `count` tensors) to the next one's (`following`)."""
+
+    def between(
+        x: torch.Tensor, attended: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *layers: torch.Tensor
+    ) -> Tensors:
+        x = _leave(plan, _unflatten(plan, layers[:count]), x, attended)
+        return (x, *_enter(following, _unflatten(following, layers[count:]), x, cos, sin))
+
+    return StaticKernel(between, fused=True)  # type: ignore[arg-type,return-value]
+
+
+def _finish_graph(plan: _LayerPlan, count: int, head: _Projection, eps: float) -> Callable[..., torch.Tensor]:
+    """The graph from the last layer's attention to the logits; its inputs end with the final norm's
+    weight and the head's tensors."""
+
+    def finish(x: torch.Tensor, attended: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        x = _leave(plan, _unflatten(plan, tensors[:count]), x, attended)
+        (logits,) = head(rms_norm(x, tensors[count], eps), tensors[count + 1 :])
+        return logits.float()
+
+    return StaticKernel(finish, fused=True)
+
+
 class CompiledDecodeStep:
     """`step(token, cache)` -> float32 logits [vocab] of the next position, as `model(token.view(1, 1),
     cache)[0, -1]` computes them, for a single-sequence KVCache (the cache advances by one)."""
@@ -269,41 +317,22 @@ class CompiledDecodeStep:
             raise UnsupportedModelError("a final norm other than RMSNorm")
         self.model = model
         planned = [_plan_layer(layer) for layer in model.layers]
-        plans = {plan for plan, _ in planned}
-        if len(plans) != 1:
-            raise UnsupportedModelError("layers of different shapes")
-        self.plan = plan = plans.pop()
         self.layers = [tensors.flat() for _, tensors in planned]
         self.layer_slots = [layer.attention.layer_index for layer in model.layers]
-        (self.head_plan, self.head_tensors) = _projections(model.output)[0]
-        self.final_norm = (model.norm.weight, model.norm.eps)
-        per_layer = len(self.layers[0])
-
-        def enter(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *layer: torch.Tensor) -> Tensors:
-            return _enter(plan, _unflatten(plan, layer), x, cos, sin)
-
-        def between(
-            x: torch.Tensor,
-            attended: torch.Tensor,
-            cos: torch.Tensor,
-            sin: torch.Tensor,
-            *layers: torch.Tensor,
-        ) -> Tensors:
-            x = _leave(plan, _unflatten(plan, layers[:per_layer]), x, attended)
-            return (x, *_enter(plan, _unflatten(plan, layers[per_layer:]), x, cos, sin))
-
-        head_plan, (norm_weight, eps) = self.head_plan, self.final_norm
-
-        def finish(x: torch.Tensor, attended: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-            x = _leave(plan, _unflatten(plan, tensors[:per_layer]), x, attended)
-            (logits,) = head_plan(rms_norm(x, tensors[per_layer], eps), tensors[per_layer + 1 :])
-            return logits.float()
-
+        plans = [plan for plan, _ in planned]
+        (head_plan, self.head_tensors) = _projections(model.output)[0]
+        self._norm_weight = model.norm.weight
         # The graphs are compiled on their first call (or `warm_up`), once per distinct set of shapes.
-        self._enter: Callable[..., Tensors] = StaticKernel(enter, fused=True)  # type: ignore[arg-type]
-        self._between: Callable[..., Tensors] = StaticKernel(between, fused=True)  # type: ignore[arg-type]
-        self._finish = StaticKernel(finish, fused=True)
-        self._norm_weight = norm_weight
+        self._enter = _enter_graph(plans[0])
+        between: dict[tuple[_LayerPlan, _LayerPlan], Callable[..., Tensors]] = {}
+        self._between: list[Callable[..., Tensors]] = []
+        for i, (plan, following) in enumerate(itertools.pairwise(plans)):
+            if (plan, following) not in between:
+                between[plan, following] = _between_graph(plan, following, len(self.layers[i]))
+            self._between.append(between[plan, following])
+        if len(between) > MAX_BETWEEN_GRAPHS:
+            raise UnsupportedModelError(f"{len(between)} kinds of layer boundary, each a graph to compile")
+        self._finish = _finish_graph(plans[-1], len(self.layers[-1]), head_plan, model.norm.eps)
 
     def __call__(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
         model, start = self.model, cache.length
@@ -316,7 +345,7 @@ class CompiledDecodeStep:
             keys, values = cache.update(slot, k, v)
             attended = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
             if i < last:
-                x, q, k, v = self._between(x, attended, cos, sin, *self.layers[i], *self.layers[i + 1])
+                x, q, k, v = self._between[i](x, attended, cos, sin, *self.layers[i], *self.layers[i + 1])
             else:
                 logits = self._finish(x, attended, *self.layers[i], self._norm_weight, *self.head_tensors)
         cache.advance(1)

@@ -9,9 +9,10 @@ Layout (made by `pack_q4`, same bytes as the file's blocks, tiled as bubo/kernel
 `words` int32 [tiles, blocks, 4, TILE], where nibble s of words[t, b, w, i] is the code of weight
 32b + 8w + s of output row t * TILE + i; `scale` and `offset` float32 [tiles, blocks, TILE], so that
 weight = code * scale + offset. Q4_1 stores exactly that (d, m); Q4_0 stores w = d * (code - 8),
-i.e. offset = -8d, exact in float32. Output rows are innermost so that every load is a full-width
-vector; inductor's CPU code generator falls back to slow partial loads for 8-wide uint8 vectors,
-which is why the codes travel as int32 words.
+i.e. offset = -8d, exact in float32 (Q4_K is repacked into the same layout: bubo/kernels/repack.py).
+Output rows are innermost so that every load is a full-width vector; inductor's CPU code generator
+falls back to slow partial loads for 8-wide uint8 vectors, which is why the codes travel as int32
+words.
 """
 
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from bubo.kernels.compiled import StaticKernel
 __all__ = [
     "PACKABLE_Q4",
     "PackedQ4",
+    "nibble_words",
     "pack_q4",
     "q4_matvec",
     "q4_matvec_bits",
@@ -68,10 +70,7 @@ def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
         part = blocks[start:stop]
         halves = part[..., header:]
         # A block's byte j holds weight j (low nibble) and weight j + 16 (high nibble).
-        codes = torch.cat((halves & 0x0F, halves >> 4), dim=-1).to(torch.int32).view(*part.shape[:2], 4, 8)
-        words = torch.zeros(codes.shape[:3], dtype=torch.int32)
-        for s in range(_NIBBLES):
-            words |= codes[..., s] << (4 * s)
+        words = nibble_words(torch.cat((halves & 0x0F, halves >> 4), dim=-1))
         fields = part[..., :header].contiguous().view(torch.float16).to(torch.float32)
         scale = fields[..., 0]
         offset = -8 * scale if ggml_type == GGMLQuantizationType.Q4_0 else fields[..., 1]
@@ -79,6 +78,15 @@ def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
 
     words, scale, offset = tiled_by_rows(out_features, rows)
     return PackedQ4(words, scale, offset, out_features)
+
+
+def nibble_words(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (any integer dtype) [..., 32] of weights in order -> their int32 words [..., 4]."""
+    codes = codes.to(torch.int32).view(*codes.shape[:-1], _WORDS, _NIBBLES)
+    words = torch.zeros(codes.shape[:-1], dtype=torch.int32)
+    for s in range(_NIBBLES):
+        words |= codes[..., s] << (4 * s)
+    return words
 
 
 def q4_unpack(packed: PackedQ4, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """Matrix-vector products on Q8_0 weights, repacked once into 32-bit words, fused by inductor.
 
-The Q8_0 sibling of `q4_matvec` (see there for why): `words` int32 [tiles, blocks, 8, TILE], where
-byte s of words[t, b, w, i] (little end first) is the signed code of weight 32b + 4w + s of output
-row t * TILE + i; `scale` float32 [tiles, blocks, TILE]; weight = code * scale, as in the file. Same
-bytes as the blocks.
+The Q8_0 sibling of `q4_matvec` (see there for why): `words` int32 [tiles, blocks, words, TILE],
+where byte s of words[t, b, w, i] (little end first) is the signed code of weight
+4 * words * b + 4w + s of output row t * TILE + i; `scale` float32 [tiles, blocks, TILE]; weight =
+code * scale. Q8_0 has 8 words (32 weights) a block, its bytes as in the file; other types whose
+weights are a signed code of at most 8 bits times a per-block scale are repacked into it
+(bubo/kernels/repack.py: Q5_0, Q6_K with blocks of 4 words). `PackedQ8Offset` adds a per-block offset,
+weight = code * scale + offset, for codes with a per-block minimum (Q5_K, Q5_1).
 """
 
 from dataclasses import dataclass
@@ -15,27 +18,56 @@ from bubo.gguf.quants import dequantize
 from bubo.kernels.codes import from_tiles, pairwise_sum, tiled_by_rows, word_bits
 from bubo.kernels.compiled import StaticKernel
 
-__all__ = ["PackedQ8", "pack_q8", "q8_matvec", "q8_matvec_bits", "q8_matvec_reference", "q8_unpack"]
+__all__ = [
+    "PackedQ8",
+    "PackedQ8Offset",
+    "pack_q8",
+    "q8_matvec",
+    "q8_matvec_bits",
+    "q8_matvec_reference",
+    "q8_offset_matvec_bits",
+    "q8_unpack",
+]
 
 _BYTES = 4  # per int32 word
-_WORDS = 8  # per 32-weight block
 
 
 @dataclass(frozen=True)
 class PackedQ8:
-    words: torch.Tensor  # int32 [tiles, blocks, 8, TILE]
+    words: torch.Tensor  # int32 [tiles, blocks, words, TILE]
     scale: torch.Tensor  # float32 [tiles, blocks, TILE]
     out_features: int
 
     @property
     def in_features(self) -> int:
-        return self.words.shape[1] * _WORDS * _BYTES
+        return self.words.shape[1] * self.words.shape[2] * _BYTES
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         return q8_matvec(x, self)
 
     def unpack(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         return q8_unpack(self, start, stop, out)
+
+
+@dataclass(frozen=True)
+class PackedQ8Offset:
+    words: torch.Tensor  # int32 [tiles, blocks, words, TILE]
+    scale: torch.Tensor  # float32 [tiles, blocks, TILE]
+    offset: torch.Tensor  # float32 [tiles, blocks, TILE]
+    out_features: int
+
+    @property
+    def in_features(self) -> int:
+        return self.words.shape[1] * self.words.shape[2] * _BYTES
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        return q8_offset_matvec_bits(x, word_bits(self.words), self.scale, self.offset, self.out_features)
+
+    def unpack(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        weight_t = q8_unpack(self, start, stop, out)
+        blocks, block = self.words.shape[1], self.in_features // self.words.shape[1]
+        weight_t.view(blocks, block, -1).add_(from_tiles(self.offset, start, stop)[:, None])
+        return weight_t
 
 
 def pack_q8(raw: torch.Tensor) -> PackedQ8:
@@ -59,10 +91,12 @@ def _codes(words: torch.Tensor) -> list[torch.Tensor]:
     return [((words << (24 - 8 * s)) >> 24).to(torch.float32) for s in range(_BYTES)]
 
 
-def q8_unpack(packed: PackedQ8, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def q8_unpack(
+    packed: PackedQ8 | PackedQ8Offset, start: int, stop: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls),
     written into `out` (float32, at least that many values) when given (see q4_unpack)."""
-    words = from_tiles(packed.words, start, stop)  # [blocks, 8, n]
+    words = from_tiles(packed.words, start, stop)  # [blocks, words, n]
     n = stop - start
     size = packed.in_features * n
     codes = (torch.empty(size) if out is None else out[:size]).view(*words.shape[:2], _BYTES, n)
@@ -72,19 +106,33 @@ def q8_unpack(packed: PackedQ8, start: int, stop: int, out: torch.Tensor | None 
     return codes.view(packed.in_features, n)
 
 
-def _matvec(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    # sum_b scale[b] * (x_b . codes_b): the inner dot product runs on codes alone, as one reduction over
-    # blocks expanding a block's 32 codes in its body (see q4_matvec).
-    words = bits.view(torch.int32)
-    xr = x.view(words.shape[1], _WORDS, _BYTES)
+def _block_dots(x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """x_b . codes_b for every block b of every row: [tiles, blocks, TILE]. One reduction over blocks
+    expanding a block's codes in its body (see q4_matvec)."""
+    xr = x.view(words.shape[1], words.shape[2], _BYTES)
     terms = []
-    for w in range(_WORDS):
+    for w in range(words.shape[2]):
         for s, codes in enumerate(_codes(words[:, :, w])):
             terms.append(xr[None, :, w, s, None] * codes)
-    return (pairwise_sum(terms) * scale).sum(1).view(-1)
+    return pairwise_sum(terms)
+
+
+def _matvec(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # sum_b scale[b] * (x_b . codes_b): the inner dot product runs on codes alone.
+    return (_block_dots(x, bits.view(torch.int32)) * scale).sum(1).view(-1)
+
+
+def _offset_matvec(
+    x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+) -> torch.Tensor:
+    # sum_b scale[b] * (x_b . codes_b) + offset[b] * sum(x_b)
+    words = bits.view(torch.int32)
+    block_sums = x.view(1, words.shape[1], 1, -1).sum(-1)
+    return (_block_dots(x, words) * scale + block_sums * offset).sum(1).view(-1)
 
 
 _compiled_matvec = StaticKernel(_matvec, fused=True)
+_compiled_offset_matvec = StaticKernel(_offset_matvec, fused=True)
 
 
 def q8_matvec(x: torch.Tensor, packed: PackedQ8) -> torch.Tensor:
@@ -97,6 +145,14 @@ def q8_matvec_bits(
 ) -> torch.Tensor:
     """`q8_matvec` on the packed tensors, the words as their float32 bits (see q4_matvec_bits)."""
     out = _compiled_matvec(x, bits, scale)
+    return out if out.shape[0] == out_features else out[:out_features]
+
+
+def q8_offset_matvec_bits(
+    x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """The matvec of a PackedQ8Offset on its tensors, the words as their float32 bits (see q4_matvec_bits)."""
+    out = _compiled_offset_matvec(x, bits, scale, offset)
     return out if out.shape[0] == out_features else out[:out_features]
 
 

@@ -4,8 +4,8 @@
 map, so loading copies nothing. Every row holds whole blocks, so rows can be indexed before
 dequantizing: the embedding lookup dequantizes only the looked-up rows.
 
-On the CPU, Q4_0 / Q4_1 / Q8_0 matrices are also repacked at load (same bytes, see
-bubo/kernels/): a single row (decode) goes through a compiled matvec that reads the codes
+On the CPU, Q4_0 / Q4_1 / Q8_0 matrices are also repacked at load (same bytes, see bubo/kernels/), and
+Q4_K / Q5_K / Q6_K / Q5_0 (the types of Q4_K_M and Q5_K_M files) into those layouts (bubo/kernels/repack.py): a single row (decode) goes through a compiled matvec that reads the codes
 directly; several rows (prefill) multiply float32 column chunks unpacked from the repacked words.
 
 On CUDA (with triton installed, BUBO_TRITON not 0) the product runs in the Triton kernels of
@@ -23,7 +23,8 @@ from torch import nn
 from bubo.gguf.quants import block_size, dequantize, type_size
 from bubo.kernels.codes import TILE, concat_tiled, slice_tiled
 from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4
-from bubo.kernels.q8_matvec import PackedQ8, pack_q8
+from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset, pack_q8
+from bubo.kernels.repack import REPACKABLE, repack
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
 
 __all__ = [
@@ -49,7 +50,9 @@ MIN_PACKED_WEIGHTS = 1 << 16
 MATVEC_ROWS = 8
 
 
-def pack_for_cpu(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4 | PackedQ8 | None:
+def pack_for_cpu(
+    raw: torch.Tensor, ggml_type: GGMLQuantizationType
+) -> PackedQ4 | PackedQ8 | PackedQ8Offset | None:
     """The repacked form of a CPU weight the compiled matvec handles, else None."""
     weights = raw.shape[0] * (raw.shape[1] // type_size(ggml_type)) * block_size(ggml_type)
     if raw.device.type != "cpu" or weights < MIN_PACKED_WEIGHTS:
@@ -58,6 +61,8 @@ def pack_for_cpu(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4
         return pack_q4(raw, ggml_type)
     if ggml_type == GGMLQuantizationType.Q8_0:
         return pack_q8(raw)
+    if ggml_type in REPACKABLE:
+        return repack(raw, ggml_type)
     return None
 
 
@@ -163,7 +168,7 @@ class RowGroup:
     """Projections of one input whose packed rows are stored as one matrix (`group_rows`): a decode step
     runs them as one matvec, which costs less than several smaller ones (one kernel call, longer loops)."""
 
-    packed: PackedQ4 | PackedQ8
+    packed: PackedQ4 | PackedQ8 | PackedQ8Offset
     members: tuple[int, ...]  # id() of each member QuantizedLinear, in row order
     sizes: tuple[int, ...]
 
@@ -176,7 +181,8 @@ def group_rows(*linears: nn.Module) -> None:
     if len(members) < 2 or len(members) != len(linears):
         return
     parts = [m.packed for m in members]
-    if len({type(p) for p in parts}) != 1 or len({m.in_features for m in members}) != 1:
+    # The same layout: one type, and blocks of as many words (Q6_K's PackedQ8 blocks are half Q8_0's).
+    if len({(type(p), p.words.shape[2:]) for p in parts}) != 1 or len({m.in_features for m in members}) != 1:
         return
     if any(p.out_features % TILE for p in parts):
         return

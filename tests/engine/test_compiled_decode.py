@@ -26,16 +26,19 @@ from tests.model.test_decoder import CASES
 LOGIT_TOLERANCE = 1e-4
 STEPS = 8
 
-# Every matrix Q4_0 or Q8_0 (packed once the threshold allows it), one float: no row groups.
+# Every matrix Q4_0, Q5_0, Q5_1 or Q8_0 (packed once the threshold allows it: PackedQ4, PackedQ8 and
+# PackedQ8Offset), one float: no row groups. The down projection's format differs between the layers (as
+# a Q4_K_M file's: Q4_K or Q6_K), so the step runs a graph per pair of neighbouring formats.
 _MIXED = {
     "token_embd.weight": Q.Q8_0,
     "output.weight": Q.Q8_0,
     "blk.*.attn_q.weight": Q.Q4_0,
-    "blk.*.attn_k.weight": Q.Q8_0,
+    "blk.*.attn_k.weight": Q.Q5_0,
     "blk.*.attn_v.weight": Q.F16,
-    "blk.*.attn_output.weight": Q.Q4_1,
+    "blk.*.attn_output.weight": Q.Q5_1,
     "blk.*.ffn_gate.weight": Q.Q4_0,
     "blk.*.ffn_up.weight": Q.Q4_0,
+    "blk.0.ffn_down.weight": Q.Q4_0,
     "blk.*.ffn_down.weight": Q.Q8_0,
 }
 
@@ -79,6 +82,7 @@ def test_packed_quantized_projections_match_the_eager_step(
     model = _model("qwen2-bias", tmp_path / "mixed.gguf", quantize=_MIXED)
     q_proj = model.layers[0].attention.q_proj
     assert isinstance(q_proj, quantized_linear.QuantizedLinear) and q_proj.packed is not None
+    assert [type(layer.mlp.down.packed).__name__ for layer in model.layers] == ["PackedQ4", "PackedQ8"]
     _compare(model, CompiledDecodeStep(model))
 
 

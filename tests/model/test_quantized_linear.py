@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from bubo.model import quantized_linear
 from bubo.model.quantized_linear import QuantizedLinear, group_rows, project_rows
+from tests.kernels.k_blocks import random_blocks
 
 Q = gguf.GGMLQuantizationType
 
@@ -60,8 +61,8 @@ def test_repacked_forward_matches_float64_reference(
 def test_small_and_other_types_keep_the_dequantizing_path() -> None:
     raw = gguf.quants.quantize(np.ones((8, 256), dtype=np.float32), Q.Q4_1)
     assert QuantizedLinear(torch.from_numpy(raw), Q.Q4_1, 256).packed is None  # below MIN_PACKED_WEIGHTS
-    raw = torch.zeros(512, 210, dtype=torch.uint8)  # one Q6_K block a row (gguf can't quantize to it)
-    assert QuantizedLinear(raw, Q.Q6_K, 256).packed is None
+    raw = torch.zeros(512, 110, dtype=torch.uint8)  # one Q3_K block a row: a type not repacked
+    assert QuantizedLinear(raw, Q.Q3_K, 256).packed is None
 
 
 def _projection(qtype: Q, out_features: int, seed: int, bias: bool) -> tuple[QuantizedLinear, torch.Tensor]:
@@ -108,3 +109,48 @@ def test_rows_that_do_not_fill_tiles_stay_apart(monkeypatch) -> None:
         got = project_rows(x, *layers)
     for out, (layer, weight) in zip(got, parts, strict=True):
         torch.testing.assert_close(out.double(), _expected(x, layer, weight), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1])
+@pytest.mark.parametrize("rows", [1, 11])  # a compiled matvec; unpacked column chunks for a GEMM
+def test_repacked_k_quants_match_float64_reference(monkeypatch, qtype: Q, rows: int) -> None:
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    monkeypatch.setattr(quantized_linear, "CHUNK_VALUES", 256 * 24)  # 16 or 24 columns a chunk, of 40
+    raw = random_blocks(qtype, 40, 256, seed=5)
+    weight = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float64))
+    layer = QuantizedLinear(torch.from_numpy(raw), qtype, 256)
+    assert layer.packed is not None
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        got = layer(x)
+    torch.testing.assert_close(got.double(), x.double() @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+def _random_projection(qtype: Q, out_features: int, seed: int) -> tuple[QuantizedLinear, torch.Tensor]:
+    raw = random_blocks(qtype, out_features, 256, seed)
+    weight = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float64))
+    return QuantizedLinear(torch.from_numpy(raw), qtype, 256), weight
+
+
+def test_q5_0_groups_with_q8_0(monkeypatch) -> None:
+    # Q4_K_M's q/k/v: Q5_0 with a Q8_0 v in some layers; both are PackedQ8 with blocks of 8 words.
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    parts = [
+        _random_projection(qtype, n, seed) for seed, (qtype, n) in enumerate(((Q.Q5_0, 32), (Q.Q8_0, 16)))
+    ]
+    layers = [layer for layer, _ in parts]
+    group_rows(*layers)
+    assert all(layer.group is not None for layer in layers)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        got = project_rows(x, *layers)
+    for out, (_, weight) in zip(got, parts, strict=True):
+        torch.testing.assert_close(out.double(), x.double() @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+def test_blocks_of_other_sizes_stay_apart(monkeypatch) -> None:
+    # Q6_K's PackedQ8 blocks hold 16 weights, Q8_0's 32: not one matrix.
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    layers = [_random_projection(qtype, 16, seed)[0] for seed, qtype in enumerate((Q.Q6_K, Q.Q8_0))]
+    group_rows(*layers)
+    assert all(layer.group is None for layer in layers)

@@ -1,0 +1,80 @@
+"""Q4_K / Q5_K / Q6_K / Q5_0 blocks repacked for the compiled matvecs, against gguf's numpy dequantizer (bit
+for bit) and a float64 matvec on it: random blocks, and the real tensors of Gemma 3 270M Q4_K_M."""
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from bubo.gguf import GGUFFile
+from bubo.kernels import codes
+from bubo.kernels.q4_matvec import PackedQ4
+from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset
+from bubo.kernels.repack import REPACKABLE, repack
+from tests.kernels.k_blocks import random_blocks
+
+Q = gguf.GGMLQuantizationType
+
+LAYOUT = {
+    Q.Q4_K: PackedQ4,
+    Q.Q5_K: PackedQ8Offset,
+    Q.Q6_K: PackedQ8,
+    Q.Q5_0: PackedQ8,
+    Q.Q5_1: PackedQ8Offset,
+}
+
+
+def _assert_unpacks_exactly(raw: np.ndarray, qtype: Q) -> None:
+    packed = repack(torch.from_numpy(raw), qtype)
+    assert isinstance(packed, LAYOUT[qtype])
+    weight = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    rows = raw.shape[0]
+    assert packed.out_features == rows and packed.in_features == weight.shape[1]
+    assert torch.equal(packed.unpack(0, rows).T, weight)
+    assert torch.equal(packed.unpack(3, rows - 2).T, weight[3 : rows - 2])
+
+
+@pytest.mark.parametrize("qtype", list(REPACKABLE))
+def test_unpack_is_bit_exact(qtype: Q) -> None:
+    _assert_unpacks_exactly(random_blocks(qtype, 2 * codes.TILE + 3, 512, seed=1), qtype)
+
+
+# One compiled shape per layout: 19 rows (a padded last tile), two super-blocks a row.
+@pytest.mark.parametrize("qtype", list(REPACKABLE))
+def test_matvec_matches_float64_reference(qtype: Q) -> None:
+    raw = random_blocks(qtype, 19, 512, seed=2)
+    packed = repack(torch.from_numpy(raw), qtype)
+    x = torch.randn(512, generator=torch.Generator().manual_seed(3))
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float64)) @ x.double()
+    with torch.inference_mode():
+        got = packed.matvec(x)
+    assert got.shape == (19,)
+    # float32 sums of 512 products in another order than float64's: a few ulps of |y| (up to ~100).
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", list(REPACKABLE))
+def test_packing_in_row_steps_matches_the_blocks(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codes, "PACK_ROWS", 2 * codes.TILE)
+    _assert_unpacks_exactly(random_blocks(qtype, 5 * codes.TILE + 3, 256, seed=4), qtype)
+
+
+def test_rejects_other_types() -> None:
+    with pytest.raises(ValueError, match="no repacking for Q3_K"):
+        repack(torch.zeros(2, 110, dtype=torch.uint8), Q.Q3_K)
+
+
+def test_real_k_quant_tensors_unpack_exactly(gemma3_path: Path) -> None:
+    # Layer 0 of Gemma 3 270M Q4_K_M: attn_output Q4_K, ffn_down Q6_K, attn_q Q5_0 (trained weights).
+    names = {
+        Q.Q4_K: "blk.0.attn_output.weight",
+        Q.Q6_K: "blk.0.ffn_down.weight",
+        Q.Q5_0: "blk.0.attn_q.weight",
+    }
+    with GGUFFile(gemma3_path) as model:
+        for qtype, name in names.items():
+            tensor = model.tensors[name]
+            assert tensor.ggml_type == qtype, name
+            _assert_unpacks_exactly(tensor.raw.numpy().reshape(tensor.shape[0], -1), qtype)
