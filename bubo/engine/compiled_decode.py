@@ -97,15 +97,11 @@ _TENSORS = {"q4": 3, "q8_offset": 3, "q8": 2, "dense": 1}
 
 def _projections(*linears: nn.Module) -> list[tuple[_Projection, Tensors]]:
     """The products that compute `linears` (one input), each with its tensors: one when they are a
-    packed row group (or float weights, stacked here), else one per member."""
+    packed row group, else one per member (float weights are used as they are: stacking them would
+    copy them)."""
     group = getattr(linears[0], "group", None)
     if group is not None and group.members == tuple(id(m) for m in linears):
         return [_packed(group.packed, [m.bias for m in linears], group.sizes)]
-    if all(isinstance(m, nn.Linear) for m in linears):
-        weight = torch.cat([m.weight for m in linears])
-        biases = [m.bias for m in linears]
-        sizes = tuple(m.out_features for m in linears)
-        return [_with_bias("dense", (weight,), biases, sizes)]
     out = []
     for m in linears:
         if isinstance(m, QuantizedLinear) and m.packed is not None:
