@@ -30,6 +30,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -271,14 +272,14 @@ def _leave(plan: _LayerPlan, w: _LayerTensors, x: torch.Tensor, attended: torch.
 MAX_BETWEEN_GRAPHS = 8
 
 
-def _enter_graph(plan: _LayerPlan) -> Callable[..., Tensors]:
+def _enter_graph(plan: _LayerPlan) -> StaticKernel:
     def enter(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *layer: torch.Tensor) -> Tensors:
         return _enter(plan, _unflatten(plan, layer), x, cos, sin)
 
-    return StaticKernel(enter, fused=True)  # type: ignore[arg-type,return-value]
+    return StaticKernel(enter, fused=True)  # type: ignore[arg-type]
 
 
-def _between_graph(plan: _LayerPlan, following: _LayerPlan, count: int) -> Callable[..., Tensors]:
+def _between_graph(plan: _LayerPlan, following: _LayerPlan, count: int) -> StaticKernel:
     """The graph from one layer's attention (`plan`, `count` tensors) to the next one's (`following`)."""
 
     def between(
@@ -287,10 +288,10 @@ def _between_graph(plan: _LayerPlan, following: _LayerPlan, count: int) -> Calla
         x = _leave(plan, _unflatten(plan, layers[:count]), x, attended)
         return (x, *_enter(following, _unflatten(following, layers[count:]), x, cos, sin))
 
-    return StaticKernel(between, fused=True)  # type: ignore[arg-type,return-value]
+    return StaticKernel(between, fused=True)  # type: ignore[arg-type]
 
 
-def _finish_graph(plan: _LayerPlan, count: int, head: _Projection, eps: float) -> Callable[..., torch.Tensor]:
+def _finish_graph(plan: _LayerPlan, count: int, head: _Projection, eps: float) -> StaticKernel:
     """The graph from the last layer's attention to the logits; its inputs end with the final norm's
     weight and the head's tensors."""
 
@@ -320,8 +321,8 @@ class CompiledDecodeStep:
         self._norm_weight = model.norm.weight
         # The graphs are compiled on their first call (or `warm_up`), once per distinct set of shapes.
         self._enter = _enter_graph(plans[0])
-        between: dict[tuple[_LayerPlan, _LayerPlan], Callable[..., Tensors]] = {}
-        self._between: list[Callable[..., Tensors]] = []
+        between: dict[tuple[_LayerPlan, _LayerPlan], StaticKernel] = {}
+        self._between: list[StaticKernel] = []
         for i, (plan, following) in enumerate(itertools.pairwise(plans)):
             if (plan, following) not in between:
                 between[plan, following] = _between_graph(plan, following, len(self.layers[i]))
@@ -329,23 +330,36 @@ class CompiledDecodeStep:
         if len(between) > MAX_BETWEEN_GRAPHS:
             raise UnsupportedModelError(f"{len(between)} kinds of layer boundary, each a graph to compile")
         self._finish = _finish_graph(plans[-1], len(self.layers[-1]), head_plan, model.norm.eps)
+        self._kernels: dict[int, Callable[..., Any]] = {}
 
     def __call__(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
         model, start = self.model, cache.length
         positions = torch.arange(start + cache.rope_delta, start + cache.rope_delta + 1)
         cos, sin = model.rotary(positions, model.dtype)
         x = model.embedding(token.view(1)).view(-1)
-        q, k, v = self._enter(x, cos, sin, *self.layers[0])
+        q, k, v = self._run(0, self._enter, x, cos, sin, *self.layers[0])
         last = len(self.layers) - 1
         for i, slot in enumerate(self.layer_slots):
             keys, values = cache.update(slot, k, v)
             attended = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
             if i < last:
-                x, q, k, v = self._between[i](x, attended, cos, sin, *self.layers[i], *self.layers[i + 1])
+                x, q, k, v = self._run(
+                    i + 1, self._between[i], x, attended, cos, sin, *self.layers[i], *self.layers[i + 1]
+                )
             else:
-                logits = self._finish(x, attended, *self.layers[i], self._norm_weight, *self.head_tensors)
+                logits = self._run(
+                    i + 1, self._finish, x, attended, *self.layers[i], self._norm_weight, *self.head_tensors
+                )
         cache.advance(1)
         return logits
+
+    def _run(self, call: int, graph: StaticKernel, *args: torch.Tensor) -> Any:
+        """The step's `call`-th graph on `args`: every step passes the same layouts there, so the compiled
+        kernel is looked up once (the lookup keys some 40 tensors' shapes and strides)."""
+        kernel = self._kernels.get(call)
+        if kernel is None:
+            kernel = self._kernels[call] = graph.kernel_for(*args)
+        return kernel(*args)
 
     def warm_up(self) -> None:
         """Compile every graph now (seconds to a minute on a cold inductor cache) by running one step
