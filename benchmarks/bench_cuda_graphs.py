@@ -9,24 +9,11 @@ Models the captured step does not cover (qwen4exp; experts the fused kernel does
 """
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-
-def _measure(step: Callable[[torch.Tensor], torch.Tensor], steps: int) -> float:
-    """Tokens per second over `steps` greedy steps fed their own tokens (chosen on the device)."""
-    token = torch.zeros((), dtype=torch.long, device="cuda")
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(steps):
-        token = step(token).argmax()
-    torch.cuda.synchronize()
-    return steps / (time.perf_counter() - started)
+from bench_decode_step import Step, run_rounds
 
 
 def main() -> int:
@@ -80,20 +67,11 @@ def main() -> int:
             f"{worst:.3g}, greedy tokens {'identical' if same else 'DIFFER'}"
         )
 
-        calls: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        paths: dict[str, Step] = {
             "eager": lambda t: model(t.view(1, 1), eager_cache)[0, -1],
             "graph": lambda t: step(t, graph_cache),
         }
-        for call in calls.values():
-            _measure(call, 2)  # warm up
-        results: dict[str, list[float]] = {name: [] for name in calls}
-        for round_ in range(args.rounds):
-            for name, call in calls.items():
-                rate = _measure(call, args.steps)
-                results[name].append(rate)
-                print(f"round {round_ + 1} {name:>6}: {rate:7.1f} tok/s ({1000 / rate:6.2f} ms/token)")
-    for name, rates in results.items():
-        print(f"{name:>6}: median {statistics.median(rates):.1f} tok/s ({min(rates):.1f}-{max(rates):.1f})")
+        run_rounds(paths, args.steps, args.rounds, model.device)
     return 0
 
 

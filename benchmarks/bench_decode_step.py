@@ -6,7 +6,8 @@ to other processes than wall time).
     python benchmarks/bench_decode_step.py                    # default model, 2 threads
     python benchmarks/bench_decode_step.py --model FILE --threads 1 --steps 64 --rounds 5
 
-On a device where no compiled step applies (CUDA: not built yet) only the eager step is measured.
+On a device where no compiled step applies (CUDA: the captured step is bench_cuda_graphs.py's) only the
+eager step is measured.
 """
 
 import argparse
@@ -18,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+Step = Callable[[torch.Tensor], torch.Tensor]
 
-def _measure(
-    step: Callable[[torch.Tensor], torch.Tensor], steps: int, device: torch.device
-) -> tuple[float, float]:
+
+def _measure(step: Step, steps: int, device: torch.device) -> tuple[float, float]:
     """(tokens per second, CPU milliseconds per token) over `steps` greedy steps fed their own tokens."""
     token = torch.zeros((), dtype=torch.long, device=device)
     started, cpu = time.perf_counter(), time.process_time()
@@ -30,6 +31,21 @@ def _measure(
     int(token.item())  # wait for the device
     wall = time.perf_counter() - started
     return steps / wall, (time.process_time() - cpu) / steps * 1000
+
+
+def run_rounds(paths: dict[str, Step], steps: int, rounds: int, device: torch.device) -> None:
+    """Warm every path up, then time `rounds` interleaved rounds of `steps` steps of each; print each
+    round and each path's median (bench_cuda_graphs.py runs its paths through this too)."""
+    results: dict[str, list[float]] = {name: [] for name in paths}
+    for step in paths.values():
+        _measure(step, 2, device)
+    for round_ in range(rounds):
+        for name, step in paths.items():
+            rate, cpu_ms = _measure(step, steps, device)
+            results[name].append(rate)
+            print(f"round {round_ + 1} {name:>8}: {rate:6.1f} tok/s, {cpu_ms:6.1f} CPU ms/token")
+    for name, rates in results.items():
+        print(f"{name:>8}: median {statistics.median(rates):.1f} tok/s ({min(rates):.1f}-{max(rates):.1f})")
 
 
 def main() -> int:
@@ -60,7 +76,7 @@ def main() -> int:
     max_len = args.prompt_tokens + (args.rounds + 1) * args.steps + 1
     prompt = torch.arange(args.prompt_tokens, device=model.device)[None] % model.config.vocab_size
 
-    paths: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    paths: dict[str, Step] = {}
     with torch.inference_mode():
         eager_cache = model.new_cache(max_len=max_len)
         model(prompt, eager_cache, last_only=True)
@@ -71,16 +87,7 @@ def main() -> int:
             paths["compiled"] = lambda token: compiled(token, compiled_cache)
         else:
             print(f"no compiled step for this model on {model.device}: eager only")
-        results: dict[str, list[float]] = {name: [] for name in paths}
-        for step in paths.values():
-            _measure(step, 2, model.device)  # warm up
-        for round_ in range(args.rounds):
-            for name, step in paths.items():
-                rate, cpu_ms = _measure(step, args.steps, model.device)
-                results[name].append(rate)
-                print(f"round {round_ + 1} {name:>8}: {rate:6.1f} tok/s, {cpu_ms:6.1f} CPU ms/token")
-    for name, rates in results.items():
-        print(f"{name:>8}: median {statistics.median(rates):.1f} tok/s ({min(rates):.1f}-{max(rates):.1f})")
+        run_rounds(paths, args.steps, args.rounds, model.device)
     return 0
 
 
