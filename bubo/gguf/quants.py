@@ -16,7 +16,21 @@ from collections.abc import Callable
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-__all__ = ["IQ4_CODEBOOK", "SUPPORTED_TYPES", "block_size", "dequantize", "type_size"]
+__all__ = [
+    "IQ4_CODEBOOK",
+    "SUPPORTED_TYPES",
+    "block_size",
+    "dequantize",
+    "f16_field",
+    "k_scale_min",
+    "q4_k_codes",
+    "q5_0_codes",
+    "q5_1_codes",
+    "q5_k_codes",
+    "q6_k_codes",
+    "q6_k_scales",
+    "type_size",
+]
 
 T = GGMLQuantizationType
 
@@ -55,7 +69,7 @@ def _q5_high_words(device: torch.device) -> torch.Tensor:
 _BYTE_MASKS = {1: 0x0101010101010101, 2: 0x0303030303030303, 4: 0x0F0F0F0F0F0F0F0F}
 
 
-def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+def f16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The fp16 field at byte `start` of every block, as float32 `[n_blocks, 1]` (blocks are 2-byte aligned)."""
     return blocks.view(torch.int16)[:, start // 2 : start // 2 + 1].view(torch.float16).to(torch.float32)
 
@@ -98,18 +112,18 @@ def _bf16(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(blocks[:, 2:].view(torch.int8))
-    out.mul_(_f16(blocks, 0))
+    out.mul_(f16_field(blocks, 0))
 
 
 def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     q = _unpack(blocks[:, 2:], 4).view(-1, 32).view(torch.int8).sub_(8)
     out.copy_(q)
-    out.mul_(_f16(blocks, 0))
+    out.mul_(f16_field(blocks, 0))
 
 
 def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(_unpack(blocks[:, 4:], 4).view(-1, 32))
-    out.mul_(_f16(blocks, 0)).add_(_f16(blocks, 2))
+    out.mul_(f16_field(blocks, 0)).add_(f16_field(blocks, 2))
 
 
 def _q5_codes(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
@@ -120,22 +134,32 @@ def _q5_codes(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     return _unpack(qs, 4).view(-1, 32).bitwise_or_(high)
 
 
+def q5_0_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0 (d, qh[4], qs[16]): each weight's signed code q - 16, int8 `[n, 32]`."""
+    return _q5_codes(blocks[:, 2:6], blocks[:, 6:]).view(torch.int8).sub_(16)
+
+
+def q5_1_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_1 (d, m, qh[4], qs[16]): each weight's 5-bit code, uint8 `[n, 32]`."""
+    return _q5_codes(blocks[:, 4:8], blocks[:, 8:])
+
+
 def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(_q5_codes(blocks[:, 2:6], blocks[:, 6:]).view(torch.int8).sub_(16))
-    out.mul_(_f16(blocks, 0))
+    out.copy_(q5_0_codes(blocks))
+    out.mul_(f16_field(blocks, 0))
 
 
 def _q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(_q5_codes(blocks[:, 4:8], blocks[:, 8:]))
-    out.mul_(_f16(blocks, 0)).add_(_f16(blocks, 2))
+    out.copy_(q5_1_codes(blocks))
+    out.mul_(f16_field(blocks, 0)).add_(f16_field(blocks, 2))
 
 
 def _q2_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # scales[16] (low nibble: scale, high nibble: min), qs[64] (2 bits), d, dmin
     n = blocks.shape[0]
     scales = blocks[:, :16]
-    dl = (_f16(blocks, 80) * (scales & 0x0F)).unsqueeze(-1)
-    ml = (_f16(blocks, 82) * (scales >> 4)).unsqueeze(-1)
+    dl = (f16_field(blocks, 80) * (scales & 0x0F)).unsqueeze(-1)
+    ml = (f16_field(blocks, 82) * (scales >> 4)).unsqueeze(-1)
     # Two 32-byte halves, each four 2-bit planes of 32 weights: 16 groups of 16 in order.
     grouped = out.view(n, 16, 16)
     grouped.copy_(_unpack(blocks[:, 16:80].reshape(n, 2, 32), 2).view(n, 16, 16))
@@ -149,7 +173,7 @@ def _q3_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     low = _unpack(packed[:, :8], 4).view(n, 16)
     high = _unpack(packed[:, 8:12], 2).view(n, 16)
     scales = low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
-    dl = (_f16(blocks, 108) * scales).unsqueeze(-1)
+    dl = (f16_field(blocks, 108) * scales).unsqueeze(-1)
     q = _unpack(blocks[:, 32:96].reshape(n, 2, 32), 2).view(n, 16, 16).view(torch.int8)
     # A clear hmask bit means "subtract 4" (the stored bit is the complement of the offset).
     offset = _unpack(blocks[:, :32], 1).view(n, 16, 16).bitwise_xor_(1).bitwise_left_shift_(2)
@@ -166,40 +190,63 @@ def _k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales, mins
 
 
+def k_scale_min(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: each 32-weight group's scale d*sc and min dmin*m, float32 `[n, 8]` each (a weight is
+    scale * q - min)."""
+    scales, mins = _k_scale_min(blocks[:, 4:16])
+    return f16_field(blocks, 0) * scales, f16_field(blocks, 2) * mins
+
+
 def _k_affine(blocks: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
     """Q4_K/Q5_K: codes `[n, 8, 32]` -> d*scale*q - dmin*min for each 32-weight group."""
     n = blocks.shape[0]
-    scales, mins = _k_scale_min(blocks[:, 4:16])
-    dl = (_f16(blocks, 0) * scales).unsqueeze(-1)
-    ml = (_f16(blocks, 2) * mins).unsqueeze(-1)
+    dl, ml = k_scale_min(blocks)
     grouped = out.view(n, 8, 32)
     grouped.copy_(codes)
-    grouped.mul_(dl).sub_(ml)
+    grouped.mul_(dl.unsqueeze(-1)).sub_(ml.unsqueeze(-1))
+
+
+def q4_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K (d, dmin, scales[12], qs[128]: four 32-byte chunks, each low nibbles then high nibbles): the
+    4-bit codes of the eight 32-weight groups, uint8 `[n, 8, 32]`."""
+    n = blocks.shape[0]
+    return _unpack(blocks[:, 16:].reshape(n, 4, 32), 4).view(n, 8, 32)
+
+
+def q5_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_K (d, dmin, scales[12], qh[32]: bit j of byte i -> group j, weight i; qs[128] as Q4_K's): the
+    5-bit codes of the eight 32-weight groups, uint8 `[n, 8, 32]`."""
+    n = blocks.shape[0]
+    high = _unpack(blocks[:, 16:48], 1).bitwise_left_shift_(4)
+    return _unpack(blocks[:, 48:].reshape(n, 4, 32), 4).view(n, 8, 32).bitwise_or_(high)
 
 
 def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    # d, dmin, scales[12], qs[128]: four 32-byte chunks, each low nibbles then high nibbles
-    n = blocks.shape[0]
-    _k_affine(blocks, _unpack(blocks[:, 16:].reshape(n, 4, 32), 4).view(n, 8, 32), out)
+    _k_affine(blocks, q4_k_codes(blocks), out)
 
 
 def _q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    # d, dmin, scales[12], qh[32] (bit j of byte i -> group j, weight i), qs[128]
+    _k_affine(blocks, q5_k_codes(blocks), out)
+
+
+def q6_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K (ql[128] low 4 bits, qh[64] high 2 bits, scales[16] int8, d): each weight's signed code
+    q - 32 in its 16-weight group, int8 `[n, 16, 16]`."""
     n = blocks.shape[0]
-    high = _unpack(blocks[:, 16:48], 1).bitwise_left_shift_(4)
-    codes = _unpack(blocks[:, 48:].reshape(n, 4, 32), 4).view(n, 8, 32).bitwise_or_(high)
-    _k_affine(blocks, codes, out)
+    high = _unpack(blocks[:, 128:192].reshape(n, 2, 32), 2).view(n, 8, 32).bitwise_left_shift_(4)
+    codes = _unpack(blocks[:, :128].reshape(n, 2, 64), 4).view(n, 8, 32).bitwise_or_(high)
+    return codes.view(torch.int8).sub_(32).view(n, 16, 16)
+
+
+def q6_k_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K: each 16-weight group's scale d*sc, float32 `[n, 16]`."""
+    return f16_field(blocks, 208) * blocks[:, 192:208].view(torch.int8)
 
 
 def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    # ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] int8, d
-    n = blocks.shape[0]
-    dl = (_f16(blocks, 208) * blocks[:, 192:208].view(torch.int8)).unsqueeze(-1)
-    high = _unpack(blocks[:, 128:192].reshape(n, 2, 32), 2).view(n, 8, 32).bitwise_left_shift_(4)
-    codes = _unpack(blocks[:, :128].reshape(n, 2, 64), 4).view(n, 8, 32).bitwise_or_(high)
-    grouped = out.view(n, 16, 16)
-    grouped.copy_(codes.view(torch.int8).sub_(32).view(n, 16, 16))
-    grouped.mul_(dl)
+    grouped = out.view(blocks.shape[0], 16, 16)
+    grouped.copy_(q6_k_codes(blocks))
+    grouped.mul_(q6_k_scales(blocks).unsqueeze(-1))
 
 
 def _iq4_values(qs: torch.Tensor, out: torch.Tensor) -> None:
@@ -210,7 +257,7 @@ def _iq4_values(qs: torch.Tensor, out: torch.Tensor) -> None:
 
 def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> None:
     _iq4_values(blocks[:, 2:], out)
-    out.mul_(_f16(blocks, 0))
+    out.mul_(f16_field(blocks, 0))
 
 
 def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
@@ -219,7 +266,7 @@ def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     high = _unpack(blocks[:, 2:4], 2).transpose(1, 2).reshape(n, 8)
     low = _unpack(blocks[:, 4:8], 4).transpose(1, 2).reshape(n, 8)
     scales = low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
-    dl = (_f16(blocks, 0) * scales).unsqueeze(-1)
+    dl = (f16_field(blocks, 0) * scales).unsqueeze(-1)
     _iq4_values(blocks[:, 8:].reshape(n, 8, 16), out)
     out.view(n, 8, 32).mul_(dl)
 

@@ -29,6 +29,17 @@ from collections.abc import Callable
 import torch
 from gguf import GGMLQuantizationType
 
+from bubo.gguf.quants import (
+    f16_field,
+    k_scale_min,
+    q4_k_codes,
+    q5_0_codes,
+    q5_1_codes,
+    q5_k_codes,
+    q6_k_codes,
+    q6_k_scales,
+    type_size,
+)
 from bubo.kernels.codes import tiled_by_rows
 from bubo.kernels.q4_matvec import PackedQ4, nibble_words
 from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset
@@ -36,11 +47,9 @@ from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset
 __all__ = ["REPACKABLE", "pack_q4_k", "pack_q5_0", "pack_q5_1", "pack_q5_k", "pack_q6_k", "repack"]
 
 Q = GGMLQuantizationType
-
-
-def _f16(part: torch.Tensor, offset: int) -> torch.Tensor:
-    """The fp16 field at byte `offset` of every block of `part` [rows, blocks, bytes], as float32."""
-    return part[..., offset : offset + 2].contiguous().view(torch.float16).to(torch.float32)[..., 0]
+# Rows of a repacked matrix, built from one run of rows' blocks [n_blocks, block bytes]: its words and
+# scale (and offset), each [rows, ...] (the blocks are decoded by bubo/gguf/quants.py's code readers).
+Rows = Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]
 
 
 def _signed_bytes_words(codes: torch.Tensor) -> torch.Tensor:
@@ -49,121 +58,61 @@ def _signed_bytes_words(codes: torch.Tensor) -> torch.Tensor:
     return codes.to(torch.int8).contiguous().view(torch.int32)
 
 
-def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's 12 bytes [..., 12] -> eight 6-bit scales and eight 6-bit mins, float32 [..., 8] each: the
-    first four in the low 6 bits of bytes 0-3 / 4-7, the last four from the nibbles of bytes 8-11 with
-    their top 2 bits in the top bits of bytes 0-3 / 4-7."""
-    low_scales, low_mins, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    scales = torch.cat((low_scales & 0x3F, (rest & 0x0F) | ((low_scales >> 2) & 0x30)), dim=-1)
-    mins = torch.cat((low_mins & 0x3F, (rest >> 4) | ((low_mins >> 2) & 0x30)), dim=-1)
-    return scales.to(torch.float32), mins.to(torch.float32)
+def _tiled(raw: torch.Tensor, ggml_type: GGMLQuantizationType, rows: Rows) -> tuple[torch.Tensor, ...]:
+    """`tiled_by_rows` of what `rows(blocks, n)` makes of each run of n rows' blocks of `raw`."""
+    out_features, size = raw.shape[0], type_size(ggml_type)
+    blocks = raw.reshape(out_features, -1, size)
+    return tiled_by_rows(
+        out_features, lambda start, stop: rows(blocks[start:stop].reshape(-1, size), stop - start)
+    )
 
 
-def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """Q4_K / Q5_K's 128 code bytes [rows, blocks, 128] -> 4-bit codes [rows, blocks * 8, 32]: four 32-byte
-    chunks, chunk j's low nibbles sub-block 2j (byte i -> weight i), its high nibbles sub-block 2j + 1."""
-    chunks = qs.reshape(*qs.shape[:2], 4, 1, 32)
-    return torch.cat((chunks & 0x0F, chunks >> 4), dim=3).view(qs.shape[0], -1, 32)
+def _q4_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    scale, low = k_scale_min(blocks)
+    return nibble_words(q4_k_codes(blocks).view(n, -1, 32)), scale.view(n, -1), -low.view(n, -1)
 
 
-def _k_scale_offset(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K's per-sub-block scale d * sc_j and offset -(dmin * m_j), float32 [rows, blocks * 8]."""
-    scales, mins = _k_scales_mins(part[..., 4:16])
-    scale = (_f16(part, 0)[..., None] * scales).flatten(1)
-    offset = -(_f16(part, 2)[..., None] * mins).flatten(1)
-    return scale, offset
+def _q5_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    scale, low = k_scale_min(blocks)
+    return _signed_bytes_words(q5_k_codes(blocks).view(n, -1, 32)), scale.view(n, -1), -low.view(n, -1)
+
+
+def _q6_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    return _signed_bytes_words(q6_k_codes(blocks).view(n, -1, 16)), q6_k_scales(blocks).view(n, -1)
+
+
+def _q5_0_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    return _signed_bytes_words(q5_0_codes(blocks).view(n, -1, 32)), f16_field(blocks, 0).view(n, -1)
+
+
+def _q5_1_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    words = _signed_bytes_words(q5_1_codes(blocks).view(n, -1, 32))
+    return words, f16_field(blocks, 0).view(n, -1), f16_field(blocks, 2).view(n, -1)
 
 
 def pack_q4_k(raw: torch.Tensor) -> PackedQ4:
     """Q4_K super-blocks uint8 [out, row_bytes] -> PackedQ4 (blocks of 32 weights)."""
-    out_features = raw.shape[0]
-    blocks = raw.reshape(out_features, -1, 144)
-
-    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        part = blocks[start:stop]
-        return (nibble_words(_k_low_nibbles(part[..., 16:])), *_k_scale_offset(part))
-
-    words, scale, offset = tiled_by_rows(out_features, rows)
-    return PackedQ4(words, scale, offset, out_features)
+    return PackedQ4(*_tiled(raw, Q.Q4_K, _q4_k_rows), raw.shape[0])
 
 
 def pack_q5_k(raw: torch.Tensor) -> PackedQ8Offset:
     """Q5_K super-blocks uint8 [out, row_bytes] -> PackedQ8Offset (blocks of 32 weights, 8 words)."""
-    out_features = raw.shape[0]
-    blocks = raw.reshape(out_features, -1, 176)
-
-    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        part = blocks[start:stop]
-        n = stop - start
-        low = _k_low_nibbles(part[..., 48:])
-        # qh (32 bytes): bit j of byte i is the fifth bit of weight i of sub-block j.
-        bits = torch.arange(8, dtype=torch.uint8)[:, None]
-        high = ((part[..., None, 16:48] >> bits) & 1).view(n, -1, 32)
-        return (_signed_bytes_words(low | (high << 4)), *_k_scale_offset(part))
-
-    words, scale, offset = tiled_by_rows(out_features, rows)
-    return PackedQ8Offset(words, scale, offset, out_features)
+    return PackedQ8Offset(*_tiled(raw, Q.Q5_K, _q5_k_rows), raw.shape[0])
 
 
 def pack_q6_k(raw: torch.Tensor) -> PackedQ8:
     """Q6_K super-blocks uint8 [out, row_bytes] -> PackedQ8 with blocks of 16 weights (4 words)."""
-    out_features = raw.shape[0]
-    blocks = raw.reshape(out_features, -1, 210)
-
-    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        part = blocks[start:stop]
-        n = stop - start
-        # Two halves of 128 weights: ql (64 bytes) gives the low 4 bits of weights 0-63 (low nibbles)
-        # and 64-127 (high nibbles); qh (32 bytes) the high 2 bits of weights 32k + i in bits 2k of byte i.
-        ql = part[..., :128].reshape(n, -1, 2, 64)
-        qh = part[..., 128:192].reshape(n, -1, 2, 32)
-        low = torch.cat((ql & 0x0F, ql >> 4), dim=-1)
-        high = torch.cat([(qh >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=-1)
-        codes = (low | (high << 4)).to(torch.int16) - 32
-        words = _signed_bytes_words(codes.view(n, -1, 16))
-        sub_scales = part[..., 192:208].contiguous().view(torch.int8).to(torch.float32)
-        scale = (_f16(part, 208)[..., None] * sub_scales).view(n, -1)
-        return words, scale
-
-    words, scale = tiled_by_rows(out_features, rows)
-    return PackedQ8(words, scale, out_features)
-
-
-def _q5_codes(part: torch.Tensor, qh: int) -> torch.Tensor:
-    """Q5_0 / Q5_1 blocks [rows, blocks, bytes] whose 4 qh bytes start at `qh` (then 16 qs bytes) ->
-    5-bit codes [rows, blocks, 32], uint8. qs byte j holds weight j (low nibble) and j + 16 (high); bit j
-    of the little-endian qh word (bit j % 8 of byte j // 8) is weight j's fifth bit."""
-    qs = part[..., qh + 4 : qh + 20]
-    low = torch.cat((qs & 0x0F, qs >> 4), dim=-1)
-    bits = torch.arange(8, dtype=torch.uint8)
-    high = ((part[..., qh : qh + 4, None] >> bits) & 1).flatten(-2)
-    return low | (high << 4)
+    return PackedQ8(*_tiled(raw, Q.Q6_K, _q6_k_rows), raw.shape[0])
 
 
 def pack_q5_0(raw: torch.Tensor) -> PackedQ8:
     """Q5_0 blocks uint8 [out, row_bytes] -> PackedQ8 (blocks of 32 weights, 8 words)."""
-    out_features = raw.shape[0]
-    blocks = raw.reshape(out_features, -1, 22)
-
-    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        part = blocks[start:stop]
-        return _signed_bytes_words(_q5_codes(part, 2).to(torch.int16) - 16), _f16(part, 0)
-
-    words, scale = tiled_by_rows(out_features, rows)
-    return PackedQ8(words, scale, out_features)
+    return PackedQ8(*_tiled(raw, Q.Q5_0, _q5_0_rows), raw.shape[0])
 
 
 def pack_q5_1(raw: torch.Tensor) -> PackedQ8Offset:
     """Q5_1 blocks uint8 [out, row_bytes] -> PackedQ8Offset (blocks of 32 weights, 8 words)."""
-    out_features = raw.shape[0]
-    blocks = raw.reshape(out_features, -1, 24)
-
-    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        part = blocks[start:stop]
-        return _signed_bytes_words(_q5_codes(part, 4)), _f16(part, 0), _f16(part, 2)
-
-    words, scale, offset = tiled_by_rows(out_features, rows)
-    return PackedQ8Offset(words, scale, offset, out_features)
+    return PackedQ8Offset(*_tiled(raw, Q.Q5_1, _q5_1_rows), raw.shape[0])
 
 
 REPACKABLE: dict[GGMLQuantizationType, Callable[[torch.Tensor], PackedQ4 | PackedQ8 | PackedQ8Offset]] = {
