@@ -5,6 +5,8 @@ Measured on SmolLM2-135M Q4_1 (97 MB of weights), 2 threads: torch's import alon
 - inductor imports triton whenever it is installed, ~70 MB of RSS, though on a machine without a GPU
   it only ever generates C++ (and Bubo runs its Triton kernels only on CUDA);
 - compiling the kernels at load leaves freed heap pages behind; `trim_heap` returns them (~10 MB);
+- tracing the kernels on fake tensors fills FakeTensorMode's class-wide dispatch cache (~850 entries,
+  ~7 MB on that model), which nothing reads once they are compiled: `drop_trace_caches`;
 - torch.zeros writes every page of the KV pool at once (the server's default pool, the whole context,
   is ~370 MB of fp32 on that model); `lazy_zeros` takes memory only for the pages written.
 
@@ -20,7 +22,7 @@ import sys
 
 import torch
 
-__all__ = ["configure_cpu_process", "lazy_zeros", "trim_heap"]
+__all__ = ["configure_cpu_process", "drop_trace_caches", "lazy_zeros", "trim_heap"]
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -63,3 +65,14 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # when the last view of it goes.
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(mapping, dtype=dtype).view(shape)
+
+
+def drop_trace_caches() -> None:
+    """Empty the fake-tensor dispatch cache that tracing the compiled kernels filled (a later trace refills
+    what it needs), then return the freed heap."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cache = getattr(FakeTensorMode, "cache", None)
+    if isinstance(cache, dict):
+        cache.clear()
+    trim_heap()
