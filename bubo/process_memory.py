@@ -59,7 +59,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     which the kernel zero-fills page by page on first touch (reading an untouched page maps the shared
     zero page, which costs nothing). torch.zeros would write, and so commit, every page up front."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
+    if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):  # no POSIX anonymous mappings (Windows)
         return torch.zeros(shape, dtype=dtype)
     # The tensor keeps the mapping alive (torch.frombuffer holds a reference to its buffer); it is unmapped
     # when the last view of it goes.
