@@ -4,19 +4,25 @@ Measured on SmolLM2-135M Q4_1 (97 MB of weights), 2 threads: torch's import alon
 
 - inductor imports triton whenever it is installed, ~70 MB of RSS, though on a machine without a GPU
   it only ever generates C++ (and Bubo runs its Triton kernels only on CUDA);
-- compiling the kernels at load leaves freed heap pages behind; `trim_heap` returns them (~10 MB).
+- compiling the kernels at load leaves freed heap pages behind; `trim_heap` returns them (~10 MB);
+- tracing the kernels on fake tensors fills FakeTensorMode's class-wide dispatch cache (~850 entries,
+  ~7 MB on that model), which nothing reads once they are compiled: `drop_trace_caches`;
+- torch.zeros writes every page of the KV pool at once (the server's default pool, the whole context,
+  is ~370 MB of fp32 on that model); `lazy_zeros` takes memory only for the pages written.
 
 (A fixed glibc mmap threshold, which returns every large block to the system when freed, took 5-10 MB
 more off the prefill peak but cost 25% of prefill speed in page faults: not used.)
 """
 
 import ctypes
+import math
+import mmap
 import os
 import sys
 
 import torch
 
-__all__ = ["configure_cpu_process", "trim_heap"]
+__all__ = ["configure_cpu_process", "drop_trace_caches", "lazy_zeros", "trim_heap"]
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -46,3 +52,27 @@ def trim_heap() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor whose pages take memory only once written: a fresh anonymous mapping,
+    which the kernel zero-fills page by page on first touch (reading an untouched page maps the shared
+    zero page, which costs nothing). torch.zeros would write, and so commit, every page up front."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):  # no POSIX anonymous mappings (Windows)
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor keeps the mapping alive (torch.frombuffer holds a reference to its buffer); it is unmapped
+    # when the last view of it goes.
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
+
+
+def drop_trace_caches() -> None:
+    """Empty the fake-tensor dispatch cache that tracing the compiled kernels filled (a later trace refills
+    what it needs), then return the freed heap."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cache = getattr(FakeTensorMode, "cache", None)
+    if isinstance(cache, dict):
+        cache.clear()
+    trim_heap()

@@ -15,8 +15,11 @@ the block after its last one, and gets it when it is free) is read as a view, wi
 
 import threading
 from collections.abc import Callable
+from functools import partial
 
 import torch
+
+from bubo.process_memory import lazy_zeros
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "BlockPool", "KVPoolExhaustedError"]
 
@@ -53,9 +56,10 @@ class BlockPool:
                 f"{num_blocks} x {block_size}"
             )
         shape = (num_kv_heads, num_blocks * block_size, head_dim)
-        # torch.zeros: on the CPU the pages are only touched (and take memory) as blocks fill.
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # On the CPU the pages are only committed as blocks fill (torch.zeros would write them all now).
+        zeros = lazy_zeros if torch.device(device).type == "cpu" else partial(torch.zeros, device=device)
+        self.keys = [zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.refs = [0] * num_blocks

@@ -11,10 +11,21 @@ from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
 from bubo.model.tokenizer import Tokenizer
+from bubo.process_memory import drop_trace_caches
+
+# Metadata arrays only the tokenizer reads: dropped from `LoadedModel.file.metadata` once it is built.
+_VOCABULARY_KEYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+)
 
 
 @dataclass
 class LoadedModel:
+    """`file.metadata` lacks the vocabulary arrays (`_VOCABULARY_KEYS`), which `tokenizer` holds."""
+
     path: Path
     file: GGUFFile
     config: ModelConfig
@@ -36,8 +47,12 @@ def load_model(
     try:
         config = config_from_gguf(file)
         tokenizer = Tokenizer.from_gguf(file.metadata)
+        for key in _VOCABULARY_KEYS:
+            # The tokenizer holds its own tables; as lists of Python strings these stay ~8 MB of heap.
+            file.metadata.pop(key, None)
         model = load_decoder(file, config, dtype=dtype, device=device, progress=progress)
-        prepare_decode_step(model)
+        if prepare_decode_step(model) is not None:
+            drop_trace_caches()
     except BaseException:
         file.close()
         raise

@@ -224,6 +224,7 @@ class GGUFFile:
         with self.path.open("rb") as fh:
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
         self._closed = False
+        self._map = mm
         cur = _Cursor(mm, size, self.path)
         self.version = self._read_header(cur)
         n_tensors = cur.u64("tensor count")
@@ -338,6 +339,13 @@ class GGUFFile:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
+
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident memory. They are clean copy-on-write pages
+        (nothing writes to the map), so a later read of any tensor faults its pages in again from the
+        file: after load, only what is still read (float norms, looked-up embedding rows) comes back."""
+        if hasattr(mmap, "MADV_DONTNEED") and not self._map.closed:
+            self._map.madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
         """Drop this object's tensor views; the map is released once no other view remains."""

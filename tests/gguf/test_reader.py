@@ -232,6 +232,34 @@ def test_writes_to_raw_stay_private(model_path: Path) -> None:
         assert torch.equal(f.tensors["f32_2d"].dequantize(), torch.from_numpy(F32_2D))
 
 
+def _mapped_kb(path: Path) -> int:
+    """Resident kB of this process's mappings of `path`."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
+                inside = len(fields) > 5 and fields[5] == str(path)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps")
+def test_release_pages_drops_the_map_from_rss_and_keeps_the_data(tmp_path: Path) -> None:
+    values = np.arange(1 << 20, dtype=np.float32)  # 4 MB
+    path = tmp_path / "big.gguf"
+    path.write_bytes(gguf_bytes(infos=[tensor_info("w", [1 << 20], T.F32, 0)], data=values.tobytes()))
+    with GGUFFile(path) as f:
+        raw = f.tensors["w"].raw
+        assert int(raw.sum()) > 0  # every page read through the map
+        assert _mapped_kb(path) >= 4000
+        f.release_pages()
+        assert _mapped_kb(path) < 512
+        # A later read faults the file's bytes in again.
+        assert torch.equal(f.tensors["w"].dequantize(), torch.from_numpy(values))
+
+
 def test_custom_alignment(tmp_path: Path) -> None:
     path = write_model(tmp_path / "aligned.gguf", alignment=64)
     with GGUFFile(path) as f:
