@@ -89,6 +89,10 @@ def nibble_words(codes: torch.Tensor) -> torch.Tensor:
     return words
 
 
+# Shift of each nibble position, as a column to broadcast over a block's words and the output rows.
+_NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)[:, None]
+
+
 def q4_unpack(packed: PackedQ4, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls),
     written into `out` (float32, at least that many values) when given: a prefill reuses one buffer for
@@ -97,8 +101,13 @@ def q4_unpack(packed: PackedQ4, start: int, stop: int, out: torch.Tensor | None 
     n = stop - start
     size = packed.in_features * n
     codes = (torch.empty(size) if out is None else out[:size]).view(*words.shape[:2], _NIBBLES, n)
-    for s in range(_NIBBLES):
-        codes[:, :, s] = (words >> (4 * s)) & 0x0F
+    # Every nibble of every word in two whole-buffer passes, done in the output's own memory viewed as
+    # int32, then converted in place: a handful of large operations rather than three small ones per
+    # nibble position (half the time at 1 thread; and each operation is a parallel region to join).
+    nibbles = codes.view(torch.int32)
+    torch.bitwise_right_shift(words[:, :, None], _NIBBLE_SHIFTS, out=nibbles)
+    nibbles.bitwise_and_(0x0F)
+    codes.copy_(nibbles)
     codes.mul_(from_tiles(packed.scale, start, stop)[:, None, None])
     codes.add_(from_tiles(packed.offset, start, stop)[:, None, None])
     return codes.view(packed.in_features, n)

@@ -91,6 +91,11 @@ def _codes(words: torch.Tensor) -> list[torch.Tensor]:
     return [((words << (24 - 8 * s)) >> 24).to(torch.float32) for s in range(_BYTES)]
 
 
+# Left shift that brings each byte of a word to the top (an arithmetic shift by 24 then sign-extends it),
+# as a column to broadcast over a block's words and the output rows.
+_BYTE_SHIFTS = torch.arange(24, -1, -8, dtype=torch.int32)[:, None]
+
+
 def q8_unpack(
     packed: PackedQ8 | PackedQ8Offset, start: int, stop: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -100,8 +105,11 @@ def q8_unpack(
     n = stop - start
     size = packed.in_features * n
     codes = (torch.empty(size) if out is None else out[:size]).view(*words.shape[:2], _BYTES, n)
-    for s in range(_BYTES):
-        codes[:, :, s] = (words << (24 - 8 * s)) >> 24
+    # Whole-buffer passes in the output's memory viewed as int32, converted in place (see q4_unpack).
+    signed = codes.view(torch.int32)
+    torch.bitwise_left_shift(words[:, :, None], _BYTE_SHIFTS, out=signed)
+    signed.bitwise_right_shift_(24)
+    codes.copy_(signed)
     codes.mul_(from_tiles(packed.scale, start, stop)[:, None, None])
     return codes.view(packed.in_features, n)
 

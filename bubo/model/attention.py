@@ -53,14 +53,26 @@ class Attention(nn.Module):
         self.output_gate = output_gate
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | CacheBatch
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | CacheBatch,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """x [B, T, hidden] at positions cache.length .. cache.length + T - 1 -> [B, T, hidden].
 
         With a CacheBatch, row i continues caches[i] (at its own length): the projections run on the
         whole batch, attention row by row over each row's cache. A decode step on CUDA with triton
         installed runs the paged-attention kernel over every row at once instead.
+
+        With `last_only` (a KVCache, T > 1) keys and values still reach the cache for all T positions, but the
+        query, attention and output projection run for the last position alone: [B, 1, hidden]. That
+        query sees every cached key, so it needs no mask.
         """
+        if last_only and isinstance(cache, KVCache) and x.shape[1] > 1:
+            q, k, v, gate = self.project(x, cos, sin, queries_from=x.shape[1] - 1)
+            return self.attend(q, k, v, gate, cache, None)
         q, k, v, gate = self.project(x, cos, sin)
         if x.shape[1] == 1 and triton_enabled(q.device):
             # One token per sequence on CUDA: the paged kernel reads every row's blocks in place.
@@ -78,18 +90,24 @@ class Attention(nn.Module):
         return self.attend(q, k, v, gate, cache, *_mask(cache, x))
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, queries_from: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Rotated q, k and v [B, heads, T, head_dim], and the output gate [B, T, heads, head_dim] if any."""
+        """Rotated q, k and v [B, heads, T, head_dim], and the output gate [B, T, heads, head_dim] if any;
+        q and the gate only for positions queries_from onwards."""
         batch, length, _ = x.shape
-        q, k, v = project_rows(x, self.q_proj, self.k_proj, self.v_proj)
+        if queries_from:
+            q = self.q_proj(x[:, queries_from:])
+            k, v = project_rows(x, self.k_proj, self.v_proj)
+        else:
+            q, k, v = project_rows(x, self.q_proj, self.k_proj, self.v_proj)
+        queries = length - queries_from
         gate = None
         if self.output_gate:
             # Hugging Face interleaves query and gate rows per head, and llama.cpp's converter keeps
             # that layout (it splits per-head views of one matmul), so the split is within each head.
-            q, gate = q.view(batch, length, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+            q, gate = q.view(batch, queries, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
         else:
-            q = q.view(batch, length, self.num_heads, self.head_dim)
+            q = q.view(batch, queries, self.num_heads, self.head_dim)
         k = k.view(batch, length, self.num_kv_heads, self.head_dim)
         v = v.view(batch, length, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -97,7 +115,13 @@ class Attention(nn.Module):
 
         # [B, heads, T, head_dim] from here on: the layout SDPA and the cache use.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return apply_rotary(q, cos, sin, self.rope_style), apply_rotary(k, cos, sin, self.rope_style), v, gate
+        q_cos, q_sin = cos[..., queries_from:, :], sin[..., queries_from:, :]
+        return (
+            apply_rotary(q, q_cos, q_sin, self.rope_style),
+            apply_rotary(k, cos, sin, self.rope_style),
+            v,
+            gate,
+        )
 
     def attend(
         self,

@@ -160,9 +160,17 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         cache: KVCache | CacheBatch,
         tokens: torch.Tensor,
+        last_only: bool = False,
     ) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, hidden], or with `last_only` [B, 1, hidden]: the last position's
+        output, which plain attention computes from that position's query alone (the keys and values of
+        every position still reach the cache), and the MLP from that row alone."""
+        if last_only and isinstance(self.attention, Attention) and isinstance(cache, KVCache):
+            x = x[:, -1:] + self.attention(self.attn_norm(x), cos, sin, cache, last_only=True)
+            return x + self.mlp(self.ffn_norm(x))
         x = x + self.attention(self.attn_norm(x), cos, sin, cache)
-        return x + self.mlp(self.ffn_norm(x))
+        x = x + self.mlp(self.ffn_norm(x))
+        return x[:, -1:] if last_only else x
 
 
 class HyperConnectedLayer(nn.Module):
@@ -513,11 +521,17 @@ class Decoder(nn.Module):
             x = x.index_copy(1, rows, multimodal.embeds.to(self.device, x.dtype)[None])
         if self.config.hc_count:
             x = expand_streams(x, self.config.hc_count)
-        for layer in self.layers:
+        for layer in self.layers[:-1]:
             x = layer(x, cos, sin, cache, tokens)
+        last = self.layers[-1]
+        if last_only and isinstance(last, DecoderLayer):
+            # Only the last position leaves the model: the last layer computes little more than that.
+            x = last(x, cos, sin, cache, tokens, last_only=True)
+        else:
+            x = last(x, cos, sin, cache, tokens)
+            if last_only:
+                x = x[:, -1:]
         cache.advance(length)
-        if last_only:
-            x = x[:, -1:]
         return self.norm(x)
 
     def _multimodal_rotary(
