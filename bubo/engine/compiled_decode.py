@@ -46,7 +46,7 @@ from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset, q8_matvec_bits, q8_
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DecoderLayer
 from bubo.model.layers import MLP, RMSNorm, apply_rotary, rms_norm
-from bubo.model.quantized_linear import MIN_PACKED_WEIGHTS, QuantizedLinear
+from bubo.model.quantized_linear import MIN_PACKED_WEIGHTS, QuantizedLinear, has_packed_weights
 
 __all__ = ["CompiledDecodeStep", "compile_decode_enabled", "decode_step_for", "prepare_decode_step"]
 
@@ -407,7 +407,7 @@ def prepare_decode_step(model: nn.Module) -> CompiledDecodeStep | None:
     cover the model or compiling is off. Called at load, so the compile isn't paid on a first token."""
     if not compile_decode_enabled() or not isinstance(model, Decoder) or model.device.type != "cpu":
         return None
-    if not any(isinstance(m, QuantizedLinear) and m.packed is not None for m in model.modules()):
+    if not has_packed_weights(model):
         # Only repacked weights make the eager step slow (small float models run it in microseconds):
         # not worth a compile, which the many tiny test models would each pay.
         return None

@@ -125,6 +125,14 @@ class KVCache:
             return False
         return True
 
+    def _claim(self, end: int) -> None:
+        """`_reserve` positions up to `end` for a write, which must not pass `max_len`."""
+        if end > self.max_len:
+            raise ValueError(
+                f"KV cache full: {self.length} + {end - self.length} positions exceed max_len {self.max_len}"
+            )
+        self._reserve(end)
+
     def _reserve(self, end: int) -> None:
         pool, size = self.pool, self.pool.block_size
         first = self.length // size  # the block the next write lands in
@@ -151,9 +159,7 @@ class KVCache:
         """Store k, v [batch, kv_heads, T, head_dim] at positions length..length+T-1 of `layer`, for a
         reader that finds them through the block tables itself (the paged-attention kernel)."""
         start, end = self.length, self.length + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache full: {start} + {k.shape[2]} positions exceed max_len {self.max_len}")
-        self._reserve(end)
+        self._claim(end)
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         for row in range(self.batch):
             layout = self._row_layout(row)
@@ -171,11 +177,7 @@ class KVCache:
         for a batch or scattered blocks. Takes the blocks, as `write` would."""
         if self.batch != 1:
             return None
-        if end > self.max_len:
-            raise ValueError(
-                f"KV cache full: {self.length} + {end - self.length} positions exceed max_len {self.max_len}"
-            )
-        self._reserve(end)
+        self._claim(end)
         layout = self._row_layout(0)
         return layout if isinstance(layout, int) else None
 

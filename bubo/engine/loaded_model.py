@@ -11,7 +11,7 @@ from bubo.gguf.config import ModelConfig, config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
-from bubo.model.quantized_linear import QuantizedLinear
+from bubo.model.quantized_linear import has_packed_weights
 from bubo.model.tokenizer import Tokenizer
 from bubo.process_memory import drop_trace_caches
 
@@ -69,10 +69,11 @@ def _warn_if_unpacked(model: Decoder, dtype: torch.dtype) -> None:
     dense dequantizing path, which on the default model ran 2.5 decode tok/s in bf16 against 60-90."""
     if model.device.type != "cpu" or dtype == torch.float32:
         return
-    if any(isinstance(m, QuantizedLinear) and m.packed is not None for m in model.modules()):
+    if has_packed_weights(model):
+        name = str(dtype).removeprefix("torch.")
         log.warning(
             "compute dtype %s on the CPU: the repacked quantized kernels run in float32 only, so every "
             "product dequantizes to dense %s (many times slower); --dtype float32 is the fast CPU path",
-            str(dtype).removeprefix("torch."),
-            str(dtype).removeprefix("torch."),
+            name,
+            name,
         )

@@ -32,6 +32,7 @@ __all__ = [
     "QuantizedLinear",
     "RowGroup",
     "group_rows",
+    "has_packed_weights",
     "pack_for_cpu",
     "project_rows",
     "scratch_buffer",
@@ -64,6 +65,11 @@ def pack_for_cpu(
     if ggml_type in REPACKABLE:
         return repack(raw, ggml_type)
     return None
+
+
+def has_packed_weights(model: nn.Module) -> bool:
+    """Whether any of `model`'s quantized matrices were repacked for the CPU's compiled matvecs."""
+    return any(isinstance(m, QuantizedLinear) and m.packed is not None for m in model.modules())
 
 
 def scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
