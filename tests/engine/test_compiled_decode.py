@@ -9,7 +9,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from bubo.engine.compiled_decode import CompiledDecodeStep, UnsupportedModelError, decode_step_for
-from bubo.engine.generate import GenerationResult, generate
+from bubo.engine.generate import (
+    SHORT_PROMPT_TOKENS,
+    GenerationResult,
+    TextDelta,
+    TokenLogprob,
+    generate,
+)
 from bubo.engine.kv_cache import KVCache
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.sampler import SamplingParams
@@ -133,3 +139,38 @@ def test_default_model_logits_match_the_eager_step(smollm2: LoadedModel) -> None
     step = decode_step_for(smollm2.model, smollm2.model.new_cache(max_len=8))
     assert step is not None
     _compare(smollm2.model, step)
+
+
+def test_short_prompts_prefill_through_the_compiled_step(
+    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt of up to SHORT_PROMPT_TOKENS runs one compiled step per token (the eager forward costs
+    more for so few), a longer one the eager forward; the first token's log probability is the eager
+    prefill's either way."""
+    steps = 0
+    call = CompiledDecodeStep.__call__
+
+    def counted(self: CompiledDecodeStep, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        nonlocal steps
+        steps += 1
+        return call(self, token, cache)
+
+    monkeypatch.setattr(CompiledDecodeStep, "__call__", counted)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def first_token(ids: list[int]) -> TokenLogprob:
+        events = generate(smollm2.model, smollm2.tokenizer, ids, params, logprobs=0)
+        (logprob,) = [p for event in events if isinstance(event, TextDelta) for p in event.logprobs]
+        return logprob
+
+    short = smollm2.tokenizer.encode("The capital of France is")
+    long = smollm2.tokenizer.encode(" and".join(["The capital of France is Paris"] * 4))
+    assert len(short) <= SHORT_PROMPT_TOKENS < len(long)
+    stepped = first_token(short)
+    assert steps == len(short)
+    first_token(long)
+    assert steps == len(short)
+    monkeypatch.setenv("BUBO_COMPILE_DECODE", "0")
+    eager = first_token(short)
+    assert stepped.token_id == eager.token_id
+    assert abs(stepped.logprob - eager.logprob) <= LOGIT_TOLERANCE
