@@ -312,10 +312,10 @@ def generate(
 
 # Prompts (or uncached prompt suffixes: a chat's new turn) of up to this many tokens go through the
 # compiled decode step one token at a time instead of one eager forward pass, where the step covers the
-# model: the eager pass dispatches some 25 ops a layer, and past MATVEC_ROWS tokens unpacks every weight
-# to float for its GEMMs, a fixed cost that only longer prompts amortize. Default model, 2 threads, best
-# of 4: 1 token 31 ms eager / 13 ms stepped, 4: 49 / 34, 12: 200 / 111, 16: 203 / 135, 24: 188 / 209.
-SHORT_PROMPT_TOKENS = 16
+# model: the eager pass pays some 25 ms of op dispatch on the default model before its matvecs (and past
+# MATVEC_ROWS tokens unpacks every weight for GEMMs). Default model, 2 threads, best of 4, eager /
+# stepped: 1 token 38 / 14 ms, 4: 82 / 49, 8: 80 / 78, 12: 116 / 117 (benchmarks/bench_short_prefill.py).
+SHORT_PROMPT_TOKENS = 8
 
 
 def _prefill(model: Model, cache: Cache, tokens: torch.Tensor, images: dict[str, Any]) -> torch.Tensor:
