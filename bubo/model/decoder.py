@@ -224,6 +224,9 @@ def _attention_parts(config: ModelConfig, i: int, weights: WeightSource) -> dict
     k_proj = weights.linear(p + "attn_k.weight", (kv_out, hidden), bias=bias("attn_k"))
     v_proj = weights.linear(p + "attn_v.weight", (kv_out, hidden), bias=bias("attn_v"))
     group_rows(q_proj, k_proj, v_proj)
+    for projection in (k_proj, v_proj):  # Attention.project's last_only path runs them without q
+        if isinstance(projection, QuantizedLinear):
+            projection.warm_up(alone=True)
     return {
         # its KV slot: hybrid caches hold keys and values for the attention layers only
         "layer_index": i - sum(config.recurrent_layers[:i]),

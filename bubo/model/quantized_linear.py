@@ -103,10 +103,11 @@ class QuantizedLinear(nn.Module):
         self.packed = pack_for_cpu(raw, ggml_type)
         self.group: RowGroup | None = None  # set by group_rows
 
-    def warm_up(self) -> None:
-        """Compile this shape's matvec now (seconds, once per shape) rather than on the first token; a
-        grouped layer's products run as its group's (compiled by `group_rows`)."""
-        if self.packed is not None and self.group is None:
+    def warm_up(self, alone: bool = False) -> None:
+        """Compile this shape's matvec now (seconds, once per shape) rather than on the first request; a
+        grouped layer's products run as its group's (compiled by `group_rows`), unless it also runs
+        `alone` (k and v in a prefill whose last position alone needs a query)."""
+        if self.packed is not None and (self.group is None or alone):
             self.packed.matvec(torch.zeros(self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
