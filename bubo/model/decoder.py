@@ -224,9 +224,6 @@ def _attention_parts(config: ModelConfig, i: int, weights: WeightSource) -> dict
     k_proj = weights.linear(p + "attn_k.weight", (kv_out, hidden), bias=bias("attn_k"))
     v_proj = weights.linear(p + "attn_v.weight", (kv_out, hidden), bias=bias("attn_v"))
     group_rows(q_proj, k_proj, v_proj)
-    for projection in (k_proj, v_proj):  # Attention.project's last_only path runs them without q
-        if isinstance(projection, QuantizedLinear):
-            projection.warm_up(alone=True)
     return {
         # its KV slot: hybrid caches hold keys and values for the attention layers only
         "layer_index": i - sum(config.recurrent_layers[:i]),
@@ -454,6 +451,11 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, QuantizedLinear):
                 module.warm_up()
+            elif isinstance(module, Attention):
+                # A last_only prefill (Attention.project's queries_from) runs k and v without q.
+                for projection in (module.k_proj, module.v_proj):
+                    if isinstance(projection, QuantizedLinear):
+                        projection.warm_up(alone=True)
 
     @staticmethod
     def _final_norm(config: ModelConfig, weights: WeightSource) -> nn.Module:
