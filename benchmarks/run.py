@@ -120,8 +120,11 @@ def machine() -> dict:
         pass
     import torch
 
+    from bubo.model.quantized_linear import native_bf16
+
     return {
         "cpu": cpu,
+        "bf16_dot_products": native_bf16(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -131,17 +134,21 @@ def machine() -> dict:
 def print_table(report: dict) -> None:
     s = report["settings"]
     print(f"model: {report['model']}")
-    print(f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores; threads: {s['threads']}")
+    bf16 = "with" if report["machine"]["bf16_dot_products"] else "without"
+    print(
+        f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, {bf16} bfloat16 dot "
+        f"products; threads: {s['threads']}"
+    )
     print(
         f"prompt: {s['prompt_tokens']} tokens, generated: {s['gen_tokens']}, dtype: {s['dtype']}, "
         f"best of {s['repeats']} interleaved runs per engine\n"
     )
-    print(f"{'engine':<14}" + "".join(f"{label:>16}" for _, label, _ in METRICS))
+    print(f"{'engine':<18}" + "".join(f"{label:>16}" for _, label, _ in METRICS))
     for engine, figures in report["engines"].items():
         if "skipped" in figures:
-            print(f"{engine:<14}  skipped: {figures['skipped']}")
+            print(f"{engine:<18}  skipped: {figures['skipped']}")
         else:
-            print(f"{engine:<14}" + "".join(f"{figures[key]:>16.3g}" for key, _, _ in METRICS))
+            print(f"{engine:<18}" + "".join(f"{figures[key]:>16.3g}" for key, _, _ in METRICS))
     print(
         f"\nbandwidth limit: {report['weight_bytes'] / 1e6:.0f} MB of weights per token at "
         f"{report['memory_bandwidth_gb_s']:.1f} GB/s -> at most {report['decode_limit_tps']:.0f} decode tok/s"

@@ -12,6 +12,11 @@ from pathlib import Path
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The numerical references here are float32 (transformers' fp32 models, float64 products): prefill GEMMs run
+# in float32 whatever the CPU, instead of in bfloat16 where it has bf16 dot products (the default,
+# bubo/model/quantized_linear.py `bf16_prefill`). The bfloat16 GEMMs have tests of their own that set it.
+os.environ.setdefault("BUBO_PREFILL_BF16", "0")
+
 import pytest
 import torch
 

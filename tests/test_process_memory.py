@@ -1,5 +1,8 @@
-"""configure_cpu_process keeps triton out of a CPU process unless Triton's interpreter is wanted."""
+"""configure_cpu_process keeps triton out of a CPU process unless Triton's interpreter is wanted, and keeps
+large temporaries on the heap; lazy_zeros takes memory only for the pages written."""
 
+import json
+import subprocess
 import sys
 
 import pytest
@@ -77,3 +80,49 @@ def test_drop_trace_caches_empties_the_fake_tensor_cache() -> None:
     assert FakeTensorMode.cache
     process_memory.drop_trace_caches()
     assert not FakeTensorMode.cache
+
+
+# Run in a fresh interpreter: the malloc settings are process-wide, and the test process's own heap
+# history would decide where its next block lands. mallinfo2 (glibc >= 2.33) reports both sides.
+_HEAP_PROBE = """
+import ctypes, json, sys, torch
+from bubo import process_memory
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "configured":
+    process_memory.configure_cpu_process()
+before = libc.mallinfo2()
+temporary = torch.ones(5 << 20)  # 20 MB, a prefill activation's order of size
+during = libc.mallinfo2()
+del temporary
+after = libc.mallinfo2()
+print(json.dumps({"mapped": during.hblkhd - before.hblkhd, "kept": after.fordblks - before.fordblks}))
+"""
+
+
+def _heap_probe(mode: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", _HEAP_PROBE, mode], capture_output=True, text=True, timeout=120, check=True
+    )
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_large_temporaries_stay_on_the_heap_for_reuse() -> None:
+    try:
+        default = _heap_probe("default")
+    except subprocess.CalledProcessError as error:
+        if "mallinfo2" in error.stderr:
+            pytest.skip("glibc without mallinfo2")
+        raise
+    configured = _heap_probe("configured")
+    mb = 1 << 20
+    # glibc's defaults: a fresh mapping for the block, unmapped when it is freed, so the next one faults in anew.
+    assert default["mapped"] >= 20 * mb and default["kept"] < mb
+    # Configured: carved from the heap, and kept there once freed, for the next temporary to reuse.
+    assert configured["mapped"] < mb and configured["kept"] >= 20 * mb

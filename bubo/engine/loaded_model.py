@@ -11,7 +11,7 @@ from bubo.gguf.config import ModelConfig, config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
-from bubo.model.quantized_linear import has_packed_weights
+from bubo.model.quantized_linear import bf16_prefill, has_packed_weights
 from bubo.model.tokenizer import Tokenizer
 from bubo.process_memory import drop_trace_caches
 
@@ -57,17 +57,22 @@ def load_model(
         model = load_decoder(file, config, dtype=dtype, device=device, progress=progress)
         if prepare_decode_step(model) is not None:
             drop_trace_caches()
-        _warn_if_unpacked(model, dtype)
+        _report_cpu_precision(model, dtype)
     except BaseException:
         file.close()
         raise
     return LoadedModel(Path(path), file, config, model, tokenizer)
 
 
-def _warn_if_unpacked(model: Decoder, dtype: torch.dtype) -> None:
+def _report_cpu_precision(model: Decoder, dtype: torch.dtype) -> None:
     """The CPU's repacked matvec kernels are float32: in another compute dtype every product takes the
-    dense dequantizing path, which on the default model ran 2.5 decode tok/s in bf16 against 60-90."""
-    if model.device.type != "cpu" or dtype == torch.float32:
+    dense dequantizing path, which on the default model ran 2.5 decode tok/s in bf16 against 60-90.
+    In float32, says which precision the prefill GEMMs take (`bf16_prefill`)."""
+    if model.device.type != "cpu":
+        return
+    if dtype == torch.float32:
+        precision = "bfloat16 (BUBO_PREFILL_BF16=0 for float32)" if bf16_prefill() else "float32"
+        log.info("CPU prefill GEMMs in %s; decode in float32", precision)
         return
     if has_packed_weights(model):
         name = str(dtype).removeprefix("torch.")

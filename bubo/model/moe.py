@@ -28,7 +28,7 @@ from torch import nn
 
 from bubo.gguf.quants import dequantize
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
-from bubo.model.quantized_linear import scratch_buffer
+from bubo.model.quantized_linear import gemm_operand, scratch_buffer
 
 __all__ = ["ExpertMatrices", "Experts", "QuantizedExpertMatrices", "SparseMoE"]
 
@@ -59,11 +59,12 @@ class QuantizedExpertMatrices(nn.Module):
 
     def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         rows = self.raw.shape[1]
-        buffer = scratch_buffer(rows * self.in_features, x.dtype, self.raw.device)
+        operand = gemm_operand(x)
+        buffer = scratch_buffer(rows * self.in_features, operand.dtype, self.raw.device)
         weight = dequantize(
-            self.raw[expert], self.ggml_type, x.dtype, out=buffer.view(rows, self.in_features)
+            self.raw[expert], self.ggml_type, operand.dtype, out=buffer.view(rows, self.in_features)
         )
-        return F.linear(x, weight)
+        return F.linear(operand, weight).to(x.dtype)
 
     def extra_repr(self) -> str:
         experts, rows, _ = self.raw.shape

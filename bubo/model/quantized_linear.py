@@ -6,12 +6,15 @@ dequantizing: the embedding lookup dequantizes only the looked-up rows.
 
 On the CPU, Q4_0 / Q4_1 / Q8_0 matrices are also repacked at load (same bytes, see bubo/kernels/), and
 Q4_K / Q5_K / Q6_K / Q5_0 (the types of Q4_K_M and Q5_K_M files) into those layouts (bubo/kernels/repack.py): a single row (decode) goes through a compiled matvec that reads the codes
-directly; several rows (prefill) multiply float32 column chunks unpacked from the repacked words.
+directly; several rows (prefill) multiply column chunks unpacked from the repacked words, in bfloat16
+where the CPU multiplies bfloat16 natively (`bf16_prefill`), else in float32.
 
 On CUDA (with triton installed, BUBO_TRITON not 0) the product runs in the Triton kernels of
 bubo/kernels/triton_gemm.py, which read the blocks as stored: no float weight is ever materialized.
 """
 
+import functools
+import os
 import threading
 from dataclasses import dataclass
 
@@ -31,9 +34,13 @@ __all__ = [
     "QuantizedEmbedding",
     "QuantizedLinear",
     "RowGroup",
+    "bf16_prefill",
+    "gemm_operand",
     "group_rows",
     "has_packed_weights",
+    "native_bf16",
     "pack_for_cpu",
+    "packed_product",
     "project_rows",
     "scratch_buffer",
 ]
@@ -50,6 +57,25 @@ MIN_PACKED_WEIGHTS = 1 << 16
 # GEMM, which pays for the unpacking once the rows share it. Measured on SmolLM2-135M, 2 threads, a whole
 # eager forward of N tokens: 12 tokens 138 ms as matvecs / 269 ms unpacked, 16: 193 / 275, 24: 300 / 297.
 MATVEC_ROWS = 16
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot products (AVX512-BF16 or AMX), which oneDNN's bf16 GEMM uses."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch's own probes (private)
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+def bf16_prefill() -> bool:
+    """Whether the GEMMs of a float32 prefill (more than MATVEC_ROWS rows) multiply in bfloat16, with the
+    activations and the unpacked weights rounded to it and float32 accumulation: BUBO_PREFILL_BF16=1 / 0,
+    or by default where the CPU has bfloat16 dot products (AVX512-BF16 or AMX), on which that GEMM runs
+    2.5-3x faster than float32's (2 threads, 512x576 by 576x1536: 2.5 ms against 8.0). transformers' bf16
+    path rounds the same operands, and more (its norms, attention and residual stream stay bf16 too);
+    llama.cpp rounds the activations of Q4_1 products to 8 bits. Decode (compiled matvecs on the codes)
+    stays float32 throughout."""
+    setting = os.environ.get("BUBO_PREFILL_BF16", "auto")
+    return setting == "1" or (setting != "0" and native_bf16())
 
 
 def pack_for_cpu(
@@ -118,44 +144,21 @@ class QuantizedLinear(nn.Module):
             return quantized_matmul(x, self.raw, self.ggml_type, self.bias)
         if self.packed is not None:
             return self._packed_forward(x)
+        operand = gemm_operand(x)
         rows = max(1, CHUNK_VALUES // self.in_features)
         if rows >= self.out_features:
-            return F.linear(x, self._dequantize_rows(0, self.out_features, x.dtype), self.bias)
-        out = x.new_empty(*x.shape[:-1], self.out_features)
-        for start in range(0, self.out_features, rows):
-            stop = min(start + rows, self.out_features)
-            bias = None if self.bias is None else self.bias[start:stop]
-            out[..., start:stop] = F.linear(x, self._dequantize_rows(start, stop, x.dtype), bias)
-        return out
+            out = F.linear(operand, self._dequantize_rows(0, self.out_features, operand.dtype)).to(x.dtype)
+        else:
+            out = x.new_empty(*x.shape[:-1], self.out_features)
+            for start in range(0, self.out_features, rows):
+                stop = min(start + rows, self.out_features)
+                out[..., start:stop] = F.linear(operand, self._dequantize_rows(start, stop, operand.dtype))
+        return out if self.bias is None else out + self.bias
 
     def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= MATVEC_ROWS and x.dtype == torch.float32:
-            # A decode step, or the steps of a few slots batched (--parallel): a compiled matvec per row
-            # costs far less than unpacking the weight to float for a GEMM.
-            if flat.shape[0] == 1:
-                out = self.packed.matvec(flat.view(-1))
-            else:
-                out = torch.stack([self.packed.matvec(row) for row in flat])
-            out = out.view(*x.shape[:-1], self.out_features)
-            return out if self.bias is None else out + self.bias
-        # Whole tiles of the packed layout per chunk: an unaligned chunk would unpack its edge tiles twice.
-        columns = max(TILE, CHUNK_VALUES // self.in_features // TILE * TILE)
-        if columns >= self.out_features:  # the whole weight in one chunk: no output copy
-            return self._unpacked_product(flat, 0, self.out_features).view(*x.shape[:-1], self.out_features)
-        out = x.new_empty(flat.shape[0], self.out_features)
-        for start in range(0, self.out_features, columns):
-            stop = min(start + columns, self.out_features)
-            out[:, start:stop] = self._unpacked_product(flat, start, stop)
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def _unpacked_product(self, flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """flat [rows, in] times weight rows start:stop (+ their bias), unpacked into the scratch buffer."""
-        buffer = scratch_buffer(self.in_features * (stop - start), torch.float32, flat.device)
-        weight_t = self.packed.unpack(start, stop, out=buffer).to(flat.dtype)
-        if self.bias is None:
-            return flat @ weight_t
-        return torch.addmm(self.bias[start:stop], flat, weight_t)
+        out = packed_product(x.reshape(-1, self.in_features), self.packed)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
 
     def _dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows start:stop of the weight, in the thread's scratch buffer (valid until the next call)."""
@@ -169,6 +172,56 @@ class QuantizedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"type={self.ggml_type.name}, bias={self.bias is not None}"
         )
+
+
+Packed = PackedQ4 | PackedQ8 | PackedQ8Offset
+
+
+def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """flat [rows, in_features] times the packed weight, transposed -> [rows, out_features] in flat's dtype.
+
+    Up to MATVEC_ROWS float32 rows (a decode step, the steps of a few slots batched, a short prompt) run
+    a compiled matvec per row, which costs far less than unpacking the weight for a GEMM; more rows (a
+    prefill) multiply column chunks unpacked into the thread's scratch buffer, so the unpacking is paid
+    once for all the rows."""
+    if flat.shape[0] <= MATVEC_ROWS and flat.dtype == torch.float32:
+        if flat.shape[0] == 1:
+            return packed.matvec(flat.view(-1))[None]
+        return torch.stack([packed.matvec(row) for row in flat])
+    operand = gemm_operand(flat)
+    # Whole tiles of the packed layout per chunk: an unaligned chunk would unpack its edge tiles twice.
+    columns = max(TILE, CHUNK_VALUES // packed.in_features // TILE * TILE)
+    if columns >= packed.out_features:  # the whole weight in one chunk: no output copy
+        return _unpacked_product(operand, packed, 0, packed.out_features).to(flat.dtype)
+    out = flat.new_empty(flat.shape[0], packed.out_features)
+    for start in range(0, packed.out_features, columns):
+        stop = min(start + columns, packed.out_features)
+        out[:, start:stop] = _unpacked_product(operand, packed, start, stop)
+    return out
+
+
+def _unpacked_product(operand: torch.Tensor, packed: Packed, start: int, stop: int) -> torch.Tensor:
+    """operand [rows, in] times weight rows start:stop, unpacked into the scratch buffer (and rounded to
+    the operand's dtype in a second one), in the operand's dtype."""
+    buffer = scratch_buffer(packed.in_features * (stop - start), torch.float32, operand.device)
+    weight_t = packed.unpack(start, stop, out=buffer)
+    if operand.dtype != torch.float32:
+        rounded = scratch_buffer(weight_t.numel(), operand.dtype, operand.device)
+        weight_t = rounded.view(weight_t.shape).copy_(weight_t)
+    return operand @ weight_t
+
+
+def gemm_operand(x: torch.Tensor) -> torch.Tensor:
+    """x [..., in_features] as a product on a dequantized weight takes it: rounded to bfloat16 when it is
+    a float32 prefill's on the CPU (more than MATVEC_ROWS rows) and `bf16_prefill` says so; else x itself."""
+    if (
+        x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or x.numel() <= MATVEC_ROWS * x.shape[-1]
+        or not bf16_prefill()
+    ):
+        return x
+    return x.to(torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -205,24 +258,15 @@ def group_rows(*linears: nn.Module) -> None:
 
 
 def project_rows(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
-    """(linear(x) for each of `linears`), as one matvec per row when they form a `group_rows` group and x
-    is a few float32 rows (a decode step)."""
+    """(linear(x) for each of `linears`), as one product (`packed_product`: one matvec per row, or one
+    unpacked GEMM per chunk) when they form a `group_rows` group."""
     group = getattr(linears[0], "group", None)
-    flat = x.reshape(-1, x.shape[-1])
-    if (
-        group is None
-        or group.members != tuple(id(m) for m in linears)
-        or flat.shape[0] > MATVEC_ROWS
-        or x.dtype != torch.float32
-    ):
+    if group is None or group.members != tuple(id(m) for m in linears):
         return tuple(m(x) for m in linears)
-    if flat.shape[0] == 1:
-        out = group.packed.matvec(flat.view(-1))[None]
-    else:
-        out = torch.stack([group.packed.matvec(row) for row in flat])
+    out = packed_product(x.reshape(-1, x.shape[-1]), group.packed)
     results = []
     for member, part in zip(linears, out.split(group.sizes, dim=-1), strict=True):
-        part = part.reshape(*x.shape[:-1], part.shape[-1])
+        part = part.view(*x.shape[:-1], part.shape[-1])
         results.append(part if member.bias is None else part + member.bias)
     return tuple(results)
 

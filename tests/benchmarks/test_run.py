@@ -35,7 +35,7 @@ def test_quick_run_writes_the_comparison(tiny_llama_path: Path, tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
-    assert set(report["engines"]) == {"bubo", "llama.cpp", "transformers"}
+    assert set(report["engines"]) == {"bubo", "llama.cpp", "transformers", "transformers-bf16"}
     bubo = report["engines"]["bubo"]
     assert all(bubo[key] > 0 for key in FIGURES)
     assert len(bubo["runs"]) == 1

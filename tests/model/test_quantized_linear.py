@@ -1,4 +1,7 @@
-"""QuantizedLinear's row-chunked forward against a plain linear on gguf's own dequantization."""
+"""QuantizedLinear's row-chunked forward against a plain linear on gguf's own dequantization.
+
+The products are checked in float32 (BUBO_PREFILL_BF16=0, set for every test here) against float64
+references; `test_bf16_gemms_round_operands_once` checks the bfloat16 prefill GEMMs on their own."""
 
 import gguf
 import numpy as np
@@ -11,6 +14,11 @@ from bubo.model.quantized_linear import QuantizedLinear, group_rows, project_row
 from tests.kernels.k_blocks import random_blocks
 
 Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(autouse=True)
+def float32_gemms(monkeypatch) -> None:
+    monkeypatch.setenv("BUBO_PREFILL_BF16", "0")
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q5_0])
@@ -80,7 +88,8 @@ def _expected(x: torch.Tensor, layer: QuantizedLinear, weight: torch.Tensor) -> 
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
-@pytest.mark.parametrize("rows", [1, 3])  # a decode step; a few slots' steps batched
+# a decode step; a few slots' steps batched; a prefill (one unpacked GEMM for the group)
+@pytest.mark.parametrize("rows", [1, 3, 17])
 def test_grouped_projections_match_float64_reference(monkeypatch, qtype: Q, rows: int) -> None:
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     # q, k, v shaped rows (whole tiles of 8 or 16), a bias on q only as qwen2 has on all three
@@ -112,7 +121,7 @@ def test_rows_that_do_not_fill_tiles_stay_apart(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1])
-@pytest.mark.parametrize("rows", [1, 11])  # a compiled matvec; unpacked column chunks for a GEMM
+@pytest.mark.parametrize("rows", [1, 17])  # a compiled matvec; unpacked column chunks for a GEMM
 def test_repacked_k_quants_match_float64_reference(monkeypatch, qtype: Q, rows: int) -> None:
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     monkeypatch.setattr(quantized_linear, "CHUNK_VALUES", 256 * 24)  # 16 or 24 columns a chunk, of 40
@@ -154,3 +163,44 @@ def test_blocks_of_other_sizes_stay_apart(monkeypatch) -> None:
     layers = [_random_projection(qtype, 16, seed)[0] for seed, qtype in enumerate((Q.Q6_K, Q.Q8_0))]
     group_rows(*layers)
     assert all(layer.group is None for layer in layers)
+
+
+# packed: the repacked layouts' unpacked chunks (PackedQ4, PackedQ8, PackedQ8Offset); else the dequantizing path
+@pytest.mark.parametrize(
+    ("qtype", "packed"), [(Q.Q4_1, True), (Q.Q8_0, True), (Q.Q4_K, True), (Q.Q5_K, True), (Q.Q4_1, False)]
+)
+@pytest.mark.parametrize("rows", [17, 40])
+def test_bf16_gemms_round_operands_once(monkeypatch, qtype: Q, packed: bool, rows: int) -> None:
+    monkeypatch.setenv("BUBO_PREFILL_BF16", "1")
+    if packed:
+        monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    monkeypatch.setattr(quantized_linear, "CHUNK_VALUES", 256 * 24)  # 16 or 24 columns a chunk, of 40
+    if qtype == Q.Q4_1:
+        weights = np.random.default_rng(3).standard_normal((40, 256), dtype=np.float32)
+        raw = gguf.quants.quantize(weights, qtype)
+    else:
+        raw = random_blocks(qtype, 40, 256, seed=3)
+    weight = torch.from_numpy(gguf.quants.dequantize(raw, qtype))  # float32, as the unpacking makes it
+    layer = QuantizedLinear(torch.from_numpy(raw), qtype, 256)
+    assert (layer.packed is not None) == packed
+    x = torch.randn(1, rows, 256, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        product = layer(x)
+    assert product.dtype == torch.float32 and product.shape == (1, rows, 40)
+    # The GEMM's output was bfloat16: every value is one.
+    assert torch.equal(product, product.bfloat16().float())
+    # Operands rounded to bfloat16 once, products summed exactly (float64 here, float32 there), the sum
+    # rounded to bfloat16 once: within half a bfloat16 ulp (2^-9 relative) plus float32 accumulation.
+    expected = x.bfloat16().double() @ weight.bfloat16().double().T
+    torch.testing.assert_close(product.double(), expected, rtol=2**-8, atol=1e-4)
+
+
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_bf16_prefill_setting(monkeypatch, setting: str) -> None:
+    monkeypatch.setenv("BUBO_PREFILL_BF16", setting)
+    assert quantized_linear.bf16_prefill() is (setting == "1")
+    x = torch.randn(17, 8)
+    assert quantized_linear.gemm_operand(x).dtype == (torch.bfloat16 if setting == "1" else torch.float32)
+    # A decode step's few rows, and a bfloat16 model's rows, are left as they are.
+    few, half = x[:16], x.bfloat16()
+    assert quantized_linear.gemm_operand(few) is few and quantized_linear.gemm_operand(half) is half
