@@ -318,6 +318,15 @@ def generate(
 SHORT_PROMPT_TOKENS = 8
 
 
+# A longer prompt (without images) prefills in pieces of this many tokens, each continuing the cache, so
+# its activations stay those of a 2048-token pass however long it is. Default model, 2 threads: an
+# 8192-token prompt peaks at 1068 MB instead of 1271 (377 MB of it the cache), in 28.2 s instead of 23.2
+# (each piece unpacks the weights again, and attends under an explicit mask where one pass skips the
+# masked blocks); 512-token pieces, llama.cpp's ubatch, cost 20-30 % at 2048 tokens, so only prompts
+# past 2048 pay anything.
+PREFILL_CHUNK_TOKENS = 2048
+
+
 def _prefill(model: Model, cache: Cache, tokens: torch.Tensor, images: dict[str, Any]) -> torch.Tensor:
     """Run the prompt tokens [1, T] into `cache`; the logits [vocab] of the last position."""
     step = None
@@ -325,7 +334,11 @@ def _prefill(model: Model, cache: Cache, tokens: torch.Tensor, images: dict[str,
         step = decode_step_for(model, cache)
     if step is None:
         # Only the last position's logits are needed; a long prompt's [T, vocab] logits would be large.
-        return model(tokens, cache, last_only=True, **images)[0, -1]
+        # Image embeddings and their positions come with the whole prompt: one pass.
+        chunk = tokens.shape[1] if images else PREFILL_CHUNK_TOKENS
+        for start in range(0, tokens.shape[1], chunk):
+            logits = model(tokens[:, start : start + chunk], cache, last_only=True, **images)[0, -1]
+        return logits
     for token in tokens[0]:
         logits = step(token, cache)
     return logits

@@ -239,10 +239,12 @@ class SessionSlot:
         def run(start: int, end: int) -> None:
             tokens = torch.tensor([prompt[start:end]], device=model.device)
             inputs = vision.chunk(pc.cache, start, end) if vision is not None else None
+            # The logits are not wanted: last_only keeps the head to one position ([T, vocab] floats would
+            # be a gigabyte for a 1000-token piece with a 248k vocabulary).
             if inputs is None:
-                model(tokens, pc.cache)
+                model(tokens, pc.cache, last_only=True)
             else:
-                model(tokens, pc.cache, multimodal=inputs)
+                model(tokens, pc.cache, last_only=True, multimodal=inputs)
 
         # A hybrid cache snapshots its recurrent states at the prompt's last turn ends (prompt_cache.py).
         started = time.perf_counter()

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from bubo.engine import generate as generate_module
 from bubo.engine.generate import GenerationResult, TextDelta, generate
 from bubo.engine.loaded_model import load_model
 from bubo.engine.sampler import SamplingParams
@@ -270,6 +271,16 @@ def test_a_cache_that_cannot_rewind_is_reused_whole_or_recomputed() -> None:
     assert result.timings.prefill_tokens == 4
 
 
+def test_a_long_prompt_prefills_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(generate_module, "PREFILL_CHUNK_TOKENS", 4)
+    model = ScriptedModel([ord("a"), EOS])
+    model.prompt_len = 10
+    prompt = list(range(1, 11))
+    _, result = run(model, prompt, GREEDY)
+    assert model.calls == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10], [ord("a")]]
+    assert result.text == "a" and result.timings.prefill_tokens == 10
+
+
 def test_timings_and_inference_mode_stay_inside_the_generator() -> None:
     model = ScriptedModel([256, 257, EOS])
     events: list[object] = []
@@ -318,3 +329,20 @@ def test_real_model_same_seed_same_text(smollm2: Any) -> None:
     first = run(smollm2.model, prompt, params, smollm2.tokenizer)[1]
     again = run(smollm2.model, prompt, params, smollm2.tokenizer)[1]
     assert first.token_ids == again.token_ids and first.text == again.text and first.seed == 1234
+
+
+def test_real_model_chunked_prefill_matches_one_pass(smollm2: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = smollm2.tokenizer.encode(" and".join(["The capital of France is Paris"] * 6))
+    params = dataclasses.replace(GREEDY, max_tokens=1)
+
+    def first_logprob() -> tuple[int, float]:
+        events = list(generate(smollm2.model, smollm2.tokenizer, prompt, params, logprobs=0))
+        (logprob,) = [p for event in events if isinstance(event, TextDelta) for p in event.logprobs]
+        return logprob.token_id, logprob.logprob
+
+    whole = first_logprob()
+    monkeypatch.setattr(generate_module, "PREFILL_CHUNK_TOKENS", 16)
+    assert len(prompt) > 2 * 16 + 1  # two whole chunks and a ragged one
+    chunked = first_logprob()
+    # The same float32 math over other row counts and an explicit causal mask: rounding alone differs.
+    assert chunked[0] == whole[0] and abs(chunked[1] - whole[1]) <= 1e-4
