@@ -42,11 +42,11 @@ from bubo.gguf.config import RopeStyle
 from bubo.kernels.codes import word_bits
 from bubo.kernels.compiled import StaticKernel
 from bubo.kernels.q4_matvec import PackedQ4, q4_matvec_bits
-from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset, q8_matvec_bits, q8_offset_matvec_bits
+from bubo.kernels.q8_matvec import PackedQ8Offset, q8_matvec_bits, q8_offset_matvec_bits
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DecoderLayer
 from bubo.model.layers import MLP, RMSNorm, apply_rotary, rms_norm
-from bubo.model.quantized_linear import MIN_PACKED_WEIGHTS, QuantizedLinear, has_packed_weights
+from bubo.model.quantized_linear import MIN_PACKED_WEIGHTS, Packed, QuantizedLinear, has_packed_weights
 
 __all__ = ["CompiledDecodeStep", "compile_decode_enabled", "decode_step_for", "prepare_decode_step"]
 
@@ -118,9 +118,7 @@ def _projections(*linears: nn.Module) -> list[tuple[_Projection, Tensors]]:
     return out
 
 
-def _packed(
-    packed: PackedQ4 | PackedQ8 | PackedQ8Offset, biases: list, sizes: tuple[int, ...]
-) -> tuple[_Projection, Tensors]:
+def _packed(packed: Packed, biases: list, sizes: tuple[int, ...]) -> tuple[_Projection, Tensors]:
     if isinstance(packed, PackedQ4 | PackedQ8Offset):
         kind = "q4" if isinstance(packed, PackedQ4) else "q8_offset"
         return _with_bias(kind, (word_bits(packed.words), packed.scale, packed.offset), biases, sizes)

@@ -59,6 +59,10 @@ MIN_PACKED_WEIGHTS = 1 << 16
 MATVEC_ROWS = 16
 
 
+# A CPU weight repacked for the compiled matvecs (bubo/kernels/).
+Packed = PackedQ4 | PackedQ8 | PackedQ8Offset
+
+
 @functools.cache
 def native_bf16() -> bool:
     """Whether this CPU has bfloat16 dot products (AVX512-BF16 or AMX), which oneDNN's bf16 GEMM uses."""
@@ -78,9 +82,7 @@ def bf16_prefill() -> bool:
     return setting == "1" or (setting != "0" and native_bf16())
 
 
-def pack_for_cpu(
-    raw: torch.Tensor, ggml_type: GGMLQuantizationType
-) -> PackedQ4 | PackedQ8 | PackedQ8Offset | None:
+def pack_for_cpu(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed | None:
     """The repacked form of a CPU weight the compiled matvec handles, else None."""
     weights = raw.shape[0] * (raw.shape[1] // type_size(ggml_type)) * block_size(ggml_type)
     if raw.device.type != "cpu" or weights < MIN_PACKED_WEIGHTS:
@@ -174,9 +176,6 @@ class QuantizedLinear(nn.Module):
         )
 
 
-Packed = PackedQ4 | PackedQ8 | PackedQ8Offset
-
-
 def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
     """flat [rows, in_features] times the packed weight, transposed -> [rows, out_features] in flat's dtype.
 
@@ -229,7 +228,7 @@ class RowGroup:
     """Projections of one input whose packed rows are stored as one matrix (`group_rows`): a decode step
     runs them as one matvec, which costs less than several smaller ones (one kernel call, longer loops)."""
 
-    packed: PackedQ4 | PackedQ8 | PackedQ8Offset
+    packed: Packed
     members: tuple[int, ...]  # id() of each member QuantizedLinear, in row order
     sizes: tuple[int, ...]
 
