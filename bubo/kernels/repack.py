@@ -12,9 +12,9 @@ layouts of the compiled matvecs, which then run them, the decode step included.
   4.5 bits a weight, as in the file.
 - Q6_K -> PackedQ8 with 4-word blocks (bubo/kernels/q8_matvec.py): 16 sub-blocks of 16 weights,
   w = (d * sc_j) * (q - 32), q 6-bit, sc_j int8; the code q - 32 is a signed byte, the scale exact
-  (11-bit mantissa times an 8-bit integer). 10 bits a weight against the file's 6.56: the bytes
-  expand with two shifts where 6-bit fields would take more work per weight (the measurements
-  that chose this are in the branch's notes).
+  (11-bit mantissa times an 8-bit integer). 10 bits a weight against the file's 6.56: a byte
+  expands with one AND (stored biased, see q8_matvec) where 6-bit fields would take more work per
+  weight (the measurements that chose this are in the branch's notes).
 - Q5_K -> PackedQ8Offset (bubo/kernels/q8_matvec.py): Q4_K's super-block with a fifth bit a code,
   so Q4_K's scale and offset; the code (0-31) a byte. 10 bits a weight against 5.5.
 - Q5_0 -> PackedQ8 (8-word blocks, as Q8_0): w = d * (q - 16), q 5-bit; the code q - 16 is a
@@ -42,7 +42,7 @@ from bubo.gguf.quants import (
 )
 from bubo.kernels.codes import tiled_by_rows
 from bubo.kernels.q4_matvec import PackedQ4, nibble_words
-from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset
+from bubo.kernels.q8_matvec import CODE_BIAS, PackedQ8, PackedQ8Offset
 
 __all__ = ["REPACKABLE", "pack_q4_k", "pack_q5_0", "pack_q5_1", "pack_q5_k", "pack_q6_k", "repack"]
 
@@ -52,10 +52,15 @@ Q = GGMLQuantizationType
 Rows = Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]
 
 
-def _signed_bytes_words(codes: torch.Tensor) -> torch.Tensor:
-    """Signed codes (-128..127, any integer dtype) [rows, blocks, weights] -> int32 words [rows, blocks,
-    weights / 4], byte s of word w holding weight 4w + s (little end first, as PackedQ8 reads them)."""
-    return codes.to(torch.int8).contiguous().view(torch.int32)
+def _byte_words(codes: torch.Tensor) -> torch.Tensor:
+    """Codes of 0..255 (any integer dtype) [rows, blocks, weights] -> int32 words [rows, blocks, weights
+    / 4], byte s of word w holding weight 4w + s (little end first, as PackedQ8 reads them)."""
+    return codes.to(torch.uint8).contiguous().view(torch.int32)
+
+
+def _biased_words(codes: torch.Tensor) -> torch.Tensor:
+    """Signed codes (-128..127) as PackedQ8 stores them: `_byte_words` of code + CODE_BIAS."""
+    return _byte_words(codes.to(torch.int16) + CODE_BIAS)
 
 
 def _tiled(raw: torch.Tensor, ggml_type: GGMLQuantizationType, rows: Rows) -> tuple[torch.Tensor, ...]:
@@ -74,19 +79,19 @@ def _q4_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
 
 def _q5_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     scale, low = k_scale_min(blocks)
-    return _signed_bytes_words(q5_k_codes(blocks).view(n, -1, 32)), scale.view(n, -1), -low.view(n, -1)
+    return _byte_words(q5_k_codes(blocks).view(n, -1, 32)), scale.view(n, -1), -low.view(n, -1)
 
 
 def _q6_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    return _signed_bytes_words(q6_k_codes(blocks).view(n, -1, 16)), q6_k_scales(blocks).view(n, -1)
+    return _biased_words(q6_k_codes(blocks).view(n, -1, 16)), q6_k_scales(blocks).view(n, -1)
 
 
 def _q5_0_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    return _signed_bytes_words(q5_0_codes(blocks).view(n, -1, 32)), f16_field(blocks, 0).view(n, -1)
+    return _biased_words(q5_0_codes(blocks).view(n, -1, 32)), f16_field(blocks, 0).view(n, -1)
 
 
 def _q5_1_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    words = _signed_bytes_words(q5_1_codes(blocks).view(n, -1, 32))
+    words = _byte_words(q5_1_codes(blocks).view(n, -1, 32))
     return words, f16_field(blocks, 0).view(n, -1), f16_field(blocks, 2).view(n, -1)
 
 

@@ -26,8 +26,9 @@ def test_matvec_matches_float64_reference(out_features: int) -> None:
     torch.testing.assert_close(q8_matvec_reference(x, torch.from_numpy(raw)), expected)
 
 
-def test_unpack_is_bit_exact_for_every_byte() -> None:
-    # Random bytes cover all 256 codes in every byte position of a word (signs included).
+def test_every_byte_unpacks_exactly_and_multiplies_right() -> None:
+    # Random bytes cover all 256 codes in every byte position of a word (signs included; -128 too, which
+    # the quantizer never writes): PackedQ8 stores them biased, and the matvec takes the bias back out.
     rng = np.random.default_rng(2)
     raw = rng.integers(0, 256, size=(35, 3, 34), dtype=np.uint8)
     raw[..., :2] = rng.uniform(-1, 1, size=(35, 3, 1)).astype(np.float16).view(np.uint8)
@@ -40,6 +41,12 @@ def test_unpack_is_bit_exact_for_every_byte() -> None:
     buffer = torch.full((96 * 35 + 5,), float("nan"))
     assert torch.equal(packed.unpack(9, 20, out=buffer).T, weight[9:20])
     assert packed.unpack(0, 35, out=buffer).data_ptr() == buffer.data_ptr()
+    x = torch.randn(96, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        got = q8_matvec(x, packed)
+    expected = weight.double() @ x.double()
+    # float32 sums of ~100 products of up to 127 * |scale|: errors relative to the largest output.
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-6 * expected.abs().max().item())
 
 
 def test_packing_in_row_steps_matches_the_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
