@@ -217,6 +217,51 @@ def test_an_invalid_schema_is_400_naming_the_problem(tiny_server: LiveServer) ->
     )
 
 
+_BAD_PARAMETERS = {"type": "object", "properties": {"city": 5}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "messages": ASK,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": _BAD_PARAMETERS}}],
+                "tool_choice": "required",
+            },
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": "hi",
+                "tools": [{"type": "function", "name": "f", "parameters": _BAD_PARAMETERS}],
+                "tool_choice": "required",
+            },
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 4,
+                "messages": ASK,
+                "tools": [{"name": "f", "input_schema": _BAD_PARAMETERS}],
+                "tool_choice": {"type": "any"},
+            },
+        ),
+    ],
+)
+def test_a_forced_call_to_a_tool_with_an_unusable_schema_is_400(
+    tiny_server: LiveServer, path: str, body: dict[str, object]
+) -> None:
+    """The grammar that forces a call embeds the tool's schema; a schema it cannot compile is the
+    request's mistake (400 invalid_schema naming tools), not an internal error."""
+    response = httpx.post(tiny_server.url + path, json={"model": "bubo", **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error.get("param", "tools")) == ("invalid_schema", "tools")
+    assert "properties" in error["message"] or "schema" in error["message"]
+
+
 def test_max_tokens_inside_the_reasoning_leaves_the_answer_empty(
     serve, qwen3_template_llama: LoadedModel
 ) -> None:
