@@ -265,6 +265,11 @@ def chat_messages(raw: Any, field_name: str = "messages") -> list[dict[str, Any]
         if content is None:
             if role != "assistant":
                 raise bad_field(f"{where}.content", "is required")
+            # OpenAI's tool-call answers carry `content: null`, and clients send them back as they got
+            # them. Templates that read `message.content` unguarded (Qwen3, QwQ, SmolLM2) fail on a
+            # missing one; every template that takes a missing one renders "" the same (vLLM and
+            # llama.cpp substitute "" too).
+            out["content"] = ""
         else:
             out["content"] = message_content(content, f"{where}.content", images=role == "user")
         calls = message.get("tool_calls")

@@ -182,6 +182,30 @@ def test_a_template_with_tools_renders_them_itself(serve, qwen3_template_llama: 
     assert "<tools>\n" + json.dumps(WEATHER) in prompt and "# Tools" in prompt
 
 
+def test_an_assistant_turn_with_null_content_renders(serve, qwen3_template_llama: LoadedModel) -> None:
+    """The tool round trip as OpenAI clients make it: the assistant's calls come back with
+    `content: null` (as the server sent them), then the tool's result. Qwen3's template reads
+    `message.content` unguarded; the server must not make that a 400."""
+    server = serve(qwen3_template_llama, "ok")
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
+    response = httpx.post(server.url + "/apply-template", json={"messages": history, "tools": [WEATHER]})
+    assert response.status_code == 200, response.text
+    prompt = response.json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in prompt
+    body = {"model": "bubo", "messages": history, "tools": [WEATHER], "max_tokens": 2}
+    assert httpx.post(server.url + "/v1/chat/completions", json=body).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("choice", "status", "param"),
     [
