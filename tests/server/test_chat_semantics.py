@@ -135,6 +135,32 @@ def test_xml_parameter_calls_are_typed_by_the_schema(serve, qwen35_template_llam
     assert json.loads(call.function.arguments) == {"city": "New York", "days": 3}
 
 
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "properties": "city"},
+        {"type": "object", "properties": {"city": 5, "days": {"type": 3}}},
+    ],
+)
+def test_xml_calls_against_a_malformed_schema_keep_their_values(
+    serve, qwen35_template_llama: LoadedModel, parameters: dict
+) -> None:
+    """The parser types XML parameter values by the tool's schema; a schema that is JSON but not a
+    usable schema (the request's mistake, never compiled unless the call is forced) leaves the values
+    untyped instead of failing the generation with an internal error."""
+    text = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    server = serve(qwen35_template_llama, "Weather.\n</think>\n\n" + text)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    body = {"model": "bubo", "messages": ASK, "tools": [tool]}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    [call] = response.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+
+
 def test_tool_choice_none_hides_the_tools(serve, long_llama: LoadedModel) -> None:
     server = serve(long_llama, JSON_CALL)
     body = {"model": "bubo", "messages": ASK, "tools": [WEATHER]}
