@@ -25,6 +25,7 @@ __all__ = [
     "chat_images",
     "chat_messages",
     "chat_request",
+    "chat_tools",
     "message_content",
     "named_tool_choice",
     "openai_tool_choice",
@@ -264,6 +265,11 @@ def chat_messages(raw: Any, field_name: str = "messages") -> list[dict[str, Any]
         if content is None:
             if role != "assistant":
                 raise bad_field(f"{where}.content", "is required")
+            # OpenAI's tool-call answers carry `content: null`, and clients send them back as they got
+            # them. Templates that read `message.content` unguarded (Qwen3, QwQ, SmolLM2) fail on a
+            # missing one; every template that takes a missing one renders "" the same (vLLM and
+            # llama.cpp substitute "" too).
+            out["content"] = ""
         else:
             out["content"] = message_content(content, f"{where}.content", images=role == "user")
         calls = message.get("tool_calls")
@@ -301,6 +307,37 @@ def tool_list(tools: Any, field_name: str = "tools") -> list[dict[str, Any]] | N
     return [dict(t) for t in tools] or None
 
 
+def chat_tools(raw: Any) -> list[dict[str, Any]] | None:
+    """OpenAI chat `tools`: {"type": "function", "function": {"name", "description"?, "parameters"?}}.
+    Checked here because the templates, the tool-call parser and the forcing grammar all index into
+    them: a tool without a name or with a non-object schema would otherwise fail deep inside (a 500)."""
+    tools = tool_list(raw)
+    for i, tool in enumerate(tools or []):
+        where = f"tools[{i}]"
+        if tool.get("type") is None:
+            raise bad_field(f"{where}.type", 'is required: "function"')
+        if tool.get("type") != "function":
+            raise ApiError(
+                400,
+                "unsupported_tool",
+                f"{where}.type: only function tools are supported, got {tool.get('type')!r}",
+                param=f"{where}.type",
+            )
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise bad_field(f"{where}.function", "must be an object with a name")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_field(f"{where}.function.name", "must be a non-empty string")
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise bad_field(f"{where}.function.description", "must be a string")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise bad_field(f"{where}.function.parameters", "must be a JSON schema object")
+    return tools
+
+
 def tool_names(tools: list[dict[str, Any]] | None) -> list[str]:
     return [str(t.get("function", t).get("name")) for t in tools or []]
 
@@ -336,7 +373,7 @@ def chat_request(body: Body) -> ChatRequest:
     """The conversation of an OpenAI chat-completions body (also /apply-template's and /debug/prompt's)."""
     messages = chat_messages(body.raw("messages"))
     thinking, kwargs = thinking_choice(body)
-    tools = tool_list(body.raw("tools"))
+    tools = chat_tools(body.raw("tools"))
     return ChatRequest(messages, tools, thinking, kwargs, tool_choice=openai_tool_choice(body, tools))
 
 

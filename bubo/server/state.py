@@ -369,7 +369,17 @@ class ServerState:
             parser = ToolCallParser(fmt, chat.tools, parallel=choice.parallel)
             if choice.forced:
                 source = tool_call_grammar(fmt, chat.tools, name=choice.name, parallel=choice.parallel)
-                grammar = lark_grammar(source)
+                try:
+                    grammar = lark_grammar(source)
+                except GrammarError as error:
+                    # The forcing grammar embeds each tool's parameters schema: a broken one is the
+                    # request's fault, as it is in response_format.
+                    raise ApiError(
+                        400,
+                        "invalid_schema",
+                        f"tools: a tool's parameters schema is not usable: {error}",
+                        param="tools",
+                    ) from None
         if schema is not None:
             if grammar is not None:
                 raise ApiError(

@@ -254,7 +254,10 @@ class ToolCallParser:
         match = re.fullmatch(r"<function=([^<>\n]+)>(.*)</function>", body, re.DOTALL)
         if match is None or not (name := match[1].strip()):
             return None
-        properties = (self._schemas or {}).get(name, {}).get("properties") or {}
+        properties = (self._schemas or {}).get(name, {}).get("properties")
+        if not isinstance(properties, Mapping):
+            # A schema is the client's JSON, checked only when a forced call compiles it.
+            properties = {}
         arguments: dict[str, Any] = {}
         rest = match[2]
         while rest := rest.lstrip():
@@ -317,8 +320,10 @@ def _typed(raw: str, schema: Mapping[str, Any] | None) -> Any:
     """An XML parameter value as the JSON type its schema names; unknown types parse as JSON or stay text."""
     # The templates write "\n" + value + "\n" around the value; only that layout is not part of it.
     text = raw.removeprefix("\n").removesuffix("\n")
-    types = (schema or {}).get("type")
-    types = [types] if isinstance(types, str) else list(types or [])
+    named = schema.get("type") if isinstance(schema, Mapping) else None
+    # Only type names count: a malformed schema (the client's JSON, unchecked) types nothing.
+    types = [named] if isinstance(named, str) else named if isinstance(named, list) else []
+    types = [kind for kind in types if isinstance(kind, str)]
     for kind in types:
         if kind != "string" and (value := _as_type(text.strip(), kind)) is not _NO_VALUE:
             return value

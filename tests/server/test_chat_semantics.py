@@ -135,6 +135,32 @@ def test_xml_parameter_calls_are_typed_by_the_schema(serve, qwen35_template_llam
     assert json.loads(call.function.arguments) == {"city": "New York", "days": 3}
 
 
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "properties": "city"},
+        {"type": "object", "properties": {"city": 5, "days": {"type": 3}}},
+    ],
+)
+def test_xml_calls_against_a_malformed_schema_keep_their_values(
+    serve, qwen35_template_llama: LoadedModel, parameters: dict
+) -> None:
+    """The parser types XML parameter values by the tool's schema; a schema that is JSON but not a
+    usable schema (the request's mistake, never compiled unless the call is forced) leaves the values
+    untyped instead of failing the generation with an internal error."""
+    text = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    server = serve(qwen35_template_llama, "Weather.\n</think>\n\n" + text)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    body = {"model": "bubo", "messages": ASK, "tools": [tool]}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    [call] = response.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+
+
 def test_tool_choice_none_hides_the_tools(serve, long_llama: LoadedModel) -> None:
     server = serve(long_llama, JSON_CALL)
     body = {"model": "bubo", "messages": ASK, "tools": [WEATHER]}
@@ -182,6 +208,30 @@ def test_a_template_with_tools_renders_them_itself(serve, qwen3_template_llama: 
     assert "<tools>\n" + json.dumps(WEATHER) in prompt and "# Tools" in prompt
 
 
+def test_an_assistant_turn_with_null_content_renders(serve, qwen3_template_llama: LoadedModel) -> None:
+    """The tool round trip as OpenAI clients make it: the assistant's calls come back with
+    `content: null` (as the server sent them), then the tool's result. Qwen3's template reads
+    `message.content` unguarded; the server must not make that a 400."""
+    server = serve(qwen3_template_llama, "ok")
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
+    response = httpx.post(server.url + "/apply-template", json={"messages": history, "tools": [WEATHER]})
+    assert response.status_code == 200, response.text
+    prompt = response.json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in prompt
+    body = {"model": "bubo", "messages": history, "tools": [WEATHER], "max_tokens": 2}
+    assert httpx.post(server.url + "/v1/chat/completions", json=body).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("choice", "status", "param"),
     [
@@ -215,6 +265,51 @@ def test_an_invalid_schema_is_400_naming_the_problem(tiny_server: LiveServer) ->
         and error["param"] == "response_format"
         and "objekt" in error["message"]
     )
+
+
+_BAD_PARAMETERS = {"type": "object", "properties": {"city": 5}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "messages": ASK,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": _BAD_PARAMETERS}}],
+                "tool_choice": "required",
+            },
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": "hi",
+                "tools": [{"type": "function", "name": "f", "parameters": _BAD_PARAMETERS}],
+                "tool_choice": "required",
+            },
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 4,
+                "messages": ASK,
+                "tools": [{"name": "f", "input_schema": _BAD_PARAMETERS}],
+                "tool_choice": {"type": "any"},
+            },
+        ),
+    ],
+)
+def test_a_forced_call_to_a_tool_with_an_unusable_schema_is_400(
+    tiny_server: LiveServer, path: str, body: dict[str, object]
+) -> None:
+    """The grammar that forces a call embeds the tool's schema; a schema it cannot compile is the
+    request's mistake (400 invalid_schema naming tools), not an internal error."""
+    response = httpx.post(tiny_server.url + path, json={"model": "bubo", **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error.get("param", "tools")) == ("invalid_schema", "tools")
+    assert "properties" in error["message"] or "schema" in error["message"]
 
 
 def test_max_tokens_inside_the_reasoning_leaves_the_answer_empty(

@@ -284,6 +284,44 @@ def test_field_rules(tiny_server: LiveServer, body: dict, status: int, code: str
     assert error["message"]
 
 
+@pytest.mark.parametrize(
+    ("tool", "tool_choice", "code", "param"),
+    [
+        ({"type": "function"}, "auto", "invalid_value", "tools[0].function"),
+        ({"name": "f"}, "auto", "invalid_value", "tools[0].type"),
+        ({"type": "custom", "custom": {"name": "f"}}, "auto", "unsupported_tool", "tools[0].type"),
+        ({"type": "function", "function": {"name": 5}}, "auto", "invalid_value", "tools[0].function.name"),
+        (
+            {"type": "function", "function": {"name": "f", "description": ["x"]}},
+            "auto",
+            "invalid_value",
+            "tools[0].function.description",
+        ),
+        (
+            {"type": "function", "function": {"name": "f", "parameters": "x"}},
+            "required",
+            "invalid_value",
+            "tools[0].function.parameters",
+        ),
+    ],
+)
+def test_malformed_tools_are_400_naming_the_field(
+    tiny_server: LiveServer, tool: dict, tool_choice: str, code: str, param: str
+) -> None:
+    """The tools must be OpenAI function tools; the template, parser and forcing grammar index into them."""
+    body = {
+        "model": "bubo",
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [tool],
+        "tool_choice": tool_choice,
+        "max_tokens": 1,
+    }
+    response = httpx.post(tiny_server.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, param)
+
+
 @pytest.mark.parametrize("limit", [-1, None])
 def test_minus_one_and_null_keep_the_default_limit(tiny_server: LiveServer, limit: int | None) -> None:
     body = {"model": "bubo", "messages": [{"role": "user", "content": "x"}], "max_tokens": limit}
