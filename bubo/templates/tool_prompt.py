@@ -52,10 +52,12 @@ def with_tools_in_messages(
             out.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
         elif role == "tool":
             response = f"<tool_response>\n{message.get('content', '')}\n</tool_response>"
+            previous = out[-1] if out else {}
+            # A user turn with images holds a list of parts, never a tool response to join.
             if (
-                out
-                and out[-1].get("role") == "user"
-                and out[-1].get("content", "").endswith("</tool_response>")
+                previous.get("role") == "user"
+                and isinstance(previous.get("content"), str)
+                and previous["content"].endswith("</tool_response>")
             ):
                 out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + response}
             else:
