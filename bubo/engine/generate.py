@@ -234,6 +234,8 @@ def generate(
                 source = _plain_tokens(model, cache, chooser, logits)
         else:
             source = speculative.tokens(speculative.prefill(tokens, inputs), prompt, limit)
+    # All of the uncached prompt, unless the prefill was cancelled part way.
+    prefilled = cache.length - cached
     first_token_at = started
 
     completion: list[int] = []
@@ -306,7 +308,7 @@ def generate(
         text="".join(pieces),
         seed=sampler.seed,
         timings=Timings(
-            prefill_tokens=len(prompt) - cached,
+            prefill_tokens=prefilled,
             prefill_seconds=(first_token_at if completion else finished_at) - started,
             decode_tokens=max(len(completion) - 1, 0),
             decode_seconds=finished_at - first_token_at if completion else 0.0,

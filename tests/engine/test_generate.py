@@ -291,6 +291,7 @@ def test_a_cancel_during_a_chunked_prefill_stops_it_between_pieces(monkeypatch: 
     assert model.calls == [[1, 2, 3, 4]]
     assert deltas == [] and result.token_ids == [] and result.stop_reason == "cancelled"
     assert cache.tokens == [1, 2, 3, 4]  # what ran stays, for the prompt cache to account for
+    assert result.timings.prefill_tokens == 4
 
 
 def test_a_request_cancelled_before_its_prefill_runs_nothing() -> None:

@@ -398,10 +398,12 @@ def test_a_client_that_disconnects_during_the_prefill_stops_it(
             ran = held.pieces
             assert ran <= 2  # of 10
             assert slot.cached_tokens == 16 * ran  # what ran is what the cache holds
+            assert server.state.slots.stats.prompt_tokens_total == 16 * ran  # and what /metrics counts
             # The slot serves the next request, reusing the pieces that ran.
             reply = client.post("/completion", json={**body, "stream": False})
             assert reply.status_code == 200, reply.text
             assert reply.json()["tokens_cached"] == 16 * ran
+            assert server.state.slots.stats.prompt_tokens_total == 160
     finally:
         held.release.set()
         server.stop()
