@@ -221,14 +221,21 @@ def generate(
         speculative = SpeculativeDecoder(model, cache, chooser, drafter)
     started = time.perf_counter()
     tokens = torch.tensor([prompt[cached:]], dtype=torch.long, device=device)
-    inputs = prompt_inputs(cached, len(prompt)) if prompt_inputs is not None else None
-    images = {} if inputs is None else {"multimodal": inputs}
-    source: Iterator[tuple[int, torch.Tensor]]
-    if speculative is None:
-        logits = _prefill(model, cache, tokens, images)
-        source = _plain_tokens(model, cache, chooser, logits)
-    else:
-        source = speculative.tokens(speculative.prefill(tokens, inputs), prompt, limit)
+    # The prefill's passes are forward passes too: a caller gone before or during them (a client that
+    # left while a long prompt was queued or computed) stops it there, instead of holding the slot for
+    # the whole prompt. None: cancelled, and the cache holds the pieces that ran.
+    source: Iterator[tuple[int, torch.Tensor]] | None = None
+    if cancelled is None or not cancelled():
+        inputs = prompt_inputs(cached, len(prompt)) if prompt_inputs is not None else None
+        images = {} if inputs is None else {"multimodal": inputs}
+        if speculative is None:
+            logits = _prefill(model, cache, tokens, images, cancelled)
+            if logits is not None:
+                source = _plain_tokens(model, cache, chooser, logits)
+        else:
+            source = speculative.tokens(speculative.prefill(tokens, inputs), prompt, limit)
+    # All of the uncached prompt, unless the prefill was cancelled part way.
+    prefilled = cache.length - cached
     first_token_at = started
 
     completion: list[int] = []
@@ -236,11 +243,11 @@ def generate(
     pending_logprobs: list[TokenLogprob] = []
     pieces: list[str] = []
     stop_token: int | None = None
-    reason: StopReason = "max_tokens"
+    reason: StopReason = "max_tokens" if source is not None else "cancelled"
     try:
         # Each step asks the source for a token only after every stop check passed: the source runs
         # the model when it has no token left from its last pass.
-        while limit is None or len(completion) < limit:
+        while source is not None and (limit is None or len(completion) < limit):
             token, logits = next(source)
             if not completion:
                 first_token_at = time.perf_counter()
@@ -273,7 +280,8 @@ def generate(
                 break
     finally:
         # A speculative source rolls the cache back to the tokens taken when it is closed.
-        source.close()
+        if source is not None:
+            source.close()
     finished_at = time.perf_counter()
 
     if reason != "stop_string":
@@ -300,7 +308,7 @@ def generate(
         text="".join(pieces),
         seed=sampler.seed,
         timings=Timings(
-            prefill_tokens=len(prompt) - cached,
+            prefill_tokens=prefilled,
             prefill_seconds=(first_token_at if completion else finished_at) - started,
             decode_tokens=max(len(completion) - 1, 0),
             decode_seconds=finished_at - first_token_at if completion else 0.0,
@@ -327,8 +335,15 @@ SHORT_PROMPT_TOKENS = 8
 PREFILL_CHUNK_TOKENS = 2048
 
 
-def _prefill(model: Model, cache: Cache, tokens: torch.Tensor, images: dict[str, Any]) -> torch.Tensor:
-    """Run the prompt tokens [1, T] into `cache`; the logits [vocab] of the last position."""
+def _prefill(
+    model: Model,
+    cache: Cache,
+    tokens: torch.Tensor,
+    images: dict[str, Any],
+    cancelled: Callable[[], bool] | None = None,
+) -> torch.Tensor | None:
+    """Run the prompt tokens [1, T] into `cache`; the logits [vocab] of the last position, or None when
+    `cancelled` said so before a piece after the first (the cache then holds the pieces that ran)."""
     step = None
     if not images and tokens.shape[1] <= SHORT_PROMPT_TOKENS:
         step = decode_step_for(model, cache)
@@ -337,6 +352,8 @@ def _prefill(model: Model, cache: Cache, tokens: torch.Tensor, images: dict[str,
         # Image embeddings and their positions come with the whole prompt: one pass.
         chunk = tokens.shape[1] if images else PREFILL_CHUNK_TOKENS
         for start in range(0, tokens.shape[1], chunk):
+            if start and cancelled is not None and cancelled():
+                return None
             logits = model(tokens[:, start : start + chunk], cache, last_only=True, **images)[0, -1]
         return logits
     for token in tokens[0]:

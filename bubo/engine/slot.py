@@ -299,7 +299,9 @@ class SessionSlot:
         )
         stats = self.stats
         stats.requests_total += 1
-        stats.prompt_tokens_total += len(prompt) - report.cached_tokens
+        # The prompt tokens computed: the snapshot stops before `generate`, then its prefill (the
+        # whole prompt past the cache, unless the request was cancelled part way).
+        stats.prompt_tokens_total += result.cached_tokens - report.cached_tokens + timings.prefill_tokens
         stats.prompt_seconds_total += segments_seconds + timings.prefill_seconds
         stats.tokens_predicted_total += result.completion_tokens
         stats.predicted_seconds_total += timings.decode_seconds

@@ -281,6 +281,26 @@ def test_a_long_prompt_prefills_in_chunks(monkeypatch: pytest.MonkeyPatch) -> No
     assert result.text == "a" and result.timings.prefill_tokens == 10
 
 
+def test_a_cancel_during_a_chunked_prefill_stops_it_between_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A client that leaves while a long prompt is computed must not keep the slot for the rest of it.
+    monkeypatch.setattr(generate_module, "PREFILL_CHUNK_TOKENS", 4)
+    model = ScriptedModel([ord("a"), EOS])
+    model.prompt_len = 10
+    cache = FakeCache(max_len=16)
+    deltas, result = run(model, list(range(1, 11)), GREEDY, cache=cache, cancelled=lambda: bool(model.calls))
+    assert model.calls == [[1, 2, 3, 4]]
+    assert deltas == [] and result.token_ids == [] and result.stop_reason == "cancelled"
+    assert cache.tokens == [1, 2, 3, 4]  # what ran stays, for the prompt cache to account for
+    assert result.timings.prefill_tokens == 4
+
+
+def test_a_request_cancelled_before_its_prefill_runs_nothing() -> None:
+    model = ScriptedModel([ord("a"), EOS])
+    deltas, result = run(model, [1, 2, 3], GREEDY, cancelled=lambda: True)
+    assert model.calls == [] and deltas == []
+    assert (result.stop_reason, result.completion_tokens) == ("cancelled", 0)
+
+
 def test_timings_and_inference_mode_stay_inside_the_generator() -> None:
     model = ScriptedModel([256, 257, EOS])
     events: list[object] = []

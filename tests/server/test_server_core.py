@@ -1,6 +1,8 @@
 """What every route shares: errors in the documented shape, the API key, readiness, the memory guard,
 a lost device, and the session slot (queueing, cancellation on disconnect)."""
 
+import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -340,3 +342,68 @@ def test_a_non_streaming_client_that_gives_up_frees_the_slot(slow_server: LiveSe
         time.sleep(0.01)
     assert not slot.is_processing
     assert slot.model.forwards < 40  # 200 tokens would take 10 s
+
+
+class _HeldPrefill:
+    """Wraps a decoder: its first prefill piece (a forward of several tokens) waits for `release`, and
+    `pieces` counts the prefill pieces run."""
+
+    def __init__(self, model: object) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = model.device
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.pieces = 0
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None) -> object:
+        return self.model.new_cache(batch, max_len)
+
+    def __call__(self, tokens: torch.Tensor, cache: object, last_only: bool = False) -> torch.Tensor:
+        if tokens.shape[1] > 1:
+            self.pieces += 1
+            self.entered.set()
+            assert self.release.wait(30), "the test never released the prefill"
+        return self.model(tokens, cache, last_only)
+
+
+def test_a_client_that_disconnects_during_the_prefill_stops_it(
+    tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A long prompt is computed in pieces; a client gone meanwhile must not hold the slot for the rest.
+    monkeypatch.setattr("bubo.engine.generate.PREFILL_CHUNK_TOKENS", 16)
+    held = _HeldPrefill(tiny_llama.model)
+    server = serve_loaded(replace(tiny_llama, model=held), defaults=SamplingParams(temperature=0.0))
+    try:
+        slot = server.state.slots.slots[0]
+        body = {"prompt": [5] * 160, "n_predict": 4, "stream": True}
+        payload = json.dumps(body).encode()
+        head = (
+            "POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n"
+        )
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(head.encode() + payload)
+            assert held.entered.wait(30)
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            # The connection is closed; wait until the server has dropped it (its handler cancelled).
+            deadline = time.monotonic() + 5
+            while server.runner.server.connections and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)
+            held.release.set()
+            while slot.is_processing and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not slot.is_processing
+            ran = held.pieces
+            assert ran <= 2  # of 10
+            assert slot.cached_tokens == 16 * ran  # what ran is what the cache holds
+            assert server.state.slots.stats.prompt_tokens_total == 16 * ran  # and what /metrics counts
+            # The slot serves the next request, reusing the pieces that ran.
+            reply = client.post("/completion", json={**body, "stream": False})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["tokens_cached"] == 16 * ran
+            assert server.state.slots.stats.prompt_tokens_total == 160
+    finally:
+        held.release.set()
+        server.stop()
