@@ -5,20 +5,29 @@ Each slot generates in its own worker thread with the plain per-sequence loop (b
 and calls the model through a `BatchedModel`. A call waits until every slot that is generating has
 either submitted its next forward or finished; then one of the waiting threads runs them all: the
 single-token steps together, over a CacheBatch (the weights, which dominate a decode step, are read
-once for all of them), anything else (a prefill, a multi-token verify) on its own. A slot that is busy
+once for all of them), anything else (a prefill, a multi-token verify) on its own. Every pass runs on
+the batcher's one compute thread, and the slots' own threads keep their torch ops to one thread
+(bubo/engine/compute_threads.py: a second OpenMP team on the CPU slows every parallel region). On the CPU, where
+the compiled decode step covers the model (bubo/engine/compiled_decode.py), single-token steps of up to
+MATVEC_ROWS sequences run through it one sequence after another instead: a batched pass of that few
+rows multiplies them one row at a time anyway, and dispatches every op of its glue eagerly (~25 ms a
+pass on the default model, against ~8 ms for a whole compiled step). A slot that is busy
 between forwards (sampling, a grammar mask) only delays the batch, it never blocks it for good: a
 generation that ends leaves the batcher, and the remaining calls run.
 """
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from bubo.engine.compiled_decode import CompiledDecodeStep, decode_step_for
 from bubo.engine.kv_cache import CacheBatch, KVCache
+from bubo.model.quantized_linear import MATVEC_ROWS
 
 __all__ = ["BatchedModel", "DecodeBatcher"]
 
@@ -57,6 +66,7 @@ class DecodeBatcher:
         self._pending: list[_Call] = []
         self.steps = 0  # batched passes run, and the sequences they carried (for /metrics)
         self.rows = 0
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bubo-compute")
 
     @contextmanager
     def member(self) -> Iterator[None]:
@@ -96,16 +106,22 @@ class DecodeBatcher:
         return []
 
     def _run(self, calls: list[_Call]) -> None:
-        if not calls:
-            return
+        """Run `calls` on the compute thread, and wait for them."""
+        if calls:
+            self._compute.submit(self._execute, calls).result()
+
+    def _execute(self, calls: list[_Call]) -> None:
         batch = [c for c in calls if c.batchable and c.cache.reserve(1)]
-        if len(batch) < 2 or not getattr(self.model, "supports_cache_batch", False):
+        steps = self._compiled_steps(batch)
+        if steps or len(batch) < 2 or not getattr(self.model, "supports_cache_batch", False):
             batch = []
         try:
+            for call, step in steps.items():
+                self._run_step(call, step)
             if batch:
                 self._run_batch(batch)
             for call in calls:
-                if call not in batch:
+                if call not in batch and call not in steps:
                     self._run_one(call)
         finally:
             with self._cond:
@@ -114,6 +130,27 @@ class DecodeBatcher:
                         call.error = call.error or RuntimeError("the batched forward pass did not run")
                         call.done = True
                 self._cond.notify_all()
+
+    def _compiled_steps(self, batch: list[_Call]) -> dict[_Call, CompiledDecodeStep]:
+        """The compiled decode step for each call of `batch`, when every one is a forward pass it covers
+        and there are at most MATVEC_ROWS of them; else none (the batch runs as one pass)."""
+        if not batch or len(batch) > MATVEC_ROWS or any(c.method != "forward" for c in batch):
+            return {}
+        steps = {}
+        for call in batch:
+            step = decode_step_for(self.model, call.cache)
+            if step is None:
+                return {}
+            steps[call] = step
+        return steps
+
+    def _run_step(self, call: _Call, step: CompiledDecodeStep) -> None:
+        try:
+            with torch.inference_mode():
+                call.result = step(call.tokens.view(()), call.cache).view(1, 1, -1)
+        except BaseException as error:  # handed to the thread that made the call
+            call.error = error
+        call.done = True
 
     def _run_one(self, call: _Call) -> None:
         run = self.model if call.method == "forward" else self.model.hidden

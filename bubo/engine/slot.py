@@ -23,6 +23,7 @@ import torch
 
 from bubo.engine.batcher import BatchedModel, DecodeBatcher
 from bubo.engine.block_pool import BlockPool
+from bubo.engine.compute_threads import use_one_thread
 from bubo.engine.generate import GenerationResult, Model, Tokenizer, generate
 from bubo.engine.output import OutputStream
 from bubo.engine.prompt_cache import PromptCache, SnapshotPolicy
@@ -116,7 +117,10 @@ class SessionSlot:
         # slot's cache only while nobody is using it (SlotPool.reclaim).
         self.cache_lock = threading.Lock()
         self._lock = asyncio.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bubo-slot")
+        # With a batcher the model runs on its compute thread: this one keeps its own ops to one thread.
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="bubo-slot", initializer=use_one_thread if batcher else None
+        )
 
     @property
     def is_processing(self) -> bool:

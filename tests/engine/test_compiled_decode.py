@@ -2,6 +2,7 @@
 the same greedy tokens, logits within float32 rounding, on the tiny test models (float weights, and
 quantized weights repacked for the matvecs) and on the default model through `generate`."""
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,9 @@ from bubo.engine.generate import (
 )
 from bubo.engine.kv_cache import KVCache
 from bubo.engine.loaded_model import LoadedModel
+from bubo.engine.request import Finished, GenerationRequest
 from bubo.engine.sampler import SamplingParams
+from bubo.engine.slot_pool import SlotPool
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model import quantized_linear
@@ -174,3 +177,48 @@ def test_short_prompts_prefill_through_the_compiled_step(
     eager = first_token(short)
     assert stepped.token_id == eager.token_id
     assert abs(stepped.logprob - eager.logprob) <= LOGIT_TOLERANCE
+
+
+def test_parallel_slots_decode_through_the_compiled_step(
+    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With several slots (`--parallel`) the decode steps still run compiled, one sequence after another
+    (a batched eager pass of so few rows costs more), and every stream gets the tokens it gets alone;
+    with compiling off they run as one batched pass."""
+    steps = 0
+    call = CompiledDecodeStep.__call__
+
+    def counted(self: CompiledDecodeStep, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        nonlocal steps
+        steps += 1
+        return call(self, token, cache)
+
+    monkeypatch.setattr(CompiledDecodeStep, "__call__", counted)
+    prompts = [
+        " and".join(["The capital of France is Paris"] * 3),
+        " and".join(["A good recipe for bread starts with flour"] * 3),
+    ]  # longer than SHORT_PROMPT_TOKENS: their prefills are eager, only the decode steps count
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def serve(parallel: int, texts: list[str]) -> tuple[list[list[int]], SlotPool]:
+        pool = SlotPool(smollm2.model, smollm2.tokenizer, 256, parallel=parallel)
+
+        async def one(text: str) -> list[int]:
+            ids = smollm2.tokenizer.encode(text)
+            async for event in pool.run(GenerationRequest("t", text, ids, params, cache_prompt=False)):
+                if isinstance(event, Finished):
+                    return list(event.result.token_ids)
+            raise AssertionError("no result")
+
+        return list(await asyncio.gather(*(one(t) for t in texts))), pool
+
+    alone = [asyncio.run(serve(1, [text]))[0][0] for text in prompts]
+    steps = 0
+    together, pool = asyncio.run(serve(2, prompts))
+    assert together == alone
+    assert steps == 2 * (params.max_tokens - 1)  # every decode step of both streams, compiled
+    assert pool.batcher is not None and pool.batcher.steps == 0
+    monkeypatch.setenv("BUBO_COMPILE_DECODE", "0")
+    batched, pool = asyncio.run(serve(2, prompts))
+    assert pool.batcher is not None and pool.batcher.steps > 0
+    assert [ids[:4] for ids in batched] == [ids[:4] for ids in alone]
