@@ -233,7 +233,10 @@ class Sampler:
             logits = logits.masked_fill(top_p_mask(logits, p.top_p), -math.inf)
         if p.min_p > 0.0:
             logits = logits.masked_fill(min_p_mask(logits, p.min_p), -math.inf)
-        return (logits / p.temperature).softmax(-1), ids
+        # A temperature past the dtype's range (1e308 is a valid float) would make it inf, and the
+        # filtered -inf logits NaN: at the range's end every survivor is equally likely already.
+        temperature = min(p.temperature, torch.finfo(logits.dtype).max)
+        return (logits / temperature).softmax(-1), ids
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -196,6 +196,15 @@ def test_top_k_keeps_the_k_best() -> None:
     assert set(draw(params, logits, 1000)) == {1, 3, 4}
 
 
+def test_a_temperature_past_float32_draws_the_survivors_evenly() -> None:
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.9, 2.8, -1.0])
+    # min-p leaves -inf where it filters: -inf / inf would be NaN.
+    params = SamplingParams(temperature=1e308, top_k=0, top_p=1.0, min_p=0.5, seed=9)
+    sampler = Sampler(params, vocab_size=6)
+    assert torch.equal(sampler.probabilities(logits), torch.tensor([0.0, 1, 0, 1, 1, 0]) / 3)
+    assert set(draw(params, logits, 300)) == {1, 3, 4}
+
+
 def test_top_p_applies_to_the_top_k_survivors() -> None:
     # Over the whole vocabulary top_p=0.5 would keep tokens 0 and 1 (0.4 < 0.5); after top_k=2 the
     # survivors renormalize to 4/7 and 3/7, so the nucleus is token 0 alone, as in llama.cpp's chain.
