@@ -17,7 +17,10 @@ __all__ = ["OutputStream"]
 class OutputStream:
     """One generation's output: `feed` each TextDelta, then `flush`; the texts accumulate."""
 
-    def __init__(self, *, reasoning: bool, in_reasoning: bool, tool_parser: ToolCallParser | None) -> None:
+    def __init__(
+        self, *, reasoning: bool, in_reasoning: bool, tool_parser: ToolCallParser | None, slot_id: int = 0
+    ) -> None:
+        self.slot_id = slot_id  # which slot generates (llama-server's id_slot in every chunk)
         self._splitter = ReasoningSplitter(in_reasoning=in_reasoning) if reasoning else None
         self._tools = tool_parser
         self._reasoning: list[str] = []
@@ -76,6 +79,6 @@ class OutputStream:
         return self._delta("content", text)
 
     def _delta(self, channel: Channel, text: str) -> OutputDelta:
-        delta = OutputDelta(channel, text, self._logprobs)
+        delta = OutputDelta(channel, text, self._logprobs, self.slot_id)
         self._logprobs = ()
         return delta

@@ -46,11 +46,13 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class OutputDelta:
-    """A piece of reasoning or answer text, with the log probabilities of the tokens that completed it."""
+    """A piece of reasoning or answer text, with the log probabilities of the tokens that completed it,
+    from the slot `slot_id`."""
 
     channel: Channel
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
+    slot_id: int = 0
 
 
 @dataclass(frozen=True)

@@ -259,7 +259,10 @@ class SessionSlot:
         self.last_prompt_tokens = len(prompt)
         self.last_request_id = request.request_id
         output = OutputStream(
-            reasoning=request.reasoning, in_reasoning=request.in_reasoning, tool_parser=request.tool_parser
+            reasoning=request.reasoning,
+            in_reasoning=request.in_reasoning,
+            tool_parser=request.tool_parser,
+            slot_id=self.id,
         )
         result: GenerationResult | None = None
         try:

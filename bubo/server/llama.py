@@ -153,7 +153,9 @@ async def _stream(request: web.Request, state: ServerState, answer: _Completion)
             event = first
             while event is not None:
                 if isinstance(event, OutputDelta):
-                    await sse.send({"index": 0, "content": event.text, "id_slot": 0, "stop": False})
+                    await sse.send(
+                        {"index": 0, "content": event.text, "id_slot": event.slot_id, "stop": False}
+                    )
                 else:
                     # The text went out in the chunks before; the last one carries only the statistics.
                     await sse.send(answer.final(event, ""))

@@ -1,6 +1,7 @@
 """`--parallel N`: several slots on one model, their decode steps batched, their KV in one block pool.
 Every answer must equal what the same request gets alone (greedy), whatever runs beside it."""
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,6 +76,28 @@ def test_concurrent_requests_each_get_what_they_get_alone(
     busy = next(line for line in metrics.splitlines() if line.startswith("llamacpp:n_busy_slots_per_decode"))
     assert float(busy.split()[-1]) > 1.0  # decode passes carried several slots' steps
     assert all(not s["is_processing"] for s in httpx.get(parallel_server.url + "/slots").json())
+
+
+def test_completion_stream_chunks_name_the_slot_that_writes_them(parallel_server: LiveServer) -> None:
+    # llama-server's /completion chunks carry id_slot; with several slots busy they must differ.
+    slots: dict[int, list[int]] = {}
+    start = threading.Barrier(2)
+
+    def stream(i: int) -> None:
+        body = {"prompt": f"stream number {i} says", "n_predict": 6, "stream": True, "ignore_eos": True}
+        start.wait()
+        with httpx.stream("POST", parallel_server.url + "/completion", json=body, timeout=120) as reply:
+            lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
+        slots[i] = [json.loads(line.removeprefix("data: "))["id_slot"] for line in lines]
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for ids in slots.values():
+        assert len(ids) > 1 and len(set(ids)) == 1  # every chunk and the final event: one slot
+    assert slots[0][0] != slots[1][0]
 
 
 def test_a_new_conversation_shares_the_system_prompt_blocks_of_another_slot(
