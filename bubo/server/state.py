@@ -496,7 +496,8 @@ class ServerState:
             matcher = GrammarMatcher(grammar, tokenizer, loaded.config.vocab_size)
             constraints.append(GrammarConstraint(matcher, tracker))
         return GenerationRequest(
-            new_id("req_"),
+            # The HTTP request's id (x-request-id, echoed to the client): what /slots and the logs name.
+            CURRENT_REQUEST_ID.get() or new_id("req_"),
             prompt,
             prompt_ids,
             params,

@@ -218,7 +218,8 @@ def test_props_model_query(gated_client: httpx.Client) -> None:
 
 
 def test_slots_idle(gated_client: httpx.Client) -> None:
-    done = gated_client.post("/completion", json={"prompt": "A longer prompt here", "n_predict": 4}).json()
+    reply = gated_client.post("/completion", json={"prompt": "A longer prompt here", "n_predict": 4})
+    done = reply.json()
     idle_slot(gated_client)
     for path in ("/slots", "/v1/slots"):
         response = gated_client.get(path)
@@ -231,7 +232,15 @@ def test_slots_idle(gated_client: httpx.Client) -> None:
         assert slot["n_prompt_tokens"] == done["tokens_evaluated"]
         # Four tokens were sampled; the last one never went through the model.
         assert slot["n_cached_tokens"] == done["tokens_evaluated"] + 3
+        # The id the client saw in x-request-id, not an internal one.
+        assert slot["last_request_id"] == reply.headers["x-request-id"]
         assert slot["last_request_id"].startswith("req_")
+    named = gated_client.post(
+        "/completion", json={"prompt": "Again", "n_predict": 2}, headers={"x-request-id": "client-7"}
+    )
+    assert named.headers["x-request-id"] == "client-7"
+    idle_slot(gated_client)
+    assert gated_client.get("/slots").json()[0]["last_request_id"] == "client-7"
 
 
 def test_slots_while_processing(
