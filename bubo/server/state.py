@@ -334,9 +334,13 @@ class ServerState:
         uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
         if uses_tools and not self.template.supports_tools:
             messages, tools = with_tools_in_messages(messages, tools), None
+        prefill = _prefill(chat.messages)
         try:
-            return self.template.render(
-                messages, tools=tools, add_generation_prompt=chat.add_generation_prompt, **kwargs
+            text = self.template.render(
+                messages,
+                tools=tools,
+                add_generation_prompt=chat.add_generation_prompt and prefill is None,
+                **kwargs,
             )
         except TemplateSandboxError as error:
             # The model file's template is at fault, not the request.
@@ -344,6 +348,17 @@ class ServerState:
             raise ApiError(500, "template_error", f"the model's chat template was stopped: {error}") from None
         except ChatTemplateError as error:
             raise ApiError(400, "template_error", str(error)) from None
+        if prefill is None:
+            return text
+        # The template closes the final turn; the answer continues its text instead (transformers'
+        # continue_final_message: cut after the last place the text appears).
+        end = text.rfind(prefill)
+        if end < 0:
+            raise bad_field(
+                f"messages[{len(chat.messages) - 1}].content",
+                "is a final assistant message to continue, but the chat template does not write it as given",
+            )
+        return text[: end + len(prefill)]
 
     def chat_generation(
         self,
@@ -561,3 +576,14 @@ class ServerState:
                 if isinstance(event, Finished):
                     return event
         raise RuntimeError("the generation ended without a result")
+
+
+def _prefill(messages: Sequence[Mapping[str, Any]]) -> str | None:
+    """The text of a final assistant message to continue, as Anthropic's Messages API and llama-server
+    do with one (a prefill: the answer starts with it): a text answer without tool calls, stripped as
+    templates strip it. None when the chat ends otherwise."""
+    final = messages[-1] if messages else {}
+    content = final.get("content")
+    if final.get("role") != "assistant" or final.get("tool_calls") or not isinstance(content, str):
+        return None
+    return content.strip() or None

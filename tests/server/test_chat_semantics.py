@@ -9,8 +9,9 @@ import jsonschema
 import openai
 import pytest
 
-from bubo.engine.loaded_model import LoadedModel
+from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.sampler import SamplingParams
+from tests.conftest import _tiny_llama
 from tests.server.live_server import LiveServer, scripted, serve_loaded
 
 WEATHER = {
@@ -415,3 +416,50 @@ def test_xml_parameter_calls_stream_as_tool_call_deltas(serve, qwen35_template_l
     assert pieces[0].function.name == "get_weather" and pieces[0].id.startswith("call_")
     assert json.loads("".join(p.function.arguments or "" for p in pieces)) == {"city": "Oslo", "days": 1}
     assert not any(d.content for d in deltas)
+
+
+PREFILL = [
+    {"role": "user", "content": "What is six times seven?"},
+    {"role": "assistant", "content": "It is "},
+]
+
+
+def test_a_final_assistant_message_is_continued(serve, tiny_llama: LoadedModel) -> None:
+    """A chat that ends with an assistant message asks for its continuation (Anthropic's prefill, and
+    llama-server's): the prompt stops after that text, not after a closed turn and a new header."""
+    server = serve(tiny_llama, "42.")
+    prompt = httpx.post(server.url + "/apply-template", json={"messages": PREFILL}).json()["prompt"]
+    assert prompt.endswith(
+        "<|im_start|>user\nWhat is six times seven?<|im_end|>\n<|im_start|>assistant\nIt is"
+    )
+    reply = httpx.post(
+        server.url + "/v1/chat/completions", json={"model": "bubo", "messages": PREFILL}
+    ).json()
+    assert reply["choices"][0]["message"]["content"] == "42."  # the continuation alone
+    assert reply["usage"]["prompt_tokens"] == len(server.state.tokenize(prompt))
+    anthropic = httpx.post(
+        server.url + "/v1/messages", json={"model": "bubo", "max_tokens": 8, "messages": PREFILL}
+    ).json()
+    assert anthropic["content"] == [{"type": "text", "text": "42."}]
+    usage = anthropic["usage"]  # the prompt cache holds the first request's prompt: read, not input
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(server.state.tokenize(prompt))
+
+
+def test_a_continued_turn_keeps_the_templates_thinking_block(
+    serve, qwen3_template_llama: LoadedModel
+) -> None:
+    server = serve(qwen3_template_llama, "42.")
+    prompt = httpx.post(server.url + "/apply-template", json={"messages": PREFILL}).json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nIt is")
+
+
+def test_a_final_assistant_message_the_template_rewrites_is_400(serve, tmp_path) -> None:
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | upper }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    loaded = load_model(_tiny_llama(tmp_path / "Upper.gguf", 512, **{"tokenizer.chat_template": template}))
+    server = serve(loaded, "x")
+    reply = httpx.post(server.url + "/v1/chat/completions", json={"model": "bubo", "messages": PREFILL})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "messages[1].content"
