@@ -3,17 +3,18 @@ as one batched pass (iteration-level scheduling, Orca: Yu et al., OSDI 2022).
 
 Each slot generates in its own worker thread with the plain per-sequence loop (bubo/engine/generate.py)
 and calls the model through a `BatchedModel`. A call waits until every slot that is generating has
-either submitted its next forward or finished; then one of the waiting threads runs them all: the
+either submitted its next forward or finished; then the batcher's compute thread runs them all: the
 single-token steps together, over a CacheBatch (the weights, which dominate a decode step, are read
-once for all of them), anything else (a prefill, a multi-token verify) on its own. Every pass runs on
-the batcher's one compute thread, and the slots' own threads keep their torch ops to one thread
-(bubo/engine/compute_threads.py: a second OpenMP team on the CPU slows every parallel region). On the CPU, where
-the compiled decode step covers the model (bubo/engine/compiled_decode.py), single-token steps of up to
-MATVEC_ROWS sequences run through it one sequence after another instead: a batched pass of that few
-rows multiplies them one row at a time anyway, and dispatches every op of its glue eagerly (~25 ms a
-pass on the default model, against ~8 ms for a whole compiled step). A slot that is busy
+once for all of them), anything else (a prefill, a multi-token verify) on its own. A slot that is busy
 between forwards (sampling, a grammar mask) only delays the batch, it never blocks it for good: a
 generation that ends leaves the batcher, and the remaining calls run.
+
+One compute thread runs every pass, and the slots' threads keep their own torch ops to one thread: on
+the CPU a second OpenMP team slows every parallel region (bubo/engine/compute_threads.py). There, where
+the compiled decode step covers the model (bubo/engine/compiled_decode.py), the single-token steps of
+up to MATVEC_ROWS sequences run through it one sequence after another instead: a batched pass of that
+few rows multiplies them one row at a time anyway, and dispatches its glue op by op (~25 ms a pass on
+the default model, against ~8 ms for a whole compiled step).
 """
 
 import threading
