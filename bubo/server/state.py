@@ -293,21 +293,25 @@ class ServerState:
         return ids
 
     def completion_prompt(self, prompt: Any) -> tuple[str, list[int]]:
-        """A completion's `prompt` field: a string, an array of token ids, or a one-element array of
-        either. Several prompts would be several choices, which only n=1 allows."""
+        """A completion's `prompt` field: a string, an array of token ids, an array mixing token ids and
+        strings (llama-server's mixed prompt: one prompt, its strings tokenized in place, BOS only before
+        a string that comes first), or a one-element array of one of these. Several prompts (an array of
+        strings or arrays) would be several choices, which only n=1 allows."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
             return prompt, self.tokenize(prompt)
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
+        if isinstance(prompt, list) and any(_is_token_id(t) for t in prompt):
             tokenizer = self.require_ready().tokenizer
-            if not all(0 <= t < tokenizer.vocab_size for t in prompt):
-                raise bad_field("prompt", f"token ids must be in [0, {tokenizer.vocab_size})")
-            return tokenizer.decode(prompt), list(prompt)
+            ids: list[int] = []
+            for i, piece in enumerate(prompt):
+                if isinstance(piece, str):
+                    ids += self.tokenize(piece) if i == 0 else tokenizer.encode(piece, add_bos=False)
+                elif _is_token_id(piece) and 0 <= piece < tokenizer.vocab_size:
+                    ids.append(piece)
+                else:
+                    raise bad_field("prompt", f"token ids must be integers in [0, {tokenizer.vocab_size})")
+            return tokenizer.decode(ids), ids
         if isinstance(prompt, list) and len(prompt) > 1:
             raise ApiError(
                 400,
@@ -576,6 +580,10 @@ class ServerState:
                 if isinstance(event, Finished):
                     return event
         raise RuntimeError("the generation ended without a result")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _prefill(messages: Sequence[Mapping[str, Any]]) -> str | None:

@@ -95,12 +95,26 @@ def test_completion_token_prompt(gated_client: httpx.Client, tiny_llama: LoadedM
     assert body["tokens_evaluated"] == len(ids)
 
 
+def test_completion_mixed_prompt(gated_client: httpx.Client, tiny_llama: LoadedModel) -> None:
+    # llama-server's mixed prompt: token ids and strings make one prompt, each string tokenized in place.
+    tokenizer = tiny_llama.tokenizer
+    head, tail = tokenizer.encode("Mixed", add_bos=False), tokenizer.encode(" prompt", add_bos=False)
+    body = gated_client.post("/completion", json={"prompt": [*head, " and", *tail], "n_predict": 2}).json()
+    assert body["prompt"] == "Mixed and prompt"
+    assert body["tokens_evaluated"] == len(head) + len(tokenizer.encode(" and", add_bos=False)) + len(tail)
+    first = gated_client.post("/completion", json={"prompt": ["Mixed", *tail], "n_predict": 2}).json()
+    assert first["tokens_evaluated"] == len(tokenizer.encode("Mixed")) + len(tail)  # BOS as the file says
+
+
 @pytest.mark.parametrize(
     ("payload", "status", "code"),
     [
         ({"prompt": "x", "n_predict": 0}, 400, "invalid_value"),
         ({"n_predict": 4}, 400, "invalid_value"),
         ({"prompt": [1, 99999]}, 400, "invalid_value"),
+        ({"prompt": [1, "x", -3]}, 400, "invalid_value"),
+        ({"prompt": [1, "x", True]}, 400, "invalid_value"),
+        ({"prompt": ["one", "two"]}, 400, "unsupported_n"),
         ({"prompt": "x", "model": "nope"}, 404, "model_not_found"),
     ],
 )
