@@ -30,6 +30,7 @@ __all__ = [
     "named_tool_choice",
     "openai_tool_choice",
     "output_schema",
+    "require_function_tool",
     "text_content",
     "thinking_choice",
     "tool_list",
@@ -307,6 +308,17 @@ def tool_list(tools: Any, field_name: str = "tools") -> list[dict[str, Any]] | N
     return [dict(t) for t in tools] or None
 
 
+def require_function_tool(tool: Mapping[str, Any], where: str) -> None:
+    """400 unsupported_tool unless `tool` (at `where`) is a function tool, the one kind served."""
+    if tool.get("type") != "function":
+        raise ApiError(
+            400,
+            "unsupported_tool",
+            f"{where}.type: only function tools are supported, got {tool.get('type')!r}",
+            param=f"{where}.type",
+        )
+
+
 def chat_tools(raw: Any) -> list[dict[str, Any]] | None:
     """OpenAI chat `tools`: {"type": "function", "function": {"name", "description"?, "parameters"?}}.
     Checked here because the templates, the tool-call parser and the forcing grammar all index into
@@ -316,13 +328,7 @@ def chat_tools(raw: Any) -> list[dict[str, Any]] | None:
         where = f"tools[{i}]"
         if tool.get("type") is None:
             raise bad_field(f"{where}.type", 'is required: "function"')
-        if tool.get("type") != "function":
-            raise ApiError(
-                400,
-                "unsupported_tool",
-                f"{where}.type: only function tools are supported, got {tool.get('type')!r}",
-                param=f"{where}.type",
-            )
+        require_function_tool(tool, where)
         function = tool.get("function")
         if not isinstance(function, Mapping):
             raise bad_field(f"{where}.function", "must be an object with a name")

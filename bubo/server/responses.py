@@ -51,6 +51,7 @@ from bubo.server.chat import (
     message_content,
     named_tool_choice,
     output_schema,
+    require_function_tool,
     text_content,
     thinking_choice,
 )
@@ -237,13 +238,7 @@ def function_tools(raw: Any) -> list[dict[str, Any]] | None:
         where = f"tools[{i}]"
         if not isinstance(tool, Mapping):
             raise bad_field(where, "a tool must be an object")
-        if tool.get("type") != "function":
-            raise ApiError(
-                400,
-                "unsupported_tool",
-                f"{where}.type: only function tools are supported, got {tool.get('type')!r}",
-                param=f"{where}.type",
-            )
+        require_function_tool(tool, where)
         function: dict[str, Any] = {"name": _string(tool, "name", where)}
         description = tool.get("description")
         if description is not None:
