@@ -144,21 +144,26 @@ def test_default_model_logits_match_the_eager_step(smollm2: LoadedModel) -> None
     _compare(smollm2.model, step)
 
 
+@pytest.fixture
+def step_calls(monkeypatch: pytest.MonkeyPatch) -> list[KVCache]:
+    """The cache of every compiled decode step run while the test runs, in order."""
+    calls: list[KVCache] = []
+    call = CompiledDecodeStep.__call__
+
+    def counted(self: CompiledDecodeStep, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        calls.append(cache)
+        return call(self, token, cache)
+
+    monkeypatch.setattr(CompiledDecodeStep, "__call__", counted)
+    return calls
+
+
 def test_short_prompts_prefill_through_the_compiled_step(
-    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch, step_calls: list[KVCache]
 ) -> None:
     """A prompt of up to SHORT_PROMPT_TOKENS runs one compiled step per token (the eager forward costs
     more for so few), a longer one the eager forward; the first token's log probability is the eager
     prefill's either way."""
-    steps = 0
-    call = CompiledDecodeStep.__call__
-
-    def counted(self: CompiledDecodeStep, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        nonlocal steps
-        steps += 1
-        return call(self, token, cache)
-
-    monkeypatch.setattr(CompiledDecodeStep, "__call__", counted)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
     def first_token(ids: list[int]) -> TokenLogprob:
@@ -170,9 +175,9 @@ def test_short_prompts_prefill_through_the_compiled_step(
     long = smollm2.tokenizer.encode(" and".join(["The capital of France is Paris"] * 4))
     assert len(short) <= SHORT_PROMPT_TOKENS < len(long)
     stepped = first_token(short)
-    assert steps == len(short)
+    assert len(step_calls) == len(short)
     first_token(long)
-    assert steps == len(short)
+    assert len(step_calls) == len(short)
     monkeypatch.setenv("BUBO_COMPILE_DECODE", "0")
     eager = first_token(short)
     assert stepped.token_id == eager.token_id
@@ -180,20 +185,11 @@ def test_short_prompts_prefill_through_the_compiled_step(
 
 
 def test_parallel_slots_decode_through_the_compiled_step(
-    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch, step_calls: list[KVCache]
 ) -> None:
     """With several slots (`--parallel`) the decode steps still run compiled, one sequence after another
     (a batched eager pass of so few rows costs more), and every stream gets the tokens it gets alone;
     with compiling off they run as one batched pass."""
-    steps = 0
-    call = CompiledDecodeStep.__call__
-
-    def counted(self: CompiledDecodeStep, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        nonlocal steps
-        steps += 1
-        return call(self, token, cache)
-
-    monkeypatch.setattr(CompiledDecodeStep, "__call__", counted)
     prompts = [
         " and".join(["The capital of France is Paris"] * 3),
         " and".join(["A good recipe for bread starts with flour"] * 3),
@@ -213,10 +209,10 @@ def test_parallel_slots_decode_through_the_compiled_step(
         return list(await asyncio.gather(*(one(t) for t in texts))), pool
 
     alone = [asyncio.run(serve(1, [text]))[0][0] for text in prompts]
-    steps = 0
+    step_calls.clear()
     together, pool = asyncio.run(serve(2, prompts))
     assert together == alone
-    assert steps == 2 * (params.max_tokens - 1)  # every decode step of both streams, compiled
+    assert len(step_calls) == 2 * (params.max_tokens - 1)  # every decode step of both streams, compiled
     assert pool.batcher is not None and pool.batcher.steps == 0
     monkeypatch.setenv("BUBO_COMPILE_DECODE", "0")
     batched, pool = asyncio.run(serve(2, prompts))
