@@ -30,11 +30,12 @@ import torch
 
 __all__ = [
     "TILE",
+    "by_block",
     "concat_tiled",
-    "from_tiles",
     "pairwise_sum",
     "placed_codes",
     "slice_tiled",
+    "tile_span",
     "tiled_by_rows",
     "to_tiles",
     "word_bits",
@@ -85,12 +86,15 @@ def tiled_by_rows(
     return tuple(results)
 
 
-def from_tiles(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Rows start:stop of a tiled [tiles, *rest, TILE] tensor, as [*rest, stop - start]."""
-    first, last = start // TILE, -(-stop // TILE)
-    part = t[first:last]
-    rows = part.permute(*range(1, part.dim() - 1), 0, part.dim() - 1).reshape(*part.shape[1:-1], -1)
-    return rows[..., start - first * TILE : stop - first * TILE]
+def tile_span(start: int, stop: int) -> tuple[int, int]:
+    """The tiles first:last that hold rows start:stop."""
+    return start // TILE, -(-stop // TILE)
+
+
+def by_block(t: torch.Tensor) -> torch.Tensor:
+    """A per-block field [tiles, blocks, TILE] as [blocks, 1, 1, tiles, TILE]: to broadcast over a block's
+    expanded codes [blocks, words, fields, tiles, TILE] (an unpacking's transposed weight)."""
+    return t.permute(1, 0, 2)[:, None, None]
 
 
 Packed = TypeVar("Packed")

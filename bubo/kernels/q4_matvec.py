@@ -15,13 +15,22 @@ falls back to slow partial loads for 8-wide uint8 vectors, which is why the code
 words.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
-from bubo.kernels.codes import from_tiles, pairwise_sum, placed_codes, tiled_by_rows, word_bits
+from bubo.kernels.codes import (
+    TILE,
+    by_block,
+    pairwise_sum,
+    placed_codes,
+    tile_span,
+    tiled_by_rows,
+    word_bits,
+)
 from bubo.kernels.compiled import StaticKernel
 
 __all__ = [
@@ -54,8 +63,8 @@ class PackedQ4:
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         return q4_matvec(x, self)
 
-    def unpack(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        return q4_unpack(self, start, stop, out)
+    def unpack(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return q4_unpack(self, start, stop, dtype)
 
 
 def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
@@ -89,28 +98,30 @@ def nibble_words(codes: torch.Tensor) -> torch.Tensor:
     return words
 
 
-# Shift of each nibble position, as a column to broadcast over a block's words and the output rows.
-_NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)[:, None]
+def q4_unpack(packed: PackedQ4, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Weight columns start:stop, transposed: [in_features, stop - start] in `dtype` (for a prefill's
+    GEMM), expanded from the words in one compiled pass per whole tile."""
+    first, last = tile_span(start, stop)
+    kernel = _unpack_kernel(dtype)
+    weight_t = kernel(
+        word_bits(packed.words[first:last]), packed.scale[first:last], packed.offset[first:last]
+    )
+    return weight_t[:, start - first * TILE : stop - first * TILE]
 
 
-def q4_unpack(packed: PackedQ4, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls),
-    written into `out` (float32, at least that many values) when given: a prefill reuses one buffer for
-    every chunk rather than allocating (and page-faulting) a fresh one each time."""
-    words = from_tiles(packed.words, start, stop)  # [blocks, 4, n]
-    n = stop - start
-    size = packed.in_features * n
-    codes = (torch.empty(size) if out is None else out[:size]).view(*words.shape[:2], _NIBBLES, n)
-    # Every nibble of every word in two whole-buffer passes, done in the output's own memory viewed as
-    # int32, then converted in place: a handful of large operations rather than three small ones per
-    # nibble position (half the time at 1 thread; and each operation is a parallel region to join).
-    nibbles = codes.view(torch.int32)
-    torch.bitwise_right_shift(words[:, :, None], _NIBBLE_SHIFTS, out=nibbles)
-    nibbles.bitwise_and_(0x0F)
-    codes.copy_(nibbles)
-    codes.mul_(from_tiles(packed.scale, start, stop)[:, None, None])
-    codes.add_(from_tiles(packed.offset, start, stop)[:, None, None])
-    return codes.view(packed.in_features, n)
+@functools.cache
+def _unpack_kernel(dtype: torch.dtype) -> StaticKernel:
+    def q4_unpack_tiles(bits: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        # [tiles, blocks, 4, TILE] -> [blocks, 4, nibble, tiles, TILE]: weight 32b + 8w + s of every
+        # output row, rows innermost, so the result is the transposed weight with no copy. Compiled
+        # without FMA contraction: code * scale + offset rounds as the reference dequantizer's does.
+        words = bits.view(torch.int32).permute(1, 2, 0, 3)
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=bits.device)[:, None, None]
+        codes = ((words[:, :, None] >> shifts) & 0x0F).to(torch.float32)
+        weight = codes * by_block(scale) + by_block(offset)
+        return weight.to(dtype).reshape(words.shape[0] * _WORDS * _NIBBLES, -1)
+
+    return StaticKernel(q4_unpack_tiles)
 
 
 def _matvec(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

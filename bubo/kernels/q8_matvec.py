@@ -16,13 +16,22 @@ thread: Q8_0 1536x576 64-72 -> 41-56 µs, 576x1536 67-75 -> 43-55, 49152x576 (th
 1.9-2.1 -> 1.7-1.8 ms.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
-from bubo.kernels.codes import from_tiles, pairwise_sum, placed_codes, tiled_by_rows, word_bits
+from bubo.kernels.codes import (
+    TILE,
+    by_block,
+    pairwise_sum,
+    placed_codes,
+    tile_span,
+    tiled_by_rows,
+    word_bits,
+)
 from bubo.kernels.compiled import StaticKernel
 
 __all__ = [
@@ -62,8 +71,8 @@ class PackedQ8:
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         return q8_matvec(x, self)
 
-    def unpack(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        return q8_unpack(self, start, stop, out)
+    def unpack(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return q8_unpack(self, start, stop, dtype)
 
 
 @dataclass(frozen=True)
@@ -80,11 +89,8 @@ class PackedQ8Offset:
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         return q8_offset_matvec_bits(x, word_bits(self.words), self.scale, self.offset, self.out_features)
 
-    def unpack(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        weight_t = q8_unpack(self, start, stop, out)
-        blocks, block = self.words.shape[1], self.in_features // self.words.shape[1]
-        weight_t.view(blocks, block, -1).add_(from_tiles(self.offset, start, stop)[:, None])
-        return weight_t
+    def unpack(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return q8_unpack(self, start, stop, dtype)
 
 
 def pack_q8(raw: torch.Tensor) -> PackedQ8:
@@ -102,30 +108,35 @@ def pack_q8(raw: torch.Tensor) -> PackedQ8:
     return PackedQ8(words, scale, out_features)
 
 
-# Left shift that brings each byte of a word to the top (an arithmetic shift by 24 then sign-extends it),
-# as a column to broadcast over a block's words and the output rows.
-_BYTE_SHIFTS = torch.arange(24, -1, -8, dtype=torch.int32)[:, None]
-
-
 def q8_unpack(
-    packed: PackedQ8 | PackedQ8Offset, start: int, stop: int, out: torch.Tensor | None = None
+    packed: PackedQ8 | PackedQ8Offset, start: int, stop: int, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Float32 weight columns start:stop, transposed: [in_features, stop - start] (for batched matmuls),
-    written into `out` (float32, at least that many values) when given (see q4_unpack)."""
-    words = from_tiles(packed.words, start, stop)  # [blocks, words, n]
-    if isinstance(packed, PackedQ8):
-        words = signed_to_biased(words)  # back to signed bytes (the XOR is its own inverse)
-    n = stop - start
-    size = packed.in_features * n
-    codes = (torch.empty(size) if out is None else out[:size]).view(*words.shape[:2], _BYTES, n)
-    # Whole-buffer passes in the output's memory viewed as int32, converted in place (see q4_unpack);
-    # sign-extending PackedQ8Offset's codes (0..31) leaves them as they are.
-    signed = codes.view(torch.int32)
-    torch.bitwise_left_shift(words[:, :, None], _BYTE_SHIFTS, out=signed)
-    signed.bitwise_right_shift_(24)
-    codes.copy_(signed)
-    codes.mul_(from_tiles(packed.scale, start, stop)[:, None, None])
-    return codes.view(packed.in_features, n)
+    """Weight columns start:stop, transposed: [in_features, stop - start] in `dtype` (for a prefill's
+    GEMM), expanded from the words in one compiled pass per whole tile (see q4_unpack)."""
+    first, last = tile_span(start, stop)
+    fields = [word_bits(packed.words[first:last]), packed.scale[first:last]]
+    if isinstance(packed, PackedQ8Offset):
+        fields.append(packed.offset[first:last])
+    weight_t = _unpack_kernel(isinstance(packed, PackedQ8Offset), dtype)(*fields)
+    return weight_t[:, start - first * TILE : stop - first * TILE]
+
+
+@functools.cache
+def _unpack_kernel(with_offset: bool, dtype: torch.dtype) -> StaticKernel:
+    def q8_unpack_tiles(bits: torch.Tensor, scale: torch.Tensor, *offset: torch.Tensor) -> torch.Tensor:
+        # [tiles, blocks, words, TILE] -> [blocks, words, byte, tiles, TILE], the transposed weight (see
+        # q4_unpack). PackedQ8's bytes are biased codes, PackedQ8Offset's the codes themselves; the
+        # subtraction is exact, and without FMA contraction the rest rounds as the reference does.
+        words = bits.view(torch.int32).permute(1, 2, 0, 3)
+        shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=bits.device)[:, None, None]
+        codes = ((words[:, :, None] >> shifts) & 0xFF).to(torch.float32)
+        if with_offset:
+            weight = codes * by_block(scale) + by_block(offset[0])
+        else:
+            weight = (codes - CODE_BIAS) * by_block(scale)
+        return weight.to(dtype).reshape(words.shape[0] * words.shape[1] * _BYTES, -1)
+
+    return StaticKernel(q8_unpack_tiles)
 
 
 def _block_dots(x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:

@@ -450,12 +450,12 @@ class Decoder(nn.Module):
         self.mtp = build_mtp(config, weights) if config.mtp_layers else None
         for module in self.modules():
             if isinstance(module, QuantizedLinear):
-                module.warm_up()
+                module.warm_up(self.dtype)
             elif isinstance(module, Attention):
                 # A last_only prefill (Attention.project's queries_from) runs k and v without q.
                 for projection in (module.k_proj, module.v_proj):
                     if isinstance(projection, QuantizedLinear):
-                        projection.warm_up(alone=True)
+                        projection.warm_up(self.dtype, alone=True)
 
     @staticmethod
     def _final_norm(config: ModelConfig, weights: WeightSource) -> nn.Module:

@@ -43,11 +43,13 @@ __all__ = [
     "packed_product",
     "project_rows",
     "scratch_buffer",
+    "warm_up_packed",
 ]
 
 # Dequantizing a whole weight per call allocates a fresh float matrix every time, and on the CPU
 # faulting those pages in costs more than the arithmetic. So forward works through row chunks of
-# at most this many values, dequantized into one reused per-thread buffer that stays cache-warm.
+# at most this many values, dequantized into one reused per-thread buffer that stays cache-warm (a
+# packed weight's compiled unpacking allocates its chunk, a block of that size the heap hands back).
 CHUNK_VALUES = 1 << 20
 _scratch = threading.local()
 # Below this many weights a matrix keeps the dequantize-per-call path: it is cheap there, and each
@@ -131,12 +133,17 @@ class QuantizedLinear(nn.Module):
         self.packed = pack_for_cpu(raw, ggml_type)
         self.group: RowGroup | None = None  # set by group_rows
 
-    def warm_up(self, alone: bool = False) -> None:
-        """Compile this shape's matvec now (seconds, once per shape) rather than on the first request; a
-        grouped layer's products run as its group's (compiled by `group_rows`), unless it also runs
-        `alone` (k and v in a prefill whose last position alone needs a query)."""
-        if self.packed is not None and (self.group is None or alone):
-            self.packed.matvec(torch.zeros(self.in_features))
+    def warm_up(self, dtype: torch.dtype, alone: bool = False) -> None:
+        """Compile this shape's kernels now (seconds, once per shape) rather than on the first request: the
+        matvec of a decode step and the unpacking for a prefill's GEMMs on `dtype` activations. A grouped
+        layer's products run as its group's (warmed by its first member), unless it also runs `alone` (k
+        and v in a prefill whose last position alone needs a query)."""
+        if self.packed is None:
+            return
+        if self.group is None or alone:
+            warm_up_packed(self.packed, dtype)
+        elif self.group.members[0] == id(self):
+            warm_up_packed(self.group.packed, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ggml_type in TRITON_TYPES and triton_enabled(self.raw.device):
@@ -181,8 +188,8 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
 
     Up to MATVEC_ROWS float32 rows (a decode step, the steps of a few slots batched, a short prompt) run
     a compiled matvec per row, which costs far less than unpacking the weight for a GEMM; more rows (a
-    prefill) multiply column chunks unpacked into the thread's scratch buffer, so the unpacking is paid
-    once for all the rows."""
+    prefill) multiply column chunks unpacked in the GEMM operand's dtype, so the unpacking is paid once
+    for all the rows, and a chunk stays in the cache between its unpacking and its product."""
     if flat.shape[0] <= MATVEC_ROWS and flat.dtype == torch.float32:
         if flat.shape[0] == 1:
             return packed.matvec(flat.view(-1))[None]
@@ -191,23 +198,18 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
     # Whole tiles of the packed layout per chunk: an unaligned chunk would unpack its edge tiles twice.
     columns = max(TILE, CHUNK_VALUES // packed.in_features // TILE * TILE)
     if columns >= packed.out_features:  # the whole weight in one chunk: no output copy
-        return _unpacked_product(operand, packed, 0, packed.out_features).to(flat.dtype)
+        return (operand @ packed.unpack(0, packed.out_features, operand.dtype)).to(flat.dtype)
     out = flat.new_empty(flat.shape[0], packed.out_features)
     for start in range(0, packed.out_features, columns):
         stop = min(start + columns, packed.out_features)
-        out[:, start:stop] = _unpacked_product(operand, packed, start, stop)
+        out[:, start:stop] = operand @ packed.unpack(start, stop, operand.dtype)
     return out
 
 
-def _unpacked_product(operand: torch.Tensor, packed: Packed, start: int, stop: int) -> torch.Tensor:
-    """operand [rows, in] times weight rows start:stop, unpacked into the scratch buffer (and rounded to
-    the operand's dtype in a second one), in the operand's dtype."""
-    buffer = scratch_buffer(packed.in_features * (stop - start), torch.float32, operand.device)
-    weight_t = packed.unpack(start, stop, out=buffer)
-    if operand.dtype != torch.float32:
-        rounded = scratch_buffer(weight_t.numel(), operand.dtype, operand.device)
-        weight_t = rounded.view(weight_t.shape).copy_(weight_t)
-    return operand @ weight_t
+def warm_up_packed(packed: Packed, dtype: torch.dtype) -> None:
+    """Run `packed`'s matvec and its prefill product on `dtype` rows once, compiling their kernels."""
+    packed.matvec(torch.zeros(packed.in_features))
+    packed_product(torch.zeros(MATVEC_ROWS + 1, packed.in_features, dtype=dtype), packed)
 
 
 def gemm_operand(x: torch.Tensor) -> torch.Tensor:
@@ -253,7 +255,6 @@ def group_rows(*linears: nn.Module) -> None:
         member.packed = slice_tiled(fused, start, start + size)
         member.group = group
         start += size
-    fused.matvec(torch.zeros(fused.in_features))  # compile this shape now, not on the first token
 
 
 def project_rows(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:

@@ -38,9 +38,8 @@ def test_every_byte_unpacks_exactly_and_multiplies_right() -> None:
     assert torch.equal(packed.unpack(0, 35).T, weight)
     assert torch.equal(packed.unpack(30, 35).T, weight[30:35])
     assert torch.equal(packed.unpack(9, 20).T, weight[9:20])
-    buffer = torch.full((96 * 35 + 5,), float("nan"))
-    assert torch.equal(packed.unpack(9, 20, out=buffer).T, weight[9:20])
-    assert packed.unpack(0, 35, out=buffer).data_ptr() == buffer.data_ptr()
+    # A prefill's GEMM takes the weight in bfloat16: each value rounded once from the exact float32.
+    assert torch.equal(packed.unpack(9, 20, torch.bfloat16).T, weight[9:20].to(torch.bfloat16))
     x = torch.randn(96, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         got = q8_matvec(x, packed)

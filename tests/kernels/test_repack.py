@@ -34,6 +34,7 @@ def _assert_unpacks_exactly(raw: np.ndarray, qtype: Q) -> None:
     assert packed.out_features == rows and packed.in_features == weight.shape[1]
     assert torch.equal(packed.unpack(0, rows).T, weight)
     assert torch.equal(packed.unpack(3, rows - 2).T, weight[3 : rows - 2])
+    assert torch.equal(packed.unpack(3, rows - 2, torch.bfloat16).T, weight[3 : rows - 2].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("qtype", list(REPACKABLE))
