@@ -417,9 +417,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
     params = _sampling(body, state.settings.defaults, loaded.tokenizer.vocab_size)
     output = body.object("output_config") or {}
     schema = output_schema(output.get("format") or {"type": "text"}, "output_config.format")
-    generation = state.chat_generation(
+    generation = await state.chat_generation(
         chat,
         params,
+        size=body.size,
         schema=schema,
         schema_field="output_config.format",
         images=await state.load_images(chat),
@@ -585,7 +586,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         raise ApiError(
             400, "unsupported_content", f"{where}: count_tokens does not count images", param=where
         )
-    prompt = state.render_prompt(chat)
+    prompt = await state.prompt_work(body.size, state.render_prompt, chat)
     return web.json_response({"input_tokens": len(prompt.ids)}, headers={"x-request-id": request[REQUEST_ID]})
 
 

@@ -447,8 +447,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         body, state.settings.defaults, loaded.tokenizer.vocab_size, limit_fields=("max_output_tokens",)
     )
     chat = ChatRequest(messages, tools, thinking, kwargs, tool_choice=tool_choice)
-    generation = state.chat_generation(
-        chat, params, schema=schema, schema_field="text.format", images=await state.load_images(chat)
+    generation = await state.chat_generation(
+        chat,
+        params,
+        size=body.size,
+        schema=schema,
+        schema_field="text.format",
+        images=await state.load_images(chat),
     )
     reply = _Reply(model, _echo(body, params, instructions, text))
     if stream:
