@@ -39,6 +39,7 @@ from bubo.server.chat import (
     ThinkingChoice,
     ToolChoice,
     chat_messages,
+    generation_prompt,
     named_tool_choice,
     output_schema,
     thinking_choice,
@@ -347,7 +348,9 @@ def _chat_request(body: Body) -> ChatRequest:
     choice = _tool_choice(body, tools)
     thinking, kwargs = _thinking(body)
     body.object("metadata")
-    return ChatRequest(messages, tools, thinking, kwargs, tool_choice=choice)
+    return ChatRequest(
+        messages, tools, thinking, kwargs, add_generation_prompt=generation_prompt(kwargs), tool_choice=choice
+    )
 
 
 def _omit_thinking(body: Body) -> bool:

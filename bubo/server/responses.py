@@ -48,6 +48,7 @@ from bubo.server.chat import (
     ChatRequest,
     ToolChoice,
     chat_messages,
+    generation_prompt,
     message_content,
     named_tool_choice,
     output_schema,
@@ -446,7 +447,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     params = sampling_params(
         body, state.settings.defaults, loaded.tokenizer.vocab_size, limit_fields=("max_output_tokens",)
     )
-    chat = ChatRequest(messages, tools, thinking, kwargs, tool_choice=tool_choice)
+    chat = ChatRequest(
+        messages,
+        tools,
+        thinking,
+        kwargs,
+        add_generation_prompt=generation_prompt(kwargs),
+        tool_choice=tool_choice,
+    )
     generation = await state.chat_generation(
         chat,
         params,
