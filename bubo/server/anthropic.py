@@ -39,6 +39,7 @@ from bubo.server.chat import (
     ThinkingChoice,
     ToolChoice,
     chat_messages,
+    generation_prompt,
     named_tool_choice,
     output_schema,
     thinking_choice,
@@ -347,7 +348,9 @@ def _chat_request(body: Body) -> ChatRequest:
     choice = _tool_choice(body, tools)
     thinking, kwargs = _thinking(body)
     body.object("metadata")
-    return ChatRequest(messages, tools, thinking, kwargs, tool_choice=choice)
+    return ChatRequest(
+        messages, tools, thinking, kwargs, add_generation_prompt=generation_prompt(kwargs), tool_choice=choice
+    )
 
 
 def _omit_thinking(body: Body) -> bool:
@@ -417,9 +420,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
     params = _sampling(body, state.settings.defaults, loaded.tokenizer.vocab_size)
     output = body.object("output_config") or {}
     schema = output_schema(output.get("format") or {"type": "text"}, "output_config.format")
-    generation = state.chat_generation(
+    generation = await state.chat_generation(
         chat,
         params,
+        size=body.size,
         schema=schema,
         schema_field="output_config.format",
         images=await state.load_images(chat),
@@ -585,7 +589,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         raise ApiError(
             400, "unsupported_content", f"{where}: count_tokens does not count images", param=where
         )
-    prompt = state.render_prompt(chat)
+    prompt = await state.prompt_work(body.size, state.render_prompt, chat)
     return web.json_response({"input_tokens": len(prompt.ids)}, headers={"x-request-id": request[REQUEST_ID]})
 
 

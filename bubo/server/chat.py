@@ -26,6 +26,7 @@ __all__ = [
     "chat_messages",
     "chat_request",
     "chat_tools",
+    "generation_prompt",
     "message_content",
     "named_tool_choice",
     "openai_tool_choice",
@@ -135,6 +136,24 @@ def thinking_choice(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
             )
         effort, enabled = level, level != "off"
     return ThinkingChoice(enabled, effort), kwargs
+
+
+def generation_prompt(kwargs: dict[str, Any], body: Body | None = None) -> bool:
+    """Whether the prompt ends by opening the assistant's turn: `add_generation_prompt` (default true)
+    in `kwargs`, the chat_template_kwargs (taken out of them: the template gets it from here), or at
+    the top of a chat-completions `body`, where llama-server and vLLM take it; 400 when the two
+    disagree. A chat that ends with an assistant message is continued either way (ServerState.render)."""
+    flag = True if body is None else body.boolean("add_generation_prompt", True)
+    if "add_generation_prompt" in kwargs:
+        given = kwargs.pop("add_generation_prompt")
+        if not isinstance(given, bool):
+            raise bad_field("chat_template_kwargs.add_generation_prompt", "must be true or false")
+        if body is not None and "add_generation_prompt" in body and given != flag:
+            raise _conflict(
+                "chat_template_kwargs", f"add_generation_prompt={given} contradicts the top-level {flag}"
+            )
+        flag = given
+    return flag
 
 
 def _conflict(field_name: str, message: str) -> ApiError:
@@ -379,8 +398,12 @@ def chat_request(body: Body) -> ChatRequest:
     """The conversation of an OpenAI chat-completions body (also /apply-template's and /debug/prompt's)."""
     messages = chat_messages(body.raw("messages"))
     thinking, kwargs = thinking_choice(body)
+    opens_turn = generation_prompt(kwargs, body)
     tools = chat_tools(body.raw("tools"))
-    return ChatRequest(messages, tools, thinking, kwargs, tool_choice=openai_tool_choice(body, tools))
+    choice = openai_tool_choice(body, tools)
+    return ChatRequest(
+        messages, tools, thinking, kwargs, add_generation_prompt=opens_turn, tool_choice=choice
+    )
 
 
 def output_schema(fmt: Any, field_name: str) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ async def prompt(request: web.Request) -> web.Response:
     body = await read_json(request)
     state.require_ready()
     state.resolve_model(body.raw("model"), required=False)
-    rendered = state.render_prompt(chat_request(body))
+    rendered = await state.prompt_work(body.size, state.render_prompt, chat_request(body))
     return web.json_response(
         {
             "prompt": rendered.text,

@@ -52,7 +52,7 @@ async def read_json(request: web.Request) -> "Body":
         raise ApiError(400, "parse_error", f"the request body must be a JSON object, got {kind}")
     if not _plain(data):
         _refuse_values(data)
-    return Body(data)
+    return Body(data, size=len(raw))
 
 
 class _LongInteger:
@@ -169,10 +169,13 @@ def _type_name(value: object) -> str:
 
 
 class Body:
-    """A JSON object with getters that check types; `None` (JSON null) counts as absent."""
+    """A JSON object with getters that check types; `None` (JSON null) counts as absent. `size` is the
+    length in bytes of the request body it was read from (0 for one made in code): a measure of how
+    much work rendering and tokenizing its prompt is."""
 
-    def __init__(self, data: Mapping[str, Any]) -> None:
+    def __init__(self, data: Mapping[str, Any], size: int = 0) -> None:
         self.data = data
+        self.size = size
 
     def __contains__(self, name: str) -> bool:
         return self.data.get(name) is not None

@@ -122,7 +122,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     loaded = state.require_ready()
     model = state.resolve_model(body.raw("model"), required=False)
-    text, ids = state.completion_prompt(body.raw("prompt"))
+    text, ids = await state.prompt_work(body.size, state.completion_prompt, body.raw("prompt"))
     stream = body.boolean("stream")
     if body.integer("n_probs", minimum=0, maximum=20):
         raise ApiError(
@@ -173,7 +173,7 @@ async def apply_template(request: web.Request) -> web.Response:
     body = await read_json(request)
     state.require_ready()
     state.resolve_model(body.raw("model"), required=False)
-    prompt = state.render(chat_request(body))
+    prompt = await state.prompt_work(body.size, state.render, chat_request(body))
     return web.json_response({"prompt": prompt})
 
 

@@ -67,9 +67,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     )
     top_logprobs = _chat_logprobs(body)
     schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
-    generation = state.chat_generation(
+    generation = await state.chat_generation(
         chat,
         params,
+        size=body.size,
         logprobs=top_logprobs,
         schema=schema,
         cache_prompt=body.boolean("cache_prompt", True),
@@ -103,7 +104,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     loaded = state.require_ready()
     model = state.resolve_model(body.raw("model"))
     reject_n(body)
-    text, ids = state.completion_prompt(body.raw("prompt"))
+    text, ids = await state.prompt_work(body.size, state.completion_prompt, body.raw("prompt"))
     stream = body.boolean("stream")
     include_usage = _stream_options(body)
     echo = body.boolean("echo")

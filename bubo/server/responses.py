@@ -5,7 +5,8 @@ outputs, reasoning) and `instructions`; this module turns them into the template
 dialect shares, runs them, and answers with a `response` object whose `output` holds a reasoning
 item (when the model reasoned), an assistant message (left out when the answer is only function
 calls) and one `function_call` item per call. The stream is the Responses event sequence
-(`event: NAME` plus `data: JSON`, each with a `sequence_number`). Nothing is stored, so
+(`event: NAME` plus `data: JSON`, each with a `sequence_number`); a failure once it has started ends
+it with an `error` event and then `response.failed`. Nothing is stored, so
 `previous_response_id`, `conversation` and `background` are refused rather than ignored.
 
 Function tools and `strict` (OpenAI's Responses API treats an absent `strict` as true; Bubo does not):
@@ -48,6 +49,7 @@ from bubo.server.chat import (
     ChatRequest,
     ToolChoice,
     chat_messages,
+    generation_prompt,
     message_content,
     named_tool_choice,
     output_schema,
@@ -351,7 +353,11 @@ class _Reply:
         self.created_at = int(time.time())
 
     def body(
-        self, status: str, output: list[dict[str, Any]], finished: Finished | None = None
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        finished: Finished | None = None,
+        error: ApiError | None = None,
     ) -> dict[str, Any]:
         incomplete = status == "incomplete"
         body = {
@@ -360,7 +366,7 @@ class _Reply:
             "created_at": self.created_at,
             "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
-            "error": None,
+            "error": None if error is None else {"code": error.code, "message": error.message},
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "model": self.model,
             "output": output,
@@ -446,9 +452,21 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     params = sampling_params(
         body, state.settings.defaults, loaded.tokenizer.vocab_size, limit_fields=("max_output_tokens",)
     )
-    chat = ChatRequest(messages, tools, thinking, kwargs, tool_choice=tool_choice)
-    generation = state.chat_generation(
-        chat, params, schema=schema, schema_field="text.format", images=await state.load_images(chat)
+    chat = ChatRequest(
+        messages,
+        tools,
+        thinking,
+        kwargs,
+        add_generation_prompt=generation_prompt(kwargs),
+        tool_choice=tool_choice,
+    )
+    generation = await state.chat_generation(
+        chat,
+        params,
+        size=body.size,
+        schema=schema,
+        schema_field="text.format",
+        images=await state.load_images(chat),
     )
     reply = _Reply(model, _echo(body, params, instructions, text))
     if stream:
@@ -524,16 +542,24 @@ class _EventWriter:
         await self.send("response.output_item.added", output_index=index, item=item)
         await self.send("response.content_part.added", **self._place(), part=part)
 
+    def _open_item(self, status: str) -> dict[str, Any]:
+        """The open item as it stands: its text, or its call's arguments, so far."""
+        text = "".join(self.open_text)
+        if self.open_kind == "reasoning":
+            return _reasoning_item(self.open_id, text, status)
+        if self.open_kind == "function_call":
+            return _function_call_item(self.open_id, *self.open_call, text, status)
+        return _message_item(self.open_id, text, status)
+
     async def _close(self, status: str) -> None:
         text = "".join(self.open_text)
         if self.open_kind == "reasoning":
             await self.send("response.reasoning_text.done", **self._place(), text=text)
             part: dict[str, Any] = {"type": "reasoning_text", "text": text}
-            item = _reasoning_item(self.open_id, text, status)
         else:
             await self.send("response.output_text.done", **self._place(), text=text, logprobs=[])
             part = {"type": "output_text", "text": text, "annotations": []}
-            item = _message_item(self.open_id, text, status)
+        item = self._open_item(status)
         await self.send("response.content_part.done", **self._place(), part=part)
         await self.send("response.output_item.done", output_index=len(self.output), item=item)
         self.output.append(item)
@@ -562,11 +588,13 @@ class _EventWriter:
             self.open_kind = "function_call"
             self.open_id = new_id("fc_")
             self.open_call = (event.id, event.name)
+            self.open_text = []
             item = _function_call_item(self.open_id, event.id, event.name, "", "in_progress")
             await self.send("response.output_item.added", output_index=len(self.output), item=item)
             return
         place = {"item_id": self.open_id, "output_index": len(self.output)}
         if isinstance(event, ToolCallArguments):
+            self.open_text.append(event.fragment)
             await self.send("response.function_call_arguments.delta", **place, delta=event.fragment)
             return
         await self.send("response.function_call_arguments.done", **place, arguments=event.arguments)
@@ -587,8 +615,14 @@ class _EventWriter:
         final = "response.incomplete" if status == "incomplete" else "response.completed"
         await self.send(final, response=self.reply.body(status, self.output, finished))
 
-    async def error(self, error: ApiError) -> None:
+    async def fail(self, error: ApiError) -> None:
+        """End a response that fails with the protocol's two events for it: `error` (code, message,
+        param), for clients that watch for errors, then `response.failed`, the lifecycle's last event
+        as response.completed is a finished one's, for clients that follow the response's status. Its
+        output is what was streamed: an item cut off midway is incomplete."""
         await self.send("error", code=error.code, message=error.message, param=error.param)
+        output = self.output if self.open_kind is None else [*self.output, self._open_item("incomplete")]
+        await self.send("response.failed", response=self.reply.body("failed", output, error=error))
 
 
 async def _stream(
@@ -613,7 +647,7 @@ async def _stream(
                     await writer.tool_call(event)
                 event = await anext(events, None)
         except ApiError as error:
-            await writer.error(error)
+            await writer.fail(error)
         except ConnectionResetError:
             return sse.response
         return await sse.finish()

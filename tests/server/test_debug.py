@@ -63,6 +63,27 @@ def test_prompt_is_what_generation_uses(client: httpx.Client, server: LiveServer
     assert chat["usage"]["prompt_tokens"] == debug["n_tokens"]
 
 
+def test_every_dialect_renders_without_the_generation_prompt_alike(client: httpx.Client) -> None:
+    closed = {"add_generation_prompt": False}
+    debug = client.post("/debug/prompt", json={**CHAT, **closed}).json()
+    assert debug["prompt"] == client.post("/apply-template", json={**CHAT, **closed}).json()["prompt"]
+    assert debug["prompt"].endswith("Hello there<|im_end|>\n")
+    chat = client.post("/v1/chat/completions", json={**CHAT, **closed, "max_tokens": 2}).json()
+    assert chat["usage"]["prompt_tokens"] == debug["n_tokens"]
+    # The other dialects take it in chat_template_kwargs.
+    kwargs = {"chat_template_kwargs": closed}
+    system, user = (m["content"] for m in CHAT["messages"])
+    anthropic = {"model": "bubo", "system": system, "messages": [{"role": "user", "content": user}], **kwargs}
+    counted = client.post("/v1/messages/count_tokens", json=anthropic).json()
+    assert counted == {"input_tokens": debug["n_tokens"]}
+    message = client.post("/v1/messages", json={**anthropic, "max_tokens": 2}).json()
+    usage = message["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == debug["n_tokens"]
+    responses = {"model": "bubo", "instructions": system, "input": user, "max_output_tokens": 2, **kwargs}
+    answer = client.post("/v1/responses", json=responses).json()
+    assert answer["usage"]["input_tokens"] == debug["n_tokens"]
+
+
 def test_prompt_errors(client: httpx.Client) -> None:
     response = client.post("/debug/prompt", json={"messages": []})
     assert response.status_code == 400

@@ -173,6 +173,40 @@ def test_apply_template_is_what_generation_uses(gated_client: httpx.Client, gate
     assert chat["usage"]["prompt_tokens"] == len(gated_server.state.tokenize(prompt))
 
 
+@pytest.mark.parametrize(
+    "switch",
+    [{"add_generation_prompt": False}, {"chat_template_kwargs": {"add_generation_prompt": False}}],
+)
+def test_apply_template_without_the_generation_prompt(gated_client: httpx.Client, switch: dict) -> None:
+    # llama-server takes the field at the top level; chat_template_kwargs reach the template too.
+    response = gated_client.post("/apply-template", json={**CHAT, **switch})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"prompt": RENDERED.removesuffix("<|im_start|>assistant\n")}
+    opened = gated_client.post("/apply-template", json={**CHAT, "add_generation_prompt": True})
+    assert opened.json() == {"prompt": RENDERED}
+
+
+def test_apply_template_continues_a_final_assistant_message_without_the_generation_prompt(
+    gated_client: httpx.Client,
+) -> None:
+    messages = [*CHAT["messages"], {"role": "assistant", "content": "Hello"}]
+    for flag in (True, False):
+        body = {"messages": messages, "add_generation_prompt": flag}
+        prompt = gated_client.post("/apply-template", json=body).json()["prompt"]
+        assert prompt == RENDERED + "Hello", flag
+
+
+def test_apply_template_refuses_a_contradictory_generation_prompt(gated_client: httpx.Client) -> None:
+    both = {"add_generation_prompt": True, "chat_template_kwargs": {"add_generation_prompt": False}}
+    conflict = gated_client.post("/apply-template", json={**CHAT, **both})
+    assert conflict.status_code == 400
+    assert conflict.json()["error"]["code"] == "conflicting_fields"
+    for switch in ({"add_generation_prompt": "no"}, {"chat_template_kwargs": {"add_generation_prompt": 0}}):
+        invalid = gated_client.post("/apply-template", json={**CHAT, **switch})
+        assert invalid.status_code == 400, switch
+        assert invalid.json()["error"]["code"] == "invalid_value"
+
+
 def test_apply_template_errors(gated_client: httpx.Client) -> None:
     missing = gated_client.post("/apply-template", json={})
     assert missing.status_code == 400

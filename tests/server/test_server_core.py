@@ -1,6 +1,7 @@
 """What every route shares: errors in the documented shape, the API key, readiness, the memory guard,
 a lost device, and the session slot (queueing, cancellation on disconnect)."""
 
+import asyncio
 import json
 import socket
 import threading
@@ -17,6 +18,7 @@ import torch
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.sampler import SamplingParams
 from bubo.server.memory_guard import MemoryInfo
+from bubo.server.state import INLINE_PROMPT_BYTES
 from tests.server.live_server import LiveServer, ScriptedModel, scripted, serve_loaded
 
 CHAT = {"model": "bubo", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2}
@@ -261,6 +263,142 @@ def test_after_a_device_loss_everything_answers_503_device_lost(tiny_llama: Load
             assert response.status_code == 503 and response.json()["status"] == "device_lost", path
     finally:
         server.stop()
+
+
+# The event loop
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def hooks_server(tiny_llama: LoadedModel) -> Iterator[LiveServer]:
+    server = serve_loaded(tiny_llama, debug_hooks=True)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def prompt_calls(hooks_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """Records each render of a chat and each tokenizing of a long text on `hooks_server`, and whether it
+    ran on the event loop's thread."""
+    calls: list[tuple[str, bool]] = []
+    state = hooks_server.state
+    tokenizer, template = state.loaded.tokenizer, state.template
+    encode, render = tokenizer.encode, template.render
+
+    def recorded_encode(text: str, *args: object, **kwargs: object) -> list[int]:
+        if len(text) > 200:
+            calls.append(("tokenize", _on_event_loop()))
+        return encode(text, *args, **kwargs)
+
+    def recorded_render(*args: object, **kwargs: object) -> str:
+        calls.append(("render", _on_event_loop()))
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", recorded_encode)
+    monkeypatch.setattr(template, "render", recorded_render)
+    return calls
+
+
+_BIG = "word " * (INLINE_PROMPT_BYTES // 2)
+_BIG_CHAT = [{"role": "user", "content": _BIG}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "work"),
+    [
+        ("/v1/chat/completions", {"model": "bubo", "messages": _BIG_CHAT}, 400, {"render", "tokenize"}),
+        ("/v1/completions", {"model": "bubo", "prompt": _BIG}, 400, {"tokenize"}),
+        ("/completion", {"prompt": _BIG}, 400, {"tokenize"}),
+        ("/v1/responses", {"model": "bubo", "input": _BIG}, 400, {"render", "tokenize"}),
+        (
+            "/v1/messages",
+            {"model": "bubo", "max_tokens": 4, "messages": _BIG_CHAT},
+            400,
+            {"render", "tokenize"},
+        ),
+        ("/v1/messages/count_tokens", {"model": "bubo", "messages": _BIG_CHAT}, 200, {"render", "tokenize"}),
+        ("/apply-template", {"messages": _BIG_CHAT}, 200, {"render"}),
+        ("/debug/prompt", {"messages": _BIG_CHAT}, 200, {"render", "tokenize"}),
+    ],
+)
+def test_a_big_prompt_is_rendered_and_tokenized_off_the_event_loop(
+    hooks_server: LiveServer,
+    prompt_calls: list[tuple[str, bool]],
+    path: str,
+    body: dict,
+    status: int,
+    work: set[str],
+) -> None:
+    response = httpx.post(hooks_server.url + path, json=body, timeout=60)
+    assert response.status_code == status, response.text
+    if status == 400:
+        # Too long for the tiny model's context: the same error, in the dialect's shape, as before.
+        error = response.json()["error"]
+        assert error.get("code") == "context_length_exceeded", error
+    assert {kind for kind, _ in prompt_calls} == work
+    assert not any(on_loop for _, on_loop in prompt_calls), prompt_calls
+
+
+def test_a_short_prompt_is_rendered_and_tokenized_on_the_event_loop(
+    hooks_server: LiveServer, prompt_calls: list[tuple[str, bool]]
+) -> None:
+    # Tokenizing a short prompt costs less than the hop to another thread.
+    words = "word " * 60
+    body = {"model": "bubo", "messages": [{"role": "user", "content": words}], "max_tokens": 1}
+    response = httpx.post(hooks_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert prompt_calls == [("render", True), ("tokenize", True)]
+
+
+def test_other_connections_are_served_while_a_huge_prompt_is_tokenized(
+    tiny_server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ~2 s of tokenizing with the tiny model's vocabulary. /health must answer early in it, not after
+    # it: neither the event loop nor the GIL may be held meanwhile. (Half the tokenizing time is the
+    # bound, not its end: when the GIL is held, whoever takes it first once the tokenizer lets go is
+    # a race, so "before the end" would pass now and then.)
+    tokenizer = tiny_server.state.loaded.tokenizer
+    encode = tokenizer.encode
+    started = threading.Event()
+    times: dict[str, float] = {}
+
+    def watched_encode(text: str, *args: object, **kwargs: object) -> list[int]:
+        if len(text) < 1_000_000:
+            return encode(text, *args, **kwargs)
+        times["start"] = time.monotonic()
+        started.set()
+        try:
+            return encode(text, *args, **kwargs)
+        finally:
+            times["end"] = time.monotonic()
+
+    monkeypatch.setattr(tokenizer, "encode", watched_encode)
+    body = {**CHAT, "messages": [{"role": "user", "content": "word " * 400_000}]}
+    replies: list[httpx.Response] = []
+    sender = threading.Thread(
+        target=lambda: replies.append(
+            httpx.post(tiny_server.url + "/v1/chat/completions", json=body, timeout=120)
+        )
+    )
+    sender.start()
+    try:
+        assert started.wait(60), "the huge prompt was never tokenized"
+        health = httpx.get(tiny_server.url + "/health", timeout=60)
+        times["health"] = time.monotonic()
+    finally:
+        sender.join(120)
+    assert health.status_code == 200
+    tokenizing = times["end"] - times["start"]
+    waited = times["health"] - times["start"]
+    assert waited < tokenizing / 2, f"/health took {waited:.2f} s of the {tokenizing:.2f} s of tokenizing"
+    assert_error(replies[0], 400, "invalid_request_error", "context_length_exceeded")
 
 
 # The slot

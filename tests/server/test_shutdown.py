@@ -1,8 +1,8 @@
 """Shutdown and faults. SIGTERM to a real server process closes the port, lets requests in flight
 finish within the grace period, cuts the streams still running after it with a final error event
 (never a truncated JSON line) and exits 0 within a bound. An exception inside generation ends that
-request with a 500 in the documented shape (a final error event once a stream has started) and the
-next request is served."""
+request with a 500 in the documented shape (a final error event once a stream has started; on
+/v1/responses an error event and then response.failed) and the next request is served."""
 
 import json
 import signal
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -247,3 +248,38 @@ def test_a_failure_inside_an_anthropic_stream_ends_it_with_an_error_event(
     assert events[-1]["error"]["code"] == "internal_error"
     assert "event: error" in reader.lines
     _next_request_is_served(live)
+
+
+@pytest.mark.parametrize("failing", ["decode"], indirect=True)
+def test_a_failure_inside_a_responses_stream_ends_it_with_response_failed(
+    failing: tuple[LiveServer, FailsOnce],
+) -> None:
+    live, model = failing
+    body = {"model": "bubo", "input": "hi", "stream": True}
+    reader = StreamReader(live.url + "/v1/responses", body)
+    reader.run()
+    assert reader.error is None
+    events = reader.data()
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert [event["type"] for event in events[:2]] == ["response.created", "response.in_progress"]
+    # The protocol's error event, then the failed response as the last lifecycle event.
+    error, failed = events[-2:]
+    assert error["type"] == "error" and error["code"] == "internal_error"
+    assert failed["type"] == "response.failed"
+    response = failed["response"]
+    assert response["id"] == events[0]["response"]["id"]
+    assert response["status"] == "failed" and response["usage"] is None
+    assert response["error"] == {"code": "internal_error", "message": error["message"]}
+    assert "injected" not in error["message"]  # internals stay in the log
+    # The first token came out before the failure: the message it began is in the output, cut off.
+    [message] = response["output"]
+    streamed = "".join(event["delta"] for event in events if event["type"] == "response.output_text.delta")
+    assert streamed
+    assert message["status"] == "incomplete" and message["content"][0]["text"] == streamed
+    _next_request_is_served(live)
+
+    # The official SDK reads both as typed events.
+    model.failed = False
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+    kinds = [event.type for event in client.responses.create(model="bubo", input="hello", stream=True)]
+    assert kinds[-2:] == ["error", "response.failed"]
