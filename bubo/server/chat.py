@@ -93,6 +93,10 @@ class ChatRequest:
         return chat_images(self.messages)
 
 
+# Template variables that come from the request itself (ChatTemplate.render's own arguments).
+TEMPLATE_INPUTS = frozenset({"messages", "tools", "documents"})
+
+
 def thinking_choice(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
     """Read `reasoning_effort`, `thinking` and `chat_template_kwargs`; 400 when they disagree.
 
@@ -113,6 +117,9 @@ def thinking_choice(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
         enabled = wanted
 
     kwargs = dict(body.object("chat_template_kwargs") or {})
+    for name in TEMPLATE_INPUTS.intersection(kwargs):
+        # The template takes these from the request itself; a second value would clash with it.
+        raise bad_field(f"chat_template_kwargs.{name}", f"the request's own {name} is what the template gets")
     if "enable_thinking" in kwargs:
         flag = kwargs.pop("enable_thinking")
         if not isinstance(flag, bool):

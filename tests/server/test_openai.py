@@ -238,6 +238,18 @@ def test_cached_and_uncached_runs_give_the_same_text(tiny_llama: LoadedModel) ->
             400,
             "conflicting_fields",
         ),
+        *(
+            (
+                {
+                    "model": "bubo",
+                    "messages": [{"role": "user", "content": "x"}],
+                    "chat_template_kwargs": {name: []},
+                },
+                400,
+                "invalid_value",
+            )
+            for name in ("messages", "tools", "documents")
+        ),
         (
             {
                 "model": "bubo",
