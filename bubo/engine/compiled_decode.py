@@ -6,9 +6,10 @@ token's time on the default model. Here everything of a layer that sits between 
 next is one compiled graph: the output projection, residual, MLP, the next layer's norm, q/k/v
 projection, q/k norms and rotary. The quantized matvecs trace into that graph as plain torch code
 (bubo/kernels/compiled.py inlines a kernel called while another traces) and inductor fuses the glue
-into their loops. Attention itself stays eager between the segments: the cache grows by a position
-every step, so its length is the one shape that changes; KVCache.update and SDPA are the eager model's
-own, at 3 ops a layer.
+into their loops. Attention itself runs between the segments: the cache grows by a position every
+step, so its length is the one shape that changes. The new position is written into the cache in place
+(or by KVCache.update when the sequence's blocks are not one run), and the attention over it is one
+kernel compiled for every length (bubo/kernels/decode_attention.py), in place of SDPA's machinery.
 
 The weights are inputs of the compiled graphs, not constants, so every layer with the same shapes runs
 the same compiled segment: three compiles (entering the first layer, between layers, the head) for a
@@ -41,6 +42,7 @@ from bubo.engine.kv_cache import KVCache
 from bubo.gguf.config import RopeStyle
 from bubo.kernels.codes import word_bits
 from bubo.kernels.compiled import StaticKernel
+from bubo.kernels.decode_attention import decode_attention
 from bubo.kernels.q4_matvec import PackedQ4, q4_matvec_bits
 from bubo.kernels.q8_matvec import PackedQ8Offset, q8_matvec_bits, q8_offset_matvec_bits
 from bubo.model.attention import Attention
@@ -361,7 +363,7 @@ class CompiledDecodeStep:
                     _write_and_view(cache.pool.keys[slot], run, start, k),
                     _write_and_view(cache.pool.values[slot], run, start, v),
                 )
-            attended = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+            attended = decode_attention(q, keys, values)
             if i < last:
                 x, q, k, v = self._run(
                     i + 1, self._between[i], x, attended, cos, sin, *self.layers[i], *self.layers[i + 1]

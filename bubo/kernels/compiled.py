@@ -1,4 +1,4 @@
-"""Inductor-compiled kernels with static shapes and no per-call guard checks.
+"""Inductor-compiled kernels with no per-call guard checks: static shapes, or a few dynamic dimensions.
 
 `torch.compile` checks its guards on every call, about 50 µs on this class of CPU: more than a
 small matvec itself costs, paid some 200 times per decoded token. Tracing with make_fx and
@@ -6,6 +6,10 @@ compiling the graph with `torch._inductor.compile` gives a callable that just ru
 C++ (about 10 µs), one per input shape, kept here. Tracing runs on fake tensors: a real run would
 materialize the float planes that the fused kernel exists to avoid (hundreds of MB for an output head). Where inductor can't build (no C++ compiler),
 the plain function is used and the reason is logged once.
+
+`DynamicKernel` is the same for a function of a length that changes at every call (the positions a
+decode step attends over): traced with symbolic sizes and strides and compiled once, so the generated
+code takes them from its arguments.
 """
 
 import logging
@@ -16,9 +20,9 @@ import torch
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-__all__ = ["StaticKernel"]
+__all__ = ["DynamicKernel", "StaticKernel"]
 
 log = logging.getLogger(__name__)
 
@@ -89,3 +93,87 @@ class StaticKernel:
             log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)
             self._broken = True
             return self.fn
+
+
+# A dynamic size is traced at this value: not 0 or 1 (which tracing would specialize on), and not a
+# multiple of a vector width (so the generated code keeps its loops' tails).
+_DYNAMIC_HINT = 37
+
+
+class DynamicKernel:
+    """`fn` compiled once per layout of its arguments, where the dimensions `dynamic` names ({argument
+    index: dims}) take any size at every call, and an argument with such a dimension any strides but a
+    unit innermost one (a view into a cache of any capacity, or a contiguous copy): the generated code
+    reads those sizes and strides from the arguments. Every dynamic dimension must have the same size in
+    a call (one length), and `fn` must use them only as extents: like StaticKernel's, the compiled
+    kernel checks nothing when called. Compiling refuses a function whose tracing assumed more (a
+    stride equal to some product of sizes, as a contiguity test would), and the plain function runs."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], dynamic: dict[int, tuple[int, ...]]) -> None:
+        self.fn = fn
+        self.dynamic = dynamic
+        self._compiled: dict[tuple, Callable[..., torch.Tensor]] = {}
+        self._broken = False
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        if getattr(_tracing, "active", False):
+            return self.fn(*args)
+        key = tuple(self._layout(i, a) for i, a in enumerate(args))
+        kernel = self._compiled.get(key)
+        if kernel is None:
+            kernel = self._compiled[key] = self._compile(args)
+        return kernel(*args)
+
+    def _layout(self, index: int, a: torch.Tensor) -> tuple:
+        dims = self.dynamic.get(index)
+        if not dims:
+            return (a.shape, a.stride(), a.dtype)
+        return (tuple(-1 if d in dims else n for d, n in enumerate(a.shape)), a.stride(-1), a.dtype)
+
+    def _compile(self, args: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
+        if self._broken:
+            return self.fn
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                # No duck sizing: two sizes or strides that happen to be equal when traced stay two symbols.
+                shape_env = ShapeEnv(duck_shape=False)
+                mode = FakeTensorMode(shape_env=shape_env)
+                fake, strides = [], set()
+                for index, a in enumerate(args):
+                    dims = self.dynamic.get(index, ())
+                    if not dims:
+                        fake.append(mode.from_tensor(a, static_shapes=True))
+                        continue
+                    context = StatelessSymbolicContext(
+                        dynamic_sizes=[
+                            DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(a.dim())
+                        ],
+                        dynamic_strides=[DimDynamic.DYNAMIC] * (a.dim() - 1) + [DimDynamic.INFER_STRIDE],
+                    )
+                    symbolic = mode.from_tensor(_generic_example(a, dims), symbolic_context=context)
+                    strides |= {s.node.expr for s in symbolic.stride()[:-1] if isinstance(s, torch.SymInt)}
+                    fake.append(symbolic)
+                _tracing.active = True
+                try:
+                    with mode:
+                        graph = make_fx(self.fn, tracing_mode="symbolic")(*fake)
+                finally:
+                    _tracing.active = False
+                with torch._inductor.config.patch(_FUSED), tracing(TracingContext(mode)):
+                    kernel = torch._inductor.compile(graph, fake)
+                assumed = strides.intersection(shape_env.replacements)
+                if assumed:
+                    raise ValueError(f"tracing fixed strides {sorted(map(str, assumed))} to other values")
+                return kernel
+        except Exception as error:  # a missing compiler, an inductor limitation, or an assumed layout
+            log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)
+            self._broken = True
+            return self.fn
+
+
+def _generic_example(a: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """A tensor shaped like `a`, its dynamic dims at _DYNAMIC_HINT, cut from a larger one: no stride of
+    it equals a product of its sizes, so tracing takes no contiguity for granted."""
+    shape = [_DYNAMIC_HINT if d in dims else n for d, n in enumerate(a.shape)]
+    base = torch.empty([n + 1 for n in shape], dtype=a.dtype, device=a.device)
+    return base[tuple(slice(0, n) for n in shape)]

@@ -1,9 +1,10 @@
-"""StaticKernel: one compiled callable per input shape, and the plain function where inductor fails."""
+"""StaticKernel: one compiled callable per input shape, and the plain function where inductor fails;
+DynamicKernel: one compiled callable for every size of its dynamic dimensions and every layout."""
 
 import torch
 
 from bubo.kernels import compiled
-from bubo.kernels.compiled import StaticKernel
+from bubo.kernels.compiled import DynamicKernel, StaticKernel
 
 
 def _scaled_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -40,3 +41,39 @@ def test_a_shape_compiled_before_comes_from_inductors_graph_cache() -> None:
     hits = counters["inductor"]["fxgraph_cache_hit"]
     assert torch.equal(StaticKernel(_scaled_sum)(x, w), torch.full((7,), 5.0))
     assert counters["inductor"]["fxgraph_cache_hit"] == hits + 1
+
+
+def _weighted_rows(w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return (w[:, None] * rows).sum(0) / rows.shape[1]
+
+
+def test_a_dynamic_kernel_compiles_once_for_every_length_and_layout(caplog) -> None:
+    # rows [T, 24] with T dynamic: contiguous, a view into a wider buffer, and a column-sliced one.
+    kernel = DynamicKernel(_weighted_rows, dynamic={0: (0,), 1: (0,)})
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(300, 40, generator=g)
+    cases = [
+        (torch.randn(n, generator=g), rows)
+        for n, rows in (
+            (1, torch.randn(1, 24, generator=g)),
+            (2, torch.randn(2, 24, generator=g)),
+            (37, wide[:37, :24]),
+            (250, wide[3:253, 10:34]),
+        )
+    ]
+    for w, rows in cases:
+        torch.testing.assert_close(kernel(w, rows), _weighted_rows(w, rows))
+    assert len(kernel._compiled) == 1
+    assert "could not compile" not in caplog.text
+
+
+def test_a_dynamic_kernel_whose_tracing_fixes_a_stride_runs_uncompiled(caplog) -> None:
+    # A function that branches on a stride: tracing takes the branch the traced layout leads to, an
+    # assumption the compiled kernel would make of every layout; the kernel refuses it and runs the
+    # function itself, which takes the other branch for a contiguous tensor.
+    def layout_sum(rows: torch.Tensor) -> torch.Tensor:
+        return rows.sum() if rows.stride(0) == rows.shape[1] + 1 else -rows.sum()
+
+    kernel = DynamicKernel(layout_sum, dynamic={0: (0,)})
+    assert kernel(torch.ones(5, 8)).item() == -40.0
+    assert "fixed strides" in caplog.text

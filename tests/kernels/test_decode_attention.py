@@ -1,0 +1,44 @@
+"""The compiled single-query attention against SDPA in float64, over cache views of every length."""
+
+import pytest
+import torch
+
+from bubo.kernels.decode_attention import decode_attention, decode_attention_reference
+
+
+def _cache_views(
+    kv_heads: int, length: int, dim: int, capacity: int, start: int, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one sequence as the decode step sees them: positions start.. of a layer's
+    block pool [kv_heads, capacity, D], viewed as [1, kv_heads, length, D]."""
+    pools = [torch.randn(kv_heads, capacity, dim, generator=g) for _ in range(2)]
+    keys, values = (p[None, :, start : start + length] for p in pools)
+    return keys, values
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32)])
+@pytest.mark.parametrize("length", [1, 2, 17, 530])
+def test_matches_sdpa_in_float64(heads: int, kv_heads: int, dim: int, length: int) -> None:
+    g = torch.Generator().manual_seed(length)
+    q = torch.randn(1, heads, 1, dim, generator=g)
+    keys, values = _cache_views(kv_heads, length, dim, capacity=length + 40, start=7, g=g)
+    with torch.inference_mode():
+        got = decode_attention(q, keys, values)
+    expected = decode_attention_reference(q.double(), keys.double(), values.double())
+    assert got.shape == q.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_contiguous_keys_and_other_capacities_take_the_same_kernel(caplog) -> None:
+    # A sequence whose blocks are not one run gathers its keys into a contiguous copy; other caches have
+    # other capacities: every layout runs the one compiled kernel, and right.
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 9, 1, 64, generator=g)
+    for capacity, start, length in ((64, 0, 64), (4096, 100, 300), (333, 5, 11)):
+        keys, values = _cache_views(3, length, 64, capacity, start, g)
+        for k, v in ((keys, values), (keys.contiguous(), values.contiguous())):
+            with torch.inference_mode():
+                got = decode_attention(q, k, v)
+            expected = decode_attention_reference(q.double(), k.double(), v.double())
+            torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    assert "could not compile" not in caplog.text
