@@ -159,6 +159,10 @@ class DynamicKernel:
                         graph = make_fx(self.fn, tracing_mode="symbolic")(*fake)
                 finally:
                     _tracing.active = False
+                # The graph's own reference to the shape env (the tracing context below holds it too):
+                # left, it would be hashed into AOTAutograd's cache key, which it can't be, and every
+                # load would compile the graph again instead of taking it from the cache.
+                del graph.shape_env
                 with torch._inductor.config.patch(_FUSED), tracing(TracingContext(mode)):
                     kernel = torch._inductor.compile(graph, fake)
                 assumed = strides.intersection(shape_env.replacements)

@@ -77,3 +77,16 @@ def test_a_dynamic_kernel_whose_tracing_fixes_a_stride_runs_uncompiled(caplog) -
     kernel = DynamicKernel(layout_sum, dynamic={0: (0,)})
     assert kernel(torch.ones(5, 8)).item() == -40.0
     assert "fixed strides" in caplog.text
+
+
+def test_a_dynamic_kernel_compiled_before_comes_from_aotautograds_cache() -> None:
+    # As for the static kernels: the next load's kernel must come whole from the cache (a miss compiles
+    # again and, the first time in a process, loads inductor's pattern sets: ~14 MB kept).
+    from torch._dynamo.utils import counters
+
+    w, rows = torch.ones(6), torch.ones(6, 5)
+    DynamicKernel(_weighted_rows, dynamic={0: (0,), 1: (0,)})(w, rows)
+    hits = counters["aot_autograd"]["autograd_cache_hit"]
+    kernel = DynamicKernel(_weighted_rows, dynamic={0: (0,), 1: (0,)})
+    torch.testing.assert_close(kernel(w, rows), _weighted_rows(w, rows))
+    assert counters["aot_autograd"]["autograd_cache_hit"] == hits + 1
