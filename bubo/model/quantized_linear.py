@@ -57,8 +57,10 @@ _scratch = threading.local()
 MIN_PACKED_WEIGHTS = 1 << 16
 # Up to this many rows a product runs as that many matvecs; more (a prefill) unpack float columns for a
 # GEMM, which pays for the unpacking once the rows share it. Measured on SmolLM2-135M, 2 threads, a whole
-# eager forward of N tokens: 12 tokens 138 ms as matvecs / 269 ms unpacked, 16: 193 / 275, 24: 300 / 297.
-MATVEC_ROWS = 16
+# eager forward of N tokens, best of 5, as matvecs / unpacked: 9 tokens 55 / 59 ms, 10: 50 / 51, 11: 53 /
+# 51, 12: 60 / 58, 13: 61 / 54, 14: 69 / 56, 16: 71 / 57 (with the compiled unpacking; before it, 12
+# tokens 138 / 269 ms, 16: 193 / 275, 24: 300 / 297, and the threshold was 16).
+MATVEC_ROWS = 12
 
 
 # A CPU weight repacked for the compiled matvecs (bubo/kernels/).

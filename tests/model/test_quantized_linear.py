@@ -199,8 +199,8 @@ def test_bf16_gemms_round_operands_once(monkeypatch, qtype: Q, packed: bool, row
 def test_bf16_prefill_setting(monkeypatch, setting: str) -> None:
     monkeypatch.setenv("BUBO_PREFILL_BF16", setting)
     assert quantized_linear.bf16_prefill() is (setting == "1")
-    x = torch.randn(17, 8)
+    x = torch.randn(quantized_linear.MATVEC_ROWS + 1, 8)
     assert quantized_linear.gemm_operand(x).dtype == (torch.bfloat16 if setting == "1" else torch.float32)
     # A decode step's few rows, and a bfloat16 model's rows, are left as they are.
-    few, half = x[:16], x.bfloat16()
+    few, half = x[: quantized_linear.MATVEC_ROWS], x.bfloat16()
     assert quantized_linear.gemm_operand(few) is few and quantized_linear.gemm_operand(half) is half
