@@ -201,7 +201,7 @@ def _slot_json(state: ServerState, slot: SessionSlot) -> dict[str, Any]:
     return {
         "id": slot.id,
         "n_ctx": slot.n_ctx,
-        "speculative": False,
+        "speculative": slot.drafter is not None,
         "is_processing": processing,
         # The older llama-server field: 0 idle, 1 processing.
         "state": 1 if processing else 0,
@@ -233,7 +233,7 @@ async def props(request: web.Request) -> web.Response:
             "default_generation_settings": {
                 "id": slot["id"],
                 "n_ctx": slot["n_ctx"],
-                "speculative": False,
+                "speculative": slot["speculative"],
                 "is_processing": slot["is_processing"],
                 "params": slot["params"],
             },

@@ -184,3 +184,12 @@ def test_bubo_generate_speculates_too(files: dict[str, Path], capsys: pytest.Cap
         outputs.append(capsys.readouterr())
     assert outputs[1].out == outputs[0].out
     assert "drafted" not in outputs[0].err and "| drafted " in outputs[1].err
+
+
+def test_slots_say_whether_the_slot_speculates(servers: list[LiveServer], model: LoadedModel) -> None:
+    # llama-server's `speculative`: whether the slot drafts tokens (MTP here), in /slots and /props.
+    on, off = _serve(servers, model), _serve(servers, model, spec_draft=0)
+    assert [s["speculative"] for s in httpx.get(on.url + "/slots").json()] == [True]
+    assert [s["speculative"] for s in httpx.get(off.url + "/slots").json()] == [False]
+    props = httpx.get(on.url + "/props").json()
+    assert props["default_generation_settings"]["speculative"] is True
