@@ -264,17 +264,16 @@ class Body:
         """A count of tokens or items: an integer in [minimum, MAX_COUNT]."""
         return self.integer(name, default, minimum=minimum, maximum=MAX_COUNT)
 
-    def token_limit(self, *names: str) -> int | None:
+    def token_limit(self, *names: str, minimum: int = 1) -> int | None:
         """The first of `names` that is set: -1 or null keep the server default (None); anything else
-        must be a positive integer."""
+        must be at least `minimum` (1, or 0 where a limit of 0 means evaluating the prompt alone)."""
         for name in names:
             value = self.integer(name, maximum=MAX_COUNT)
             if value is None or value == -1:
                 continue
-            if value < 1:
-                raise bad_field(
-                    name, f"must be a positive integer, or -1 for the server default; got {value}"
-                )
+            if value < minimum:
+                wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+                raise bad_field(name, f"must be {wanted}, or -1 for the server default; got {value}")
             return value
         return None
 
@@ -349,14 +348,20 @@ def _token_id(key: Any, vocab_size: int) -> int:
 
 
 def sampling_params(
-    body: Body, defaults: SamplingParams, vocab_size: int, *, limit_fields: Sequence[str] = ("max_tokens",)
+    body: Body,
+    defaults: SamplingParams,
+    vocab_size: int,
+    *,
+    limit_fields: Sequence[str] = ("max_tokens",),
+    limit_minimum: int = 1,
 ) -> SamplingParams:
-    """The sampling fields every dialect shares, over the server's defaults (llama-server's names)."""
+    """The sampling fields every dialect shares, over the server's defaults (llama-server's names);
+    the token limit is the first of `limit_fields` set, at least `limit_minimum` (Body.token_limit)."""
     d = defaults
     # -1 and 0 both turn top_k off (vLLM's and llama-server's spellings).
     top_k = body.integer("top_k", d.top_k, minimum=-1, maximum=MAX_COUNT)
     seed = body.integer("seed", d.seed, minimum=-1, maximum=2**64 - 1)
-    limit = body.token_limit(*limit_fields)
+    limit = body.token_limit(*limit_fields, minimum=limit_minimum)
     params = replace(
         d,
         temperature=body.number("temperature", d.temperature, minimum=0.0),

@@ -128,8 +128,14 @@ async def completion(request: web.Request) -> web.StreamResponse:
         raise ApiError(
             400, "unsupported_n_probs", "n_probs: token probabilities are not supported yet", param="n_probs"
         )
+    # n_predict 0 evaluates the prompt into the slot's cache and generates nothing (llama-server's way to
+    # warm the cache for a prompt that requests will extend).
     params = sampling_params(
-        body, state.settings.defaults, loaded.tokenizer.vocab_size, limit_fields=("n_predict", "max_tokens")
+        body,
+        state.settings.defaults,
+        loaded.tokenizer.vocab_size,
+        limit_fields=("n_predict", "max_tokens"),
+        limit_minimum=0,
     )
     generation = state.request(
         text, ids, params, grammar=_grammar(state, body), cache_prompt=body.boolean("cache_prompt", True)

@@ -106,10 +106,29 @@ def test_completion_mixed_prompt(gated_client: httpx.Client, tiny_llama: LoadedM
     assert first["tokens_evaluated"] == len(tokenizer.encode("Mixed")) + len(tail)  # BOS as the file says
 
 
+def test_completion_with_n_predict_0_evaluates_the_prompt_into_the_cache(
+    gated_client: httpx.Client, gated_server: LiveServer
+) -> None:
+    # llama-server's cache warming: the prompt runs, nothing is generated, and a request that extends
+    # the prompt finds it cached.
+    prompt = "Warm the cache with this prompt, then extend it"
+    body = gated_client.post("/completion", json={"prompt": prompt, "n_predict": 0}).json()
+    prompt_ids = gated_server.state.tokenize(prompt)
+    assert body["content"] == "" and body["tokens_predicted"] == 0 and body["stopped_limit"] is True
+    assert body["tokens_evaluated"] == len(prompt_ids) and body["timings"]["prompt_n"] == len(prompt_ids)
+    follow = gated_client.post("/completion", json={"prompt": prompt + " now", "n_predict": 1}).json()
+    assert follow["timings"]["cache_n"] >= len(prompt_ids) - 1
+    streamed = gated_client.post("/completion", json={"prompt": prompt, "n_predict": 0, "stream": True})
+    chunks = [
+        json.loads(line[len("data: ") :]) for line in streamed.text.splitlines() if line.startswith("data: {")
+    ]
+    assert [c["stop"] for c in chunks] == [True] and chunks[0]["tokens_predicted"] == 0
+
+
 @pytest.mark.parametrize(
     ("payload", "status", "code"),
     [
-        ({"prompt": "x", "n_predict": 0}, 400, "invalid_value"),
+        ({"prompt": "x", "n_predict": -2}, 400, "invalid_value"),
         ({"n_predict": 4}, 400, "invalid_value"),
         ({"prompt": [1, 99999]}, 400, "invalid_value"),
         ({"prompt": [1, "x", -3]}, 400, "invalid_value"),
