@@ -107,7 +107,8 @@ class DynamicKernel:
     reads those sizes and strides from the arguments. Every dynamic dimension must have the same size in
     a call (one length), and `fn` must use them only as extents: like StaticKernel's, the compiled
     kernel checks nothing when called. Compiling refuses a function whose tracing assumed more (a
-    stride equal to some product of sizes, as a contiguity test would), and the plain function runs."""
+    stride equal to some product of sizes, as a contiguity test would, or a length's value), and the
+    plain function runs."""
 
     def __init__(self, fn: Callable[..., torch.Tensor], dynamic: dict[int, tuple[int, ...]]) -> None:
         self.fn = fn
@@ -138,7 +139,7 @@ class DynamicKernel:
                 # No duck sizing: two sizes or strides that happen to be equal when traced stay two symbols.
                 shape_env = ShapeEnv(duck_shape=False)
                 mode = FakeTensorMode(shape_env=shape_env)
-                fake, strides = [], set()
+                fake, sizes, strides = [], set(), set()
                 for index, a in enumerate(args):
                     dims = self.dynamic.get(index, ())
                     if not dims:
@@ -151,6 +152,7 @@ class DynamicKernel:
                         dynamic_strides=[DimDynamic.DYNAMIC] * (a.dim() - 1) + [DimDynamic.INFER_STRIDE],
                     )
                     symbolic = mode.from_tensor(_generic_example(a, dims), symbolic_context=context)
+                    sizes |= {symbolic.shape[d].node.expr for d in dims}
                     strides |= {s.node.expr for s in symbolic.stride()[:-1] if isinstance(s, torch.SymInt)}
                     fake.append(symbolic)
                 _tracing.active = True
@@ -165,9 +167,14 @@ class DynamicKernel:
                 del graph.shape_env
                 with torch._inductor.config.patch(_FUSED), tracing(TracingContext(mode)):
                     kernel = torch._inductor.compile(graph, fake)
-                assumed = strides.intersection(shape_env.replacements)
+                # A stride replaced by anything, or a length by a constant (the function read its value),
+                # is an assumption the generated code would make of every call. (A length replaced by
+                # another is the one length every dynamic dim shares.)
+                replaced = shape_env.replacements
+                assumed = strides.intersection(replaced)
+                assumed |= {s for s in sizes.intersection(replaced) if not replaced[s].free_symbols}
                 if assumed:
-                    raise ValueError(f"tracing fixed strides {sorted(map(str, assumed))} to other values")
+                    raise ValueError(f"tracing fixed {sorted(map(str, assumed))} to other values")
                 return kernel
         except Exception as error:  # a missing compiler, an inductor limitation, or an assumed layout
             log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)

@@ -76,7 +76,18 @@ def test_a_dynamic_kernel_whose_tracing_fixes_a_stride_runs_uncompiled(caplog) -
 
     kernel = DynamicKernel(layout_sum, dynamic={0: (0,)})
     assert kernel(torch.ones(5, 8)).item() == -40.0
-    assert "fixed strides" in caplog.text
+    assert "could not compile layout_sum (tracing fixed" in caplog.text
+
+
+def test_a_dynamic_kernel_whose_tracing_reads_a_length_runs_uncompiled(caplog) -> None:
+    # float() of a length makes it a constant of the trace: compiled, every call would scale by the
+    # traced length.
+    def scaled_sum(rows: torch.Tensor) -> torch.Tensor:
+        return rows.sum() * float(rows.shape[0])
+
+    kernel = DynamicKernel(scaled_sum, dynamic={0: (0,)})
+    assert kernel(torch.ones(5, 8)).item() == 200.0
+    assert "could not compile scaled_sum (tracing fixed" in caplog.text
 
 
 def test_a_dynamic_kernel_compiled_before_comes_from_aotautograds_cache() -> None:
