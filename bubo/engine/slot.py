@@ -29,6 +29,7 @@ from bubo.engine.output import OutputStream
 from bubo.engine.prompt_cache import PromptCache, SnapshotPolicy
 from bubo.engine.prompt_images import PromptVision, VisionEncoder
 from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputEvent, Usage
+from bubo.engine.sampler import SamplingParams
 from bubo.engine.speculative import Drafter
 
 __all__ = ["DeviceLostError", "SessionSlot", "SlotStats"]
@@ -107,6 +108,7 @@ class SessionSlot:
         self.last_cache_report: CacheReport | None = None
         self.last_prompt_tokens = 0
         self.last_request_id: str | None = None
+        self.last_params: SamplingParams | None = None  # the sampling settings of the last request run
         # Allocated up front, as llama-server does: on a GPU the KV memory is taken at start-up, not
         # halfway through a long request (on the CPU the zeroed pages are only touched as they fill).
         cache = model.new_cache(max_len=n_ctx) if pool is None else model.new_cache(max_len=n_ctx, pool=pool)
@@ -258,6 +260,7 @@ class SessionSlot:
         self.last_cache_report = report
         self.last_prompt_tokens = len(prompt)
         self.last_request_id = request.request_id
+        self.last_params = request.params
         output = OutputStream(
             reasoning=request.reasoning,
             in_reasoning=request.in_reasoning,

@@ -217,7 +217,8 @@ def _slot_json(state: ServerState, slot: SessionSlot) -> dict[str, Any]:
         # Requests wait for the first free slot, not for a particular one: each slot shows the queue.
         "n_deferred": state.slots.stats.requests_deferred,
         "last_request_id": slot.last_request_id,
-        "params": _params_json(state.settings.defaults),
+        # As llama-server: the settings of the slot's current or last request (the defaults before one).
+        "params": _params_json(slot.last_params or state.settings.defaults),
     }
 
 
@@ -241,7 +242,7 @@ async def props(request: web.Request) -> web.Response:
                 "n_ctx": slot["n_ctx"],
                 "speculative": slot["speculative"],
                 "is_processing": slot["is_processing"],
-                "params": slot["params"],
+                "params": _params_json(state.settings.defaults),
             },
             "total_slots": len(state.slots.slots),
             "modalities": {"vision": state.tower is not None, "audio": False},

@@ -268,6 +268,16 @@ def test_props(gated_client: httpx.Client, tiny_llama: LoadedModel) -> None:
     assert props["build_info"].startswith("bubo-")
 
 
+def test_slots_show_the_last_requests_settings_and_props_the_defaults(gated_client: httpx.Client) -> None:
+    gated_client.post(
+        "/completion", json={"prompt": "Say it:", "n_predict": 2, "top_k": 5, "temperature": 0.5}
+    )
+    params = gated_client.get("/slots").json()[0]["params"]
+    assert (params["top_k"], params["temperature"], params["n_predict"]) == (5, 0.5, 2)
+    defaults = gated_client.get("/props").json()["default_generation_settings"]["params"]
+    assert (defaults["top_k"], defaults["temperature"], defaults["n_predict"]) == (40, 0.0, 64)
+
+
 def test_props_model_query(gated_client: httpx.Client) -> None:
     for name in ("bubo", MODEL_ID):
         response = gated_client.get("/props", params={"model": name})
