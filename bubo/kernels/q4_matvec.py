@@ -22,15 +22,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
-from bubo.kernels.codes import (
-    TILE,
-    by_block,
-    pairwise_sum,
-    placed_codes,
-    tile_span,
-    tiled_by_rows,
-    word_bits,
-)
+from bubo.kernels.codes import by_block, expand_tiles, pairwise_sum, placed_codes, tiled_by_rows, word_bits
 from bubo.kernels.compiled import StaticKernel
 
 __all__ = [
@@ -101,12 +93,8 @@ def nibble_words(codes: torch.Tensor) -> torch.Tensor:
 def q4_unpack(packed: PackedQ4, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Weight columns start:stop, transposed: [in_features, stop - start] in `dtype` (for a prefill's
     GEMM), expanded from the words in one compiled pass per whole tile."""
-    first, last = tile_span(start, stop)
-    kernel = _unpack_kernel(dtype)
-    weight_t = kernel(
-        word_bits(packed.words[first:last]), packed.scale[first:last], packed.offset[first:last]
-    )
-    return weight_t[:, start - first * TILE : stop - first * TILE]
+    tiled = (word_bits(packed.words), packed.scale, packed.offset)
+    return expand_tiles(_unpack_kernel(dtype), tiled, start, stop)
 
 
 @functools.cache

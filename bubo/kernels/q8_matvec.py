@@ -23,15 +23,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
-from bubo.kernels.codes import (
-    TILE,
-    by_block,
-    pairwise_sum,
-    placed_codes,
-    tile_span,
-    tiled_by_rows,
-    word_bits,
-)
+from bubo.kernels.codes import by_block, expand_tiles, pairwise_sum, placed_codes, tiled_by_rows, word_bits
 from bubo.kernels.compiled import StaticKernel
 
 __all__ = [
@@ -113,12 +105,9 @@ def q8_unpack(
 ) -> torch.Tensor:
     """Weight columns start:stop, transposed: [in_features, stop - start] in `dtype` (for a prefill's
     GEMM), expanded from the words in one compiled pass per whole tile (see q4_unpack)."""
-    first, last = tile_span(start, stop)
-    fields = [word_bits(packed.words[first:last]), packed.scale[first:last]]
-    if isinstance(packed, PackedQ8Offset):
-        fields.append(packed.offset[first:last])
-    weight_t = _unpack_kernel(isinstance(packed, PackedQ8Offset), dtype)(*fields)
-    return weight_t[:, start - first * TILE : stop - first * TILE]
+    with_offset = isinstance(packed, PackedQ8Offset)
+    tiled = (word_bits(packed.words), packed.scale, *((packed.offset,) if with_offset else ()))
+    return expand_tiles(_unpack_kernel(with_offset, dtype), tiled, start, stop)
 
 
 @functools.cache
