@@ -81,18 +81,25 @@ class StaticKernel:
                 # lowers every shape again at each load, seconds and ~30 MB of RSS more than a cache hit.
                 mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
                 fake = [mode.from_tensor(a, static_shapes=True) for a in args]
-                _tracing.active = True
-                try:
-                    with mode:
-                        graph = make_fx(self.fn, tracing_mode="real")(*fake)
-                finally:
-                    _tracing.active = False
+                graph = _trace(self.fn, mode, fake, "real")
                 with torch._inductor.config.patch(self._options), tracing(TracingContext(mode)):
                     return torch._inductor.compile(graph, list(args))
         except Exception as error:  # a missing compiler or an inductor limitation: run uncompiled
             log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)
             self._broken = True
             return self.fn
+
+
+def _trace(
+    fn: Callable[..., torch.Tensor], mode: FakeTensorMode, fake: list[torch.Tensor], tracing_mode: str
+) -> torch.fx.GraphModule:
+    """`fn` traced on the fake tensors of `mode`, with every kernel it calls traced inline (_tracing)."""
+    _tracing.active = True
+    try:
+        with mode:
+            return make_fx(fn, tracing_mode=tracing_mode)(*fake)
+    finally:
+        _tracing.active = False
 
 
 # A dynamic size is traced at this value: not 0 or 1 (which tracing would specialize on), and not a
@@ -155,12 +162,7 @@ class DynamicKernel:
                     sizes |= {symbolic.shape[d].node.expr for d in dims}
                     strides |= {s.node.expr for s in symbolic.stride()[:-1] if isinstance(s, torch.SymInt)}
                     fake.append(symbolic)
-                _tracing.active = True
-                try:
-                    with mode:
-                        graph = make_fx(self.fn, tracing_mode="symbolic")(*fake)
-                finally:
-                    _tracing.active = False
+                graph = _trace(self.fn, mode, fake, "symbolic")
                 # The graph's own reference to the shape env (the tracing context below holds it too):
                 # left, it would be hashed into AOTAutograd's cache key, which it can't be, and every
                 # load would compile the graph again instead of taking it from the cache.
