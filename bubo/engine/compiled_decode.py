@@ -70,7 +70,8 @@ class UnsupportedModelError(ValueError):
 class _Projection:
     """How the step runs one or more projections of the same input as one product: the weight's
     format, the widths of the members (split from one output), and whether a bias is added. The
-    tensors are passed in at each call: [word bits, scale(, offset)] packed, or [weight] float (+ bias)."""
+    tensors are passed in at each call: [word bits, scale or scale_offset] packed, or [weight] float (+
+    bias)."""
 
     kind: str  # "q4", "q8", "q8_offset" or "dense"
     sizes: tuple[int, ...]
@@ -82,11 +83,11 @@ class _Projection:
         # into the matvec's loop, to be recomputed for every tile of output rows.
         x = force_stride_order(x, x.stride())
         if self.kind == "q4":
-            y = q4_matvec_bits(x, *tensors[:3], out_features)
+            y = q4_matvec_bits(x, *tensors[:2], out_features)
         elif self.kind == "q8":
             y = q8_matvec_bits(x, *tensors[:2], out_features)
         elif self.kind == "q8_offset":
-            y = q8_offset_matvec_bits(x, *tensors[:3], out_features)
+            y = q8_offset_matvec_bits(x, *tensors[:2], out_features)
         else:
             y = F.linear(x, tensors[0])
         if self.has_bias:
@@ -94,8 +95,8 @@ class _Projection:
         return list(y.split(self.sizes)) if len(self.sizes) > 1 else [y]
 
 
-# Tensors each kind of product takes (before a bias): word bits, scale (and offset) packed; a weight.
-_TENSORS = {"q4": 3, "q8_offset": 3, "q8": 2, "dense": 1}
+# Tensors each kind of product takes (before a bias): word bits and per-block fields packed; a weight.
+_TENSORS = {"q4": 2, "q8_offset": 2, "q8": 2, "dense": 1}
 
 
 def _projections(*linears: nn.Module) -> list[tuple[_Projection, Tensors]]:
@@ -123,7 +124,7 @@ def _projections(*linears: nn.Module) -> list[tuple[_Projection, Tensors]]:
 def _packed(packed: Packed, biases: list, sizes: tuple[int, ...]) -> tuple[_Projection, Tensors]:
     if isinstance(packed, PackedQ4 | PackedQ8Offset):
         kind = "q4" if isinstance(packed, PackedQ4) else "q8_offset"
-        return _with_bias(kind, (word_bits(packed.words), packed.scale, packed.offset), biases, sizes)
+        return _with_bias(kind, (word_bits(packed.words), packed.scale_offset), biases, sizes)
     return _with_bias("q8", (word_bits(packed.words), packed.scale), biases, sizes)
 
 

@@ -14,6 +14,7 @@ code takes them from its arguments.
 
 import logging
 import threading
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -83,7 +84,10 @@ class StaticKernel:
                 fake = [mode.from_tensor(a, static_shapes=True) for a in args]
                 graph = _trace(self.fn, mode, fake, "real")
                 with torch._inductor.config.patch(self._options), tracing(TracingContext(mode)):
-                    return torch._inductor.compile(graph, list(args))
+                    with warnings.catch_warnings():
+                        # Said of a bfloat16 unpacking of float16 scales (both widen to float32 in it).
+                        warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
+                        return torch._inductor.compile(graph, list(args))
         except Exception as error:  # a missing compiler or an inductor limitation: run uncompiled
             log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)
             self._broken = True

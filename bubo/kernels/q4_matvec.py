@@ -7,9 +7,11 @@ them, vectorized over output rows, never materializing a float weight.
 
 Layout (made by `pack_q4`, same bytes as the file's blocks, tiled as bubo/kernels/codes.py says):
 `words` int32 [tiles, blocks, 4, TILE], where nibble s of words[t, b, w, i] is the code of weight
-32b + 8w + s of output row t * TILE + i; `scale` and `offset` float32 [tiles, blocks, TILE], so that
-weight = code * scale + offset. Q4_1 stores exactly that (d, m); Q4_0 stores w = d * (code - 8),
-i.e. offset = -8d, exact in float32 (Q4_K is repacked into the same layout: bubo/kernels/repack.py).
+32b + 8w + s of output row t * TILE + i; `scale_offset` [tiles, blocks, 2, TILE], the block's scale
+and offset, so that weight = code * scale + offset. Q4_1 stores exactly that (d, m); Q4_0 stores
+w = d * (code - 8), i.e. offset = -8d. Both are float16 (5 bits a weight, as in the file) unless a
+value would not survive it (codes.half_if_exact), then float32 (Q4_K is repacked into the same
+layout: bubo/kernels/repack.py).
 Output rows are innermost so that every load is a full-width vector; inductor's CPU code generator
 falls back to slow partial loads for 8-wide uint8 vectors, which is why the codes travel as int32
 words.
@@ -22,7 +24,15 @@ import torch
 from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
-from bubo.kernels.codes import by_block, expand_tiles, pairwise_sum, placed_codes, tiled_by_rows, word_bits
+from bubo.kernels.codes import (
+    by_block,
+    expand_tiles,
+    half_if_exact,
+    pairwise_sum,
+    placed_codes,
+    tiled_by_rows,
+    word_bits,
+)
 from bubo.kernels.compiled import StaticKernel
 
 __all__ = [
@@ -44,8 +54,7 @@ _WORDS = 4  # per 32-weight block
 @dataclass(frozen=True)
 class PackedQ4:
     words: torch.Tensor  # int32 [tiles, blocks, 4, TILE]
-    scale: torch.Tensor  # float32 [tiles, blocks, TILE]
-    offset: torch.Tensor  # float32 [tiles, blocks, TILE]
+    scale_offset: torch.Tensor  # float16 or float32 [tiles, blocks, 2, TILE]
     out_features: int
 
     @property
@@ -67,7 +76,7 @@ def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
     out_features = raw.shape[0]
     blocks = raw.reshape(out_features, -1, header + 16)
 
-    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         part = blocks[start:stop]
         halves = part[..., header:]
         # A block's byte j holds weight j (low nibble) and weight j + 16 (high nibble).
@@ -75,10 +84,10 @@ def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
         fields = part[..., :header].contiguous().view(torch.float16).to(torch.float32)
         scale = fields[..., 0]
         offset = -8 * scale if ggml_type == GGMLQuantizationType.Q4_0 else fields[..., 1]
-        return words, scale, offset
+        return words, torch.stack((scale, offset), dim=-1)
 
-    words, scale, offset = tiled_by_rows(out_features, rows)
-    return PackedQ4(words, scale, offset, out_features)
+    words, scale_offset = tiled_by_rows(out_features, rows)
+    return PackedQ4(words, half_if_exact(scale_offset), out_features)
 
 
 def nibble_words(codes: torch.Tensor) -> torch.Tensor:
@@ -93,26 +102,27 @@ def nibble_words(codes: torch.Tensor) -> torch.Tensor:
 def q4_unpack(packed: PackedQ4, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Weight columns start:stop, transposed: [in_features, stop - start] in `dtype` (for a prefill's
     GEMM), expanded from the words in one compiled pass per whole tile."""
-    tiled = (word_bits(packed.words), packed.scale, packed.offset)
+    tiled = (word_bits(packed.words), packed.scale_offset)
     return expand_tiles(_unpack_kernel(dtype), tiled, start, stop)
 
 
 @functools.cache
 def _unpack_kernel(dtype: torch.dtype) -> StaticKernel:
-    def q4_unpack_tiles(bits: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    def q4_unpack_tiles(bits: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
         # [tiles, blocks, 4, TILE] -> [blocks, 4, nibble, tiles, TILE]: weight 32b + 8w + s of every
         # output row, rows innermost, so the result is the transposed weight with no copy. Compiled
         # without FMA contraction: code * scale + offset rounds as the reference dequantizer's does.
         words = bits.view(torch.int32).permute(1, 2, 0, 3)
         shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=bits.device)[:, None, None]
         codes = ((words[:, :, None] >> shifts) & 0x0F).to(torch.float32)
+        scale, offset = scale_offset.to(torch.float32).unbind(2)
         weight = codes * by_block(scale) + by_block(offset)
         return weight.to(dtype).reshape(words.shape[0] * _WORDS * _NIBBLES, -1)
 
     return StaticKernel(q4_unpack_tiles)
 
 
-def _matvec(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+def _matvec(x: torch.Tensor, bits: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
     # sum_b scale[b] * (x_b . codes_b) + offset[b] * sum(x_b): the inner dot product runs on codes alone.
     # One reduction over blocks whose body expands a block's 32 codes, so that inductor emits a single
     # loop per tile with nothing stored between the words and the result. The products of one nibble
@@ -129,6 +139,7 @@ def _matvec(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, offset: to
             chain = term if chain is None else chain + term
         positions.append(chain if place == 1.0 else chain * place)
     block_sums = x.view(1, n_blocks, 1, 32).sum(-1)
+    scale, offset = scale_offset.to(torch.float32).unbind(2)
     return (pairwise_sum(positions) * scale + block_sums * offset).sum(1).view(-1)
 
 
@@ -137,15 +148,15 @@ _compiled_matvec = StaticKernel(_matvec, fused=True)
 
 def q4_matvec(x: torch.Tensor, packed: PackedQ4) -> torch.Tensor:
     """x [in_features] (float32) -> x W^T [out_features], in one compiled pass over the codes."""
-    return q4_matvec_bits(x, word_bits(packed.words), packed.scale, packed.offset, packed.out_features)
+    return q4_matvec_bits(x, word_bits(packed.words), packed.scale_offset, packed.out_features)
 
 
 def q4_matvec_bits(
-    x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, out_features: int
+    x: torch.Tensor, bits: torch.Tensor, scale_offset: torch.Tensor, out_features: int
 ) -> torch.Tensor:
     """`q4_matvec` on the packed tensors, the words as their float32 bits (`word_bits`): the form in
     which a compiled graph that contains the matvec takes them as inputs."""
-    out = _compiled_matvec(x, bits, scale, offset)
+    out = _compiled_matvec(x, bits, scale_offset)
     return out if out.shape[0] == out_features else out[:out_features]
 
 

@@ -2,11 +2,13 @@
 
 The Q8_0 sibling of `q4_matvec` (see there for why): `words` int32 [tiles, blocks, words, TILE],
 where byte s of words[t, b, w, i] (little end first) holds the code of weight 4 * words * b + 4w + s
-of output row t * TILE + i; `scale` float32 [tiles, blocks, TILE]; weight = code * scale. Q8_0 has 8
-words (32 weights) a block, its bytes as in the file but for the sign bit; other types whose weights
-are a signed code of at most 8 bits times a per-block scale are repacked into it
-(bubo/kernels/repack.py: Q5_0, Q6_K with blocks of 4 words). `PackedQ8Offset` adds a per-block offset,
-weight = code * scale + offset, for codes with a per-block minimum (Q5_K, Q5_1).
+of output row t * TILE + i; `scale` [tiles, blocks, TILE]; weight = code * scale. Q8_0 has 8 words
+(32 weights) a block, its bytes as in the file but for the sign bit; other types whose weights are a
+signed code of at most 8 bits times a per-block scale are repacked into it (bubo/kernels/repack.py:
+Q5_0, Q6_K with blocks of 4 words). `PackedQ8Offset` holds a per-block offset next to the scale,
+`scale_offset` [tiles, blocks, 2, TILE], weight = code * scale + offset, for codes with a per-block
+minimum (Q5_K, Q5_1). Scales and offsets are float16 where every one is exact in it (Q8_0's d, as in
+the file), else float32 (codes.half_if_exact).
 
 PackedQ8 stores each signed code c (-128..127) as the unsigned byte c + 128 (the file's byte with its
 sign bit flipped), PackedQ8Offset its codes (0..31) as they are: every byte is then an unsigned field,
@@ -23,7 +25,15 @@ import torch
 from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
-from bubo.kernels.codes import by_block, expand_tiles, pairwise_sum, placed_codes, tiled_by_rows, word_bits
+from bubo.kernels.codes import (
+    by_block,
+    expand_tiles,
+    half_if_exact,
+    pairwise_sum,
+    placed_codes,
+    tiled_by_rows,
+    word_bits,
+)
 from bubo.kernels.compiled import StaticKernel
 
 __all__ = [
@@ -53,7 +63,7 @@ def signed_to_biased(words: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class PackedQ8:
     words: torch.Tensor  # int32 [tiles, blocks, words, TILE]
-    scale: torch.Tensor  # float32 [tiles, blocks, TILE]
+    scale: torch.Tensor  # float16 or float32 [tiles, blocks, TILE]
     out_features: int
 
     @property
@@ -70,8 +80,7 @@ class PackedQ8:
 @dataclass(frozen=True)
 class PackedQ8Offset:
     words: torch.Tensor  # int32 [tiles, blocks, words, TILE]
-    scale: torch.Tensor  # float32 [tiles, blocks, TILE]
-    offset: torch.Tensor  # float32 [tiles, blocks, TILE]
+    scale_offset: torch.Tensor  # float16 or float32 [tiles, blocks, 2, TILE]
     out_features: int
 
     @property
@@ -79,7 +88,7 @@ class PackedQ8Offset:
         return self.words.shape[1] * self.words.shape[2] * _BYTES
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
-        return q8_offset_matvec_bits(x, word_bits(self.words), self.scale, self.offset, self.out_features)
+        return q8_offset_matvec_bits(x, word_bits(self.words), self.scale_offset, self.out_features)
 
     def unpack(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return q8_unpack(self, start, stop, dtype)
@@ -97,7 +106,7 @@ def pack_q8(raw: torch.Tensor) -> PackedQ8:
         return words, scale
 
     words, scale = tiled_by_rows(out_features, rows)
-    return PackedQ8(words, scale, out_features)
+    return PackedQ8(words, half_if_exact(scale), out_features)
 
 
 def q8_unpack(
@@ -106,13 +115,14 @@ def q8_unpack(
     """Weight columns start:stop, transposed: [in_features, stop - start] in `dtype` (for a prefill's
     GEMM), expanded from the words in one compiled pass per whole tile (see q4_unpack)."""
     with_offset = isinstance(packed, PackedQ8Offset)
-    tiled = (word_bits(packed.words), packed.scale, *((packed.offset,) if with_offset else ()))
+    fields = packed.scale_offset if isinstance(packed, PackedQ8Offset) else packed.scale  # type: ignore[union-attr]
+    tiled = (word_bits(packed.words), fields)
     return expand_tiles(_unpack_kernel(with_offset, dtype), tiled, start, stop)
 
 
 @functools.cache
 def _unpack_kernel(with_offset: bool, dtype: torch.dtype) -> StaticKernel:
-    def q8_unpack_tiles(bits: torch.Tensor, scale: torch.Tensor, *offset: torch.Tensor) -> torch.Tensor:
+    def q8_unpack_tiles(bits: torch.Tensor, fields: torch.Tensor) -> torch.Tensor:
         # [tiles, blocks, words, TILE] -> [blocks, words, byte, tiles, TILE], the transposed weight (see
         # q4_unpack). PackedQ8's bytes are biased codes, PackedQ8Offset's the codes themselves; the
         # subtraction is exact, and without FMA contraction the rest rounds as the reference does.
@@ -120,9 +130,10 @@ def _unpack_kernel(with_offset: bool, dtype: torch.dtype) -> StaticKernel:
         shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=bits.device)[:, None, None]
         codes = ((words[:, :, None] >> shifts) & 0xFF).to(torch.float32)
         if with_offset:
-            weight = codes * by_block(scale) + by_block(offset[0])
+            scale, offset = fields.to(torch.float32).unbind(2)
+            weight = codes * by_block(scale) + by_block(offset)
         else:
-            weight = (codes - CODE_BIAS) * by_block(scale)
+            weight = (codes - CODE_BIAS) * by_block(fields.to(torch.float32))
         return weight.to(dtype).reshape(words.shape[0] * words.shape[1] * _BYTES, -1)
 
     return StaticKernel(q8_unpack_tiles)
@@ -152,14 +163,13 @@ def _matvec(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor) -> torch.T
     # sum_b scale[b] * (x_b . (bytes_b - CODE_BIAS)): the inner dot product runs on the bytes alone.
     words = bits.view(torch.int32)
     dots = _block_dots(x, words) - CODE_BIAS * _block_sums(x, words)
-    return (dots * scale).sum(1).view(-1)
+    return (dots * scale.to(torch.float32)).sum(1).view(-1)
 
 
-def _offset_matvec(
-    x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
-) -> torch.Tensor:
+def _offset_matvec(x: torch.Tensor, bits: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
     # sum_b scale[b] * (x_b . codes_b) + offset[b] * sum(x_b)
     words = bits.view(torch.int32)
+    scale, offset = scale_offset.to(torch.float32).unbind(2)
     return (_block_dots(x, words) * scale + _block_sums(x, words) * offset).sum(1).view(-1)
 
 
@@ -181,10 +191,10 @@ def q8_matvec_bits(
 
 
 def q8_offset_matvec_bits(
-    x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, out_features: int
+    x: torch.Tensor, bits: torch.Tensor, scale_offset: torch.Tensor, out_features: int
 ) -> torch.Tensor:
     """The matvec of a PackedQ8Offset on its tensors, the words as their float32 bits (see q4_matvec_bits)."""
-    out = _compiled_offset_matvec(x, bits, scale, offset)
+    out = _compiled_offset_matvec(x, bits, scale_offset)
     return out if out.shape[0] == out_features else out[:out_features]
 
 

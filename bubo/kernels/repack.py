@@ -4,12 +4,14 @@ A Q4_K_M file holds Q4_K and Q6_K matrices, and Q5_0 / Q8_0 where a row isn't a 
 256-weight super-blocks (every matrix that reads a 576-wide hidden state in SmolLM2); a Q5_K_M file
 Q5_K, Q6_K, Q5_1 and Q8_0. Each of these is, per run of 16 or 32 weights, an integer code times a
 float32 scale (plus an offset), with scale and offset exact in float32: so they repack into the
-layouts of the compiled matvecs, which then run them, the decode step included.
+layouts of the compiled matvecs, which then run them, the decode step included. Scales and offsets
+are kept in float16 where every one of a matrix is exact in it (Q5_0 and Q5_1's d and m), else in
+float32 (the K-quants' products below, as a rule).
 
 - Q4_K -> PackedQ4 (bubo/kernels/q4_matvec.py). A super-block (d, dmin fp16; eight 6-bit scales
   and mins; 4-bit codes) is w = d * sc_j * q - dmin * m_j for sub-block j of 32 weights:
   scale = d * sc_j and offset = -(dmin * m_j), each an 11-bit mantissa times a 6-bit integer, exact.
-  4.5 bits a weight, as in the file.
+  6 bits a weight against the file's 4.5.
 - Q6_K -> PackedQ8 with 4-word blocks (bubo/kernels/q8_matvec.py): 16 sub-blocks of 16 weights,
   w = (d * sc_j) * (q - 32), q 6-bit, sc_j int8; the code q - 32 is a signed byte, the scale exact
   (11-bit mantissa times an 8-bit integer). 10 bits a weight against the file's 6.56: a byte
@@ -40,7 +42,7 @@ from bubo.gguf.quants import (
     q6_k_scales,
     type_size,
 )
-from bubo.kernels.codes import tiled_by_rows
+from bubo.kernels.codes import half_if_exact, tiled_by_rows
 from bubo.kernels.q4_matvec import PackedQ4, nibble_words
 from bubo.kernels.q8_matvec import CODE_BIAS, PackedQ8, PackedQ8Offset
 
@@ -48,7 +50,8 @@ __all__ = ["REPACKABLE", "pack_q4_k", "pack_q5_0", "pack_q5_1", "pack_q5_k", "pa
 
 Q = GGMLQuantizationType
 # Rows of a repacked matrix, built from one run of rows' blocks [n_blocks, block bytes]: its words and
-# scale (and offset), each [rows, ...] (the blocks are decoded by bubo/gguf/quants.py's code readers).
+# scale (or scale and offset stacked), each [rows, ...] (the blocks are decoded by bubo/gguf/quants.py's
+# code readers).
 Rows = Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]
 
 
@@ -63,23 +66,27 @@ def _biased_words(codes: torch.Tensor) -> torch.Tensor:
     return _byte_words(codes.to(torch.int16) + CODE_BIAS)
 
 
-def _tiled(raw: torch.Tensor, ggml_type: GGMLQuantizationType, rows: Rows) -> tuple[torch.Tensor, ...]:
-    """`tiled_by_rows` of what `rows(blocks, n)` makes of each run of n rows' blocks of `raw`."""
+def _tiled(
+    raw: torch.Tensor, ggml_type: GGMLQuantizationType, rows: Rows
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tiled_by_rows` of what `rows(blocks, n)` makes of each run of n rows' blocks of `raw`: the words,
+    and the per-block fields (`half_if_exact`)."""
     out_features, size = raw.shape[0], type_size(ggml_type)
     blocks = raw.reshape(out_features, -1, size)
-    return tiled_by_rows(
+    words, fields = tiled_by_rows(
         out_features, lambda start, stop: rows(blocks[start:stop].reshape(-1, size), stop - start)
     )
+    return words, half_if_exact(fields)
 
 
 def _q4_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     scale, low = k_scale_min(blocks)
-    return nibble_words(q4_k_codes(blocks).view(n, -1, 32)), scale.view(n, -1), -low.view(n, -1)
+    return nibble_words(q4_k_codes(blocks).view(n, -1, 32)), torch.stack((scale, -low), -1).view(n, -1, 2)
 
 
 def _q5_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     scale, low = k_scale_min(blocks)
-    return _byte_words(q5_k_codes(blocks).view(n, -1, 32)), scale.view(n, -1), -low.view(n, -1)
+    return _byte_words(q5_k_codes(blocks).view(n, -1, 32)), torch.stack((scale, -low), -1).view(n, -1, 2)
 
 
 def _q6_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
@@ -92,7 +99,7 @@ def _q5_0_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
 
 def _q5_1_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     words = _byte_words(q5_1_codes(blocks).view(n, -1, 32))
-    return words, f16_field(blocks, 0).view(n, -1), f16_field(blocks, 2).view(n, -1)
+    return words, torch.stack((f16_field(blocks, 0), f16_field(blocks, 2)), -1).view(n, -1, 2)
 
 
 def pack_q4_k(raw: torch.Tensor) -> PackedQ4:

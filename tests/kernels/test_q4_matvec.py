@@ -77,3 +77,28 @@ def test_packing_in_row_steps_matches_the_blocks(qtype: Q, monkeypatch: pytest.M
     with torch.inference_mode():
         got = q4_matvec(x, packed)
     torch.testing.assert_close(got.double(), _numpy_weight(raw, qtype) @ x.double(), rtol=1e-5, atol=2e-5)
+
+
+def _with_scale(raw: np.ndarray, d: float) -> np.ndarray:
+    """Q4_0 blocks with the first block's fp16 d replaced by `d`."""
+    raw = raw.copy()
+    raw[0, :2] = np.array([d], dtype=np.float16).view(np.uint8)
+    return raw
+
+
+def test_scales_and_offsets_are_float16_where_exact() -> None:
+    # Q4_1's d and m are fp16 in the file: kept so. Q4_0's offset -8d is too unless it overflows fp16:
+    # d = 10000 makes -80000, which float16 can't hold, so that matrix keeps float32 fields.
+    q4_1 = pack_q4(torch.from_numpy(_blocks(Q.Q4_1, 32, 64, seed=5)), Q.Q4_1)
+    assert q4_1.scale_offset.dtype == torch.float16 and q4_1.scale_offset.shape[-2] == 2
+    raw = _with_scale(_blocks(Q.Q4_0, 32, 64, seed=6), 10000.0)
+    packed = pack_q4(torch.from_numpy(raw), Q.Q4_0)
+    assert packed.scale_offset.dtype == torch.float32
+    weight = gguf.quants.dequantize(raw, Q.Q4_0)
+    assert np.abs(weight).max() >= 70000
+    assert torch.equal(packed.unpack(0, 32).T, torch.from_numpy(weight))
+    x = torch.randn(64, generator=torch.Generator().manual_seed(2))
+    expected = _numpy_weight(raw, Q.Q4_0) @ x.double()
+    with torch.inference_mode():
+        got = q4_matvec(x, packed)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

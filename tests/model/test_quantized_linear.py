@@ -204,3 +204,23 @@ def test_bf16_prefill_setting(monkeypatch, setting: str) -> None:
     # A decode step's few rows, and a bfloat16 model's rows, are left as they are.
     few, half = x[: quantized_linear.MATVEC_ROWS], x.bfloat16()
     assert quantized_linear.gemm_operand(few) is few and quantized_linear.gemm_operand(half) is half
+
+
+def test_float16_and_float32_fields_group(monkeypatch) -> None:
+    # q with fp16-exact fields, k with a Q4_0 scale whose -8d overflows fp16 (float32 fields): one
+    # matrix, its fields in float32.
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    rng = np.random.default_rng(3)
+    raws = [gguf.quants.quantize(rng.standard_normal((n, 128), dtype=np.float32), Q.Q4_0) for n in (32, 16)]
+    raws[1][0, :2] = np.array([10000.0], dtype=np.float16).view(np.uint8)
+    layers = [QuantizedLinear(torch.from_numpy(raw), Q.Q4_0, 128) for raw in raws]
+    assert [layer.packed.scale_offset.dtype for layer in layers] == [torch.float16, torch.float32]
+    group_rows(*layers)
+    assert layers[0].group is not None and layers[0].group.packed.scale_offset.dtype == torch.float32
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        got = project_rows(x, *layers)
+    for out, raw in zip(got, raws, strict=True):
+        weight = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_0).astype(np.float64))
+        expected = x.double() @ weight.T
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
