@@ -89,6 +89,36 @@ def test_a_prompt_longer_than_the_context_is_400(tiny_llama: LoadedModel) -> Non
         server.stop()
 
 
+@pytest.mark.parametrize("prompt_tokens", [5, 23])
+def test_a_generation_to_the_context_end_counts_as_many_tokens_as_the_context(
+    tiny_llama: LoadedModel, prompt_tokens: int
+) -> None:
+    # Prompt and completion fill the 24 positions and are counted as 24, llama-server's count: the last
+    # token the model could sample would have no position of its own.
+    server = serve_loaded(tiny_llama, ctx_size=24, defaults=SamplingParams(temperature=0.0))
+    prompt = [ord("a")] * prompt_tokens
+    try:
+        openai_reply = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": "bubo", "prompt": prompt, "ignore_eos": True},
+            timeout=60,
+        ).json()
+        assert openai_reply["choices"][0]["finish_reason"] == "length"
+        usage = openai_reply["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+            prompt_tokens,
+            24 - prompt_tokens,
+            24,
+        )
+        llama = httpx.post(
+            server.url + "/completion", json={"prompt": prompt, "ignore_eos": True}, timeout=60
+        ).json()
+        assert (llama["tokens_evaluated"], llama["tokens_predicted"]) == (prompt_tokens, 24 - prompt_tokens)
+        assert (llama["stop_type"], llama["truncated"]) == ("limit", True)
+    finally:
+        server.stop()
+
+
 class _BrokenModel(ScriptedModel):
     def __init__(self, config: object, error: Exception) -> None:
         super().__init__(config, [0], 0)
