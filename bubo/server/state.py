@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from bubo.engine.block_pool import KVPoolExhaustedError
+from bubo.engine.block_pool import BlockPool, KVPoolExhaustedError
 from bubo.engine.compute_threads import use_one_thread
 from bubo.engine.constraints import GrammarConstraint, ReasoningBudget, ReasoningTracker
 from bubo.engine.generate import TokenConstraint
@@ -533,11 +533,12 @@ class ServerState:
         assert self.guard is not None and self.slots is not None
         limit = params.token_limit
         total = min(len(prompt_ids) + (self.n_ctx if limit is None else limit), self.n_ctx)
-        cached = max((s.cached_tokens for s in self.slots.slots), default=0)
         encoding = vision_bytes(self.tower.config, [image.grid for image in images]) if images else 0
-        self.guard.check(len(prompt_ids), max(0, total - cached), encoding)
-        if self.slots.pool is not None:
-            pool = self.slots.pool
+        pool = self.slots.pool
+        self.guard.check(
+            len(prompt_ids), total if pool is None else _uncommitted_positions(pool, total), encoding
+        )
+        if pool is not None:
             self.guard.check_blocks(
                 pool.blocks_for(len(prompt_ids)), self.slots.available_blocks, pool.num_blocks
             )
@@ -627,6 +628,14 @@ class ServerState:
                 if isinstance(event, Finished):
                     return event
         raise RuntimeError("the generation ended without a result")
+
+
+def _uncommitted_positions(pool: BlockPool, positions: int) -> int:
+    """Of the KV memory that `positions` positions of a request can take, what is not committed yet.
+    The slots' KV pool is allocated up front, so only a block never written before adds memory (on the
+    CPU; on a GPU none does). Which blocks a request writes does not follow from what its prompt shares
+    with a cache: a slot's rewritten positions reuse blocks, and another slot's take fresh ones."""
+    return min(pool.blocks_for(positions), pool.uncommitted_blocks) * pool.block_size
 
 
 def _is_token_id(value: Any) -> bool:

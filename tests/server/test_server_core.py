@@ -277,6 +277,39 @@ def test_the_estimate_grows_with_the_request(tiny_llama: LoadedModel) -> None:
         server.stop()
 
 
+def _complete(server: LiveServer, prompt: list[int]) -> httpx.Response:
+    return httpx.post(server.url + "/completion", json={"prompt": prompt, "n_predict": 1}, timeout=60)
+
+
+def test_the_memory_guard_counts_the_kv_a_request_takes_on_another_slot(tiny_llama: LoadedModel) -> None:
+    # Slot 0 holds a 40-token prompt; an unrelated one of 40 tokens runs on the idle slot 1, whose blocks
+    # the pool has never handed out: their pages are committed as it writes them, 3 blocks of 16.
+    probe = FakeProbe()
+    server = serve_loaded(tiny_llama, memory_probe=probe, parallel=2, ctx_size=64)
+    try:
+        assert _complete(server, [ord("a")] * 40).status_code == 200
+        guard = server.state.guard
+        probe.info = MemoryInfo(available=guard.estimate(40, 16), total=128 << 30)
+        assert_error(_complete(server, [ord("b")] * 40), 503, "server_error", "insufficient_memory")
+    finally:
+        server.stop()
+
+
+def test_the_memory_guard_does_not_count_kv_already_committed(tiny_llama: LoadedModel) -> None:
+    # A 62-token prompt wrote 4 of the pool's 5 blocks; a short one then cut the cache back. A new
+    # 62-token prompt rewrites blocks whose memory is taken already: only the 5th can add any.
+    probe = FakeProbe()
+    server = serve_loaded(tiny_llama, memory_probe=probe, ctx_size=64)
+    try:
+        assert _complete(server, [ord("a")] * 62).status_code == 200
+        assert _complete(server, [ord("c")] * 2).status_code == 200
+        guard = server.state.guard
+        probe.info = MemoryInfo(available=guard.estimate(62, 16), total=128 << 30)
+        assert _complete(server, [ord("b")] * 62).status_code == 200
+    finally:
+        server.stop()
+
+
 # A lost device
 
 
