@@ -57,13 +57,17 @@ class BlockPool:
             )
         shape = (num_kv_heads, num_blocks * block_size, head_dim)
         # On the CPU the pages are only committed as blocks fill (torch.zeros would write them all now).
-        zeros = lazy_zeros if torch.device(device).type == "cpu" else partial(torch.zeros, device=device)
+        lazy = torch.device(device).type == "cpu"
+        zeros = lazy_zeros if lazy else partial(torch.zeros, device=device)
         self.keys = [zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.values = [zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.refs = [0] * num_blocks
         self._free = set(range(num_blocks))
+        # Blocks never taken: with lazily committed pages, the memory the pool can still add to the
+        # process's. A block given back stays committed, whatever it is taken for next.
+        self._uncommitted = set(range(num_blocks)) if lazy else set()
         self._lock = threading.Lock()
         # Frees blocks held by caches nobody is using right now; True when it freed any.
         self.reclaim: Callable[[], bool] | None = None
@@ -75,6 +79,12 @@ class BlockPool:
     @property
     def free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def uncommitted_blocks(self) -> int:
+        """Blocks whose memory is not committed yet (never taken, on the CPU); none on a GPU, where the
+        pool took all of its memory when it was made."""
+        return len(self._uncommitted)
 
     @property
     def bytes_per_block(self) -> int:
@@ -95,6 +105,7 @@ class BlockPool:
                     wanted = None if after is None else after + 1
                     block = wanted if wanted in self._free else self._longest_free_run()
                     self._free.discard(block)
+                    self._uncommitted.discard(block)
                     self.refs[block] = 1
                     return block
             if self.reclaim is None or not self.reclaim():

@@ -23,7 +23,8 @@ from bubo.engine.token_choice import TokenChooser
 
 FinishReason = Literal["stop", "length"]
 # Why generation ended, in more detail than finish_reason: "eos" (a stop token), "stop_string",
-# "max_tokens", "context" (the KV cache is full) or "cancelled" (the caller's `cancelled()` said so).
+# "max_tokens", "context" (prompt and completion fill the context, or no KV block is left) or "cancelled"
+# (the caller's `cancelled()` said so).
 StopReason = Literal["eos", "stop_string", "max_tokens", "context", "cancelled"]
 
 
@@ -268,11 +269,13 @@ def generate(
                 break
             if limit is not None and len(completion) >= limit:
                 break
-            # The positions the model has run: the prompt and every token but the newest. A speculative
-            # pass may have run more already; otherwise the next position needs room in the KV blocks,
-            # which the slots share.
+            # The positions the model has run: the prompt and every token but the newest. The newest is
+            # fed only if the token it predicts fits in the context too: prompt and completion together
+            # never count more than max_len tokens (llama-server stops on n_past + 1 >= n_ctx alike). A
+            # speculative pass may have run it already; otherwise its position needs room in the KV
+            # blocks, which the slots share.
             ran = len(prompt) + len(completion) - 1
-            if ran >= cache.max_len or (ran >= cache.length and not cache.reserve(1)):
+            if ran + 1 >= cache.max_len or (ran >= cache.length and not cache.reserve(1)):
                 reason = "context"
                 break
             if cancelled is not None and cancelled():

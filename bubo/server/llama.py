@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp import web
 
 import bubo
+from bubo.engine.grammar import GrammarMatcher
 from bubo.engine.request import Finished, GenerationRequest, OutputDelta
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import SessionSlot
@@ -101,7 +102,7 @@ class _Completion:
         }
 
 
-def _grammar(state: ServerState, body: Body) -> str | None:
+async def _grammar(state: ServerState, body: Body) -> GrammarMatcher | None:
     """llama-server's ways to constrain a completion: `json_schema`, `grammar` (GBNF) or an OpenAI-style
     `response_format`; at most one."""
     given = [name for name in ("json_schema", "grammar", "response_format") if name in body]
@@ -110,11 +111,11 @@ def _grammar(state: ServerState, body: Body) -> str | None:
             400, "conflicting_fields", f"{' and '.join(given)}: give one constraint", param=given[1]
         )
     if "json_schema" in body:
-        return state.compile_schema(body.object("json_schema") or {}, "json_schema")
+        return await state.compile_schema(body.object("json_schema") or {}, "json_schema")
     if "grammar" in body:
-        return state.compile_gbnf(body.string("grammar") or "")
+        return await state.compile_gbnf(body.string("grammar") or "")
     schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
-    return state.compile_schema(schema, "response_format") if schema is not None else None
+    return await state.compile_schema(schema, "response_format") if schema is not None else None
 
 
 async def completion(request: web.Request) -> web.StreamResponse:
@@ -137,8 +138,9 @@ async def completion(request: web.Request) -> web.StreamResponse:
         limit_fields=("n_predict", "max_tokens"),
         limit_minimum=0,
     )
+    grammar = await _grammar(state, body)
     generation = state.request(
-        text, ids, params, grammar=_grammar(state, body), cache_prompt=body.boolean("cache_prompt", True)
+        text, ids, params, grammar=grammar, cache_prompt=body.boolean("cache_prompt", True)
     )
     answer = _Completion(state, model, generation, stream)
     if stream:

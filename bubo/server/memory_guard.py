@@ -1,9 +1,10 @@
 """The memory guard: refuse a request up front rather than run out of memory halfway through it.
 
 Before a request runs, its needs are estimated — KV cache for the positions it will add (prompt plus
-max tokens), recurrent state, and prefill activations — and compared with what the machine has, and
-the blocks its prompt needs with those of the slots' shared KV pool that are free or reclaimable:
-GPU memory on CUDA (`torch.cuda.mem_get_info`), otherwise the kernel's MemAvailable. Three answers:
+max tokens) where their memory is not committed yet, recurrent state, and prefill activations — and
+compared with what the machine has, and the blocks its prompt needs with those of the slots' shared KV
+pool that are free or reclaimable: GPU memory on CUDA (`torch.cuda.mem_get_info`), otherwise the
+kernel's MemAvailable. Three answers:
 short now (503 insufficient_memory, Retry-After: 5: free memory and retry), the system under memory
 pressure (503 memory_pressure, Retry-After: 5; Linux PSI `full avg10`), or more than the machine has
 at all (507 insufficient_memory_permanent, no Retry-After: shorten the prompt).
@@ -109,9 +110,9 @@ class MemoryGuard:
         self.cost = cost
 
     def estimate(self, prompt_tokens: int, new_positions: int, encoding_bytes: int = 0) -> int:
-        """Bytes a request needs beyond what is already allocated: KV for the positions it adds to the
-        cache, activations for the prompt it computes, fixed per-request buffers (logits, sampler), and
-        what encoding its images takes (`vision_bytes`)."""
+        """Bytes a request needs beyond what is already allocated: KV for `new_positions`, the positions
+        it may write into KV memory not committed yet, activations for the prompt it computes, fixed
+        per-request buffers (logits, sampler), and what encoding its images takes (`vision_bytes`)."""
         c = self.cost
         return (
             new_positions * c.kv_bytes_per_token

@@ -130,12 +130,17 @@ def test_max_tokens_zero_only_prefills() -> None:
 
 
 @pytest.mark.parametrize("max_tokens", [None, -1])
-def test_context_end_ends_with_length(max_tokens: int | None) -> None:
+@pytest.mark.parametrize("given_cache", [False, True])
+def test_context_end_ends_with_length(max_tokens: int | None, given_cache: bool) -> None:
     model = ScriptedModel([], context_length=8)
-    _, result = run(model, [1, 2, 3, 4, 5], dataclasses.replace(GREEDY, max_tokens=max_tokens))
-    # 5 prompt positions + 3 fed tokens fill the 8 positions; the 4th sampled token can't be fed.
-    assert result.completion_tokens == 4
+    cache = model.new_cache()
+    params = dataclasses.replace(GREEDY, max_tokens=max_tokens)
+    _, result = run(model, [1, 2, 3, 4, 5], params, cache=cache if given_cache else None)
+    # Prompt and completion count the context's 8 tokens, as llama-server counts them, not one more: the
+    # 3rd token is not fed, since the token it would predict has no position left.
+    assert (result.prompt_tokens, result.completion_tokens) == (5, 3)
     assert (result.finish_reason, result.stop_reason) == ("length", "context")
+    assert model.calls[-1] == [ord("x")] and len(model.calls) == 3
 
 
 def test_cache_is_sized_to_prompt_plus_max_tokens() -> None:

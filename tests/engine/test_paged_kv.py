@@ -129,6 +129,16 @@ def test_blocks_are_taken_to_extend_runs() -> None:
     assert pool.take(after=0) == 1
 
 
+def test_only_blocks_never_taken_are_uncommitted() -> None:
+    # On the CPU a block's pages take memory when first written; given back, they stay taken.
+    pool = BlockPool(1, 1, 2, num_blocks=4, block_size=2, dtype=torch.float32, device="cpu")
+    held = [pool.take(), pool.take()]
+    assert pool.uncommitted_blocks == 2
+    pool.release(held)
+    assert [pool.take(), pool.take()] == held
+    assert pool.uncommitted_blocks == 2
+
+
 @pytest.mark.parametrize("which", ["llama", "hybrid"])
 def test_a_batch_of_caches_decodes_as_each_alone(which: str, request: pytest.FixtureRequest) -> None:
     model = request.getfixturevalue(which).model

@@ -6,8 +6,8 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -15,8 +15,10 @@ import openai
 import pytest
 import torch
 
+from bubo.engine.grammar import GrammarMatcher
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.sampler import SamplingParams
+from bubo.server import state as state_module
 from bubo.server.memory_guard import MemoryInfo
 from bubo.server.state import INLINE_PROMPT_BYTES
 from tests.server.live_server import LiveServer, ScriptedModel, scripted, serve_loaded
@@ -83,6 +85,36 @@ def test_a_prompt_longer_than_the_context_is_400(tiny_llama: LoadedModel) -> Non
         response = httpx.post(server.url + "/v1/chat/completions", json=body)
         body = assert_error(response, 400, "invalid_request_error", "context_length_exceeded")
         assert "24" in body["error"]["message"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("prompt_tokens", [5, 23])
+def test_a_generation_to_the_context_end_counts_as_many_tokens_as_the_context(
+    tiny_llama: LoadedModel, prompt_tokens: int
+) -> None:
+    # Prompt and completion fill the 24 positions and are counted as 24, llama-server's count: the last
+    # token the model could sample would have no position of its own.
+    server = serve_loaded(tiny_llama, ctx_size=24, defaults=SamplingParams(temperature=0.0))
+    prompt = [ord("a")] * prompt_tokens
+    try:
+        openai_reply = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": "bubo", "prompt": prompt, "ignore_eos": True},
+            timeout=60,
+        ).json()
+        assert openai_reply["choices"][0]["finish_reason"] == "length"
+        usage = openai_reply["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+            prompt_tokens,
+            24 - prompt_tokens,
+            24,
+        )
+        llama = httpx.post(
+            server.url + "/completion", json={"prompt": prompt, "ignore_eos": True}, timeout=60
+        ).json()
+        assert (llama["tokens_evaluated"], llama["tokens_predicted"]) == (prompt_tokens, 24 - prompt_tokens)
+        assert (llama["stop_type"], llama["truncated"]) == ("limit", True)
     finally:
         server.stop()
 
@@ -245,6 +277,39 @@ def test_the_estimate_grows_with_the_request(tiny_llama: LoadedModel) -> None:
         server.stop()
 
 
+def _complete(server: LiveServer, prompt: list[int]) -> httpx.Response:
+    return httpx.post(server.url + "/completion", json={"prompt": prompt, "n_predict": 1}, timeout=60)
+
+
+def test_the_memory_guard_counts_the_kv_a_request_takes_on_another_slot(tiny_llama: LoadedModel) -> None:
+    # Slot 0 holds a 40-token prompt; an unrelated one of 40 tokens runs on the idle slot 1, whose blocks
+    # the pool has never handed out: their pages are committed as it writes them, 3 blocks of 16.
+    probe = FakeProbe()
+    server = serve_loaded(tiny_llama, memory_probe=probe, parallel=2, ctx_size=64)
+    try:
+        assert _complete(server, [ord("a")] * 40).status_code == 200
+        guard = server.state.guard
+        probe.info = MemoryInfo(available=guard.estimate(40, 16), total=128 << 30)
+        assert_error(_complete(server, [ord("b")] * 40), 503, "server_error", "insufficient_memory")
+    finally:
+        server.stop()
+
+
+def test_the_memory_guard_does_not_count_kv_already_committed(tiny_llama: LoadedModel) -> None:
+    # A 62-token prompt wrote 4 of the pool's 5 blocks; a short one then cut the cache back. A new
+    # 62-token prompt rewrites blocks whose memory is taken already: only the 5th can add any.
+    probe = FakeProbe()
+    server = serve_loaded(tiny_llama, memory_probe=probe, ctx_size=64)
+    try:
+        assert _complete(server, [ord("a")] * 62).status_code == 200
+        assert _complete(server, [ord("c")] * 2).status_code == 200
+        guard = server.state.guard
+        probe.info = MemoryInfo(available=guard.estimate(62, 16), total=128 << 30)
+        assert _complete(server, [ord("b")] * 62).status_code == 200
+    finally:
+        server.stop()
+
+
 # A lost device
 
 
@@ -399,6 +464,159 @@ def test_other_connections_are_served_while_a_huge_prompt_is_tokenized(
     waited = times["health"] - times["start"]
     assert waited < tokenizing / 2, f"/health took {waited:.2f} s of the {tokenizing:.2f} s of tokenizing"
     assert_error(replies[0], 400, "invalid_request_error", "context_length_exceeded")
+
+
+_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": _SCHEMA}}
+_HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "path_and_body",
+    [
+        ("/completion", {"prompt": "hi", "n_predict": 1, "grammar": 'root ::= "a"'}),
+        ("/completion", {"prompt": "hi", "n_predict": 1, "json_schema": _SCHEMA}),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "bubo",
+                "messages": _HI,
+                "max_tokens": 1,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": _SCHEMA}},
+            },
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "bubo", "messages": _HI, "max_tokens": 1, "tools": [_TOOL], "tool_choice": "required"},
+        ),
+        (
+            "/v1/responses",
+            {
+                "model": "bubo",
+                "input": "hi",
+                "max_output_tokens": 1,
+                "text": {"format": {"type": "json_schema", "name": "n", "schema": _SCHEMA}},
+            },
+        ),
+        (
+            "/v1/messages",
+            {
+                "model": "bubo",
+                "max_tokens": 1,
+                "messages": _HI,
+                "output_config": {"format": {"type": "json_schema", "schema": _SCHEMA}},
+            },
+        ),
+    ],
+    ids=["gbnf", "json_schema", "response_format", "forced_tool", "responses", "messages"],
+)
+def test_a_grammar_is_compiled_off_the_event_loop(
+    hooks_server: LiveServer, monkeypatch: pytest.MonkeyPatch, path_and_body: tuple[str, dict]
+) -> None:
+    # Compiling costs what the grammar asks, not what the body weighs: 1000 chained GBNF rules in 26 KB
+    # held the loop 1.1 s. Every compile (and the first one's token trie) runs on the prompt thread.
+    compiled: list[bool] = []
+    matcher = state_module.GrammarMatcher
+
+    def recorded_matcher(*args: object, **kwargs: object) -> GrammarMatcher:
+        compiled.append(_on_event_loop())
+        return matcher(*args, **kwargs)
+
+    monkeypatch.setattr(state_module, "GrammarMatcher", recorded_matcher)
+    path, body = path_and_body
+    response = httpx.post(hooks_server.url + path, json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert compiled == [False]
+
+
+@dataclass
+class HeldCompiles:
+    """JSON schema compiles that wait for `gate` before they compile; `started` are their schemas."""
+
+    gate: threading.Event = field(default_factory=threading.Event)
+    started: list[str] = field(default_factory=list)
+
+
+@pytest.fixture
+def held_compiles(hooks_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldCompiles]:
+    """On `hooks_server`, a JSON schema compile in progress for as long as a test keeps the gate shut."""
+    held = HeldCompiles()
+    compile_schema = state_module.json_schema_grammar
+
+    def held_compile(schema: dict) -> str:
+        held.started.append(json.dumps(schema))
+        held.gate.wait(30)
+        return compile_schema(schema)
+
+    monkeypatch.setattr(state_module, "json_schema_grammar", held_compile)
+    try:
+        yield held
+    finally:
+        held.gate.set()
+        # What a test left queued on the prompt thread runs (or is skipped) before the next test.
+        hooks_server.state._prompt_thread.submit(lambda: None).result(30)
+
+
+def _schema_request(schema: dict) -> dict:
+    return {"prompt": "hi", "n_predict": 1, "json_schema": schema}
+
+
+def test_other_connections_are_served_while_a_grammar_compiles(
+    hooks_server: LiveServer, held_compiles: HeldCompiles
+) -> None:
+    replies: list[httpx.Response] = []
+    sender = threading.Thread(
+        target=lambda: replies.append(
+            httpx.post(hooks_server.url + "/completion", json=_schema_request(_SCHEMA), timeout=60)
+        )
+    )
+    sender.start()
+    try:
+        _wait_for(lambda: len(held_compiles.started) == 1)
+        health = httpx.get(hooks_server.url + "/health", timeout=5)
+    finally:
+        held_compiles.gate.set()
+        sender.join(60)
+    assert health.status_code == 200
+    assert replies[0].status_code == 200, replies[0].text
+
+
+def test_a_client_that_leaves_while_its_grammar_compiles_leaves_nothing_behind(
+    hooks_server: LiveServer, held_compiles: HeldCompiles
+) -> None:
+    # The first client's compile is under way; the second's waits for the prompt thread. Both leave: the
+    # first compile's result is dropped, the second is never compiled, and the slot stays free.
+    state = hooks_server.state
+    first, second = {**_SCHEMA, "title": "first"}, {**_SCHEMA, "title": "second"}
+    sockets = []
+    for schema in (first, second):
+        body = json.dumps(_schema_request(schema)).encode()
+        sock = socket.create_connection(("127.0.0.1", hooks_server.port), timeout=30)
+        sock.sendall(
+            b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        sockets.append(sock)
+        if schema is first:
+            _wait_for(lambda: len(held_compiles.started) == 1)
+    for sock in sockets:
+        sock.close()
+    _wait_for(lambda: not hooks_server.runner.server.connections)
+    held_compiles.gate.set()
+    state._prompt_thread.submit(lambda: None).result(30)
+    assert held_compiles.started == [json.dumps(first)]
+    slots = httpx.get(hooks_server.url + "/slots", timeout=30).json()
+    assert [slot["is_processing"] for slot in slots] == [False]
+    assert state.slots.stats.requests_deferred == 0
+    after = httpx.post(hooks_server.url + "/completion", json=_schema_request(_SCHEMA), timeout=60)
+    assert after.status_code == 200, after.text
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
 
 
 # The slot
