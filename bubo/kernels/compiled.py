@@ -83,11 +83,14 @@ class StaticKernel:
                 mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
                 fake = [mode.from_tensor(a, static_shapes=True) for a in args]
                 graph = _trace(self.fn, mode, fake, "real")
-                with torch._inductor.config.patch(self._options), tracing(TracingContext(mode)):
-                    with warnings.catch_warnings():
-                        # Said of a bfloat16 unpacking of float16 scales (both widen to float32 in it).
-                        warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
-                        return torch._inductor.compile(graph, list(args))
+                with (
+                    torch._inductor.config.patch(self._options),
+                    tracing(TracingContext(mode)),
+                    warnings.catch_warnings(),
+                ):
+                    # Said of a bfloat16 unpacking of float16 scales (both widen to float32 in it).
+                    warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
+                    return torch._inductor.compile(graph, list(args))
         except Exception as error:  # a missing compiler or an inductor limitation: run uncompiled
             log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)
             self._broken = True
