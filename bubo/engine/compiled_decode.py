@@ -70,8 +70,7 @@ class UnsupportedModelError(ValueError):
 class _Projection:
     """How the step runs one or more projections of the same input as one product: the weight's
     format, the widths of the members (split from one output), and whether a bias is added. The
-    tensors are passed in at each call: [word bits, scale or scale_offset] packed, or [weight] float (+
-    bias)."""
+    tensors are passed in at each call: [word bits(, scale_offset)] packed, or [weight] float (+ bias)."""
 
     kind: str  # "q4", "q8", "q8_offset" or "dense"
     sizes: tuple[int, ...]
@@ -85,7 +84,7 @@ class _Projection:
         if self.kind == "q4":
             y = q4_matvec_bits(x, *tensors[:2], out_features)
         elif self.kind == "q8":
-            y = q8_matvec_bits(x, *tensors[:2], out_features)
+            y = q8_matvec_bits(x, tensors[0], out_features)
         elif self.kind == "q8_offset":
             y = q8_offset_matvec_bits(x, *tensors[:2], out_features)
         else:
@@ -96,7 +95,7 @@ class _Projection:
 
 
 # Tensors each kind of product takes (before a bias): word bits and per-block fields packed; a weight.
-_TENSORS = {"q4": 2, "q8_offset": 2, "q8": 2, "dense": 1}
+_TENSORS = {"q4": 2, "q8_offset": 2, "q8": 1, "dense": 1}
 
 
 def _projections(*linears: nn.Module) -> list[tuple[_Projection, Tensors]]:
@@ -125,7 +124,7 @@ def _packed(packed: Packed, biases: list, sizes: tuple[int, ...]) -> tuple[_Proj
     if isinstance(packed, PackedQ4 | PackedQ8Offset):
         kind = "q4" if isinstance(packed, PackedQ4) else "q8_offset"
         return _with_bias(kind, (word_bits(packed.words), packed.scale_offset), biases, sizes)
-    return _with_bias("q8", (word_bits(packed.words), packed.scale), biases, sizes)
+    return _with_bias("q8", (word_bits(packed.words),), biases, sizes)
 
 
 def _with_bias(

@@ -1,14 +1,16 @@
 """Matrix-vector products on Q8_0 weights, repacked once into 32-bit words, fused by inductor.
 
-The Q8_0 sibling of `q4_matvec` (see there for why): `words` int32 [tiles, blocks, words, TILE],
+The Q8_0 sibling of `q4_matvec` (see there for why): `words` int32 [tiles, blocks, words + 1, TILE],
 where byte s of words[t, b, w, i] (little end first) holds the code of weight 4 * words * b + 4w + s
-of output row t * TILE + i; `scale` [tiles, blocks, TILE]; weight = code * scale. Q8_0 has 8 words
-(32 weights) a block, its bytes as in the file but for the sign bit; other types whose weights are a
-signed code of at most 8 bits times a per-block scale are repacked into it (bubo/kernels/repack.py:
-Q5_0, Q6_K with blocks of 4 words). `PackedQ8Offset` holds a per-block offset next to the scale,
-`scale_offset` [tiles, blocks, 2, TILE], weight = code * scale + offset, for codes with a per-block
-minimum (Q5_K, Q5_1). Scales and offsets are float16 where every one is exact in it (Q8_0's d, as in
-the file), else float32 (codes.half_if_exact).
+of output row t * TILE + i, and the block's last word is the float32 bits of its scale; weight =
+code * scale. Q8_0 has 8 code words (32 weights) a block, its bytes as in the file but for the sign
+bit; other types whose weights are a signed code of at most 8 bits times a per-block scale are
+repacked into it (bubo/kernels/repack.py: Q5_0, Q6_K with blocks of 4 words). The scale rides in the
+words so that the matvec streams one array: the output head (49152x576 Q8_0, 2 threads, not in
+cache) takes 1.35 ms where a float16 scale beside the words took 1.56 (a float32 one 1.60), for
+2 bytes a block more. `PackedQ8Offset` keeps a per-block offset next to the scale, `scale_offset`
+[tiles, blocks, 2, TILE] (float16 where exact, codes.half_if_exact), weight = code * scale + offset,
+for codes with a per-block minimum (Q5_K, Q5_1).
 
 PackedQ8 stores each signed code c (-128..127) as the unsigned byte c + 128 (the file's byte with its
 sign bit flipped), PackedQ8Offset its codes (0..31) as they are: every byte is then an unsigned field,
@@ -28,7 +30,6 @@ from bubo.gguf.quants import dequantize
 from bubo.kernels.codes import (
     by_block,
     expand_tiles,
-    half_if_exact,
     pairwise_sum,
     placed_codes,
     tiled_by_rows,
@@ -47,6 +48,7 @@ __all__ = [
     "q8_offset_matvec_bits",
     "q8_unpack",
     "signed_to_biased",
+    "with_scales",
 ]
 
 _BYTES = 4  # per int32 word
@@ -60,15 +62,20 @@ def signed_to_biased(words: torch.Tensor) -> torch.Tensor:
     return words ^ _SIGN_BITS
 
 
+def with_scales(words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Code words int32 [rows, blocks, words] and float32 scales [rows, blocks] -> PackedQ8's rows of
+    words [rows, blocks, words + 1], each block's scale bits last."""
+    return torch.cat((words, scale.to(torch.float32).contiguous().view(torch.int32)[..., None]), dim=-1)
+
+
 @dataclass(frozen=True)
 class PackedQ8:
-    words: torch.Tensor  # int32 [tiles, blocks, words, TILE]
-    scale: torch.Tensor  # float16 or float32 [tiles, blocks, TILE]
+    words: torch.Tensor  # int32 [tiles, blocks, code words + 1, TILE], the scale's bits last
     out_features: int
 
     @property
     def in_features(self) -> int:
-        return self.words.shape[1] * self.words.shape[2] * _BYTES
+        return self.words.shape[1] * (self.words.shape[2] - 1) * _BYTES
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         return q8_matvec(x, self)
@@ -99,14 +106,14 @@ def pack_q8(raw: torch.Tensor) -> PackedQ8:
     out_features = raw.shape[0]
     blocks = raw.reshape(out_features, -1, 34)
 
-    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(start: int, stop: int) -> tuple[torch.Tensor]:
         part = blocks[start:stop]
         words = signed_to_biased(part[..., 2:].contiguous().view(torch.int32))  # [rows, blocks, 8]
-        scale = part[..., :2].contiguous().view(torch.float16).to(torch.float32).view(stop - start, -1)
-        return words, scale
+        scale = part[..., :2].contiguous().view(torch.float16).view(stop - start, -1)
+        return (with_scales(words, scale),)
 
-    words, scale = tiled_by_rows(out_features, rows)
-    return PackedQ8(words, half_if_exact(scale), out_features)
+    (words,) = tiled_by_rows(out_features, rows)
+    return PackedQ8(words, out_features)
 
 
 def q8_unpack(
@@ -115,25 +122,26 @@ def q8_unpack(
     """Weight columns start:stop, transposed: [in_features, stop - start] in `dtype` (for a prefill's
     GEMM), expanded from the words in one compiled pass per whole tile (see q4_unpack)."""
     with_offset = isinstance(packed, PackedQ8Offset)
-    fields = packed.scale_offset if isinstance(packed, PackedQ8Offset) else packed.scale  # type: ignore[union-attr]
-    tiled = (word_bits(packed.words), fields)
+    tiled = (word_bits(packed.words), *((packed.scale_offset,) if isinstance(packed, PackedQ8Offset) else ()))
     return expand_tiles(_unpack_kernel(with_offset, dtype), tiled, start, stop)
 
 
 @functools.cache
 def _unpack_kernel(with_offset: bool, dtype: torch.dtype) -> StaticKernel:
-    def q8_unpack_tiles(bits: torch.Tensor, fields: torch.Tensor) -> torch.Tensor:
+    def q8_unpack_tiles(bits: torch.Tensor, *fields: torch.Tensor) -> torch.Tensor:
         # [tiles, blocks, words, TILE] -> [blocks, words, byte, tiles, TILE], the transposed weight (see
         # q4_unpack). PackedQ8's bytes are biased codes, PackedQ8Offset's the codes themselves; the
         # subtraction is exact, and without FMA contraction the rest rounds as the reference does.
+        if not with_offset:
+            bits, scale = bits[:, :, :-1], bits[:, :, -1]
         words = bits.view(torch.int32).permute(1, 2, 0, 3)
         shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=bits.device)[:, None, None]
         codes = ((words[:, :, None] >> shifts) & 0xFF).to(torch.float32)
         if with_offset:
-            scale, offset = fields.to(torch.float32).unbind(2)
+            scale, offset = fields[0].to(torch.float32).unbind(2)
             weight = codes * by_block(scale) + by_block(offset)
         else:
-            weight = (codes - CODE_BIAS) * by_block(fields.to(torch.float32))
+            weight = (codes - CODE_BIAS) * by_block(scale)
         return weight.to(dtype).reshape(words.shape[0] * words.shape[1] * _BYTES, -1)
 
     return StaticKernel(q8_unpack_tiles)
@@ -159,11 +167,11 @@ def _block_sums(x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     return x.view(1, words.shape[1], 1, -1).sum(-1)
 
 
-def _matvec(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _matvec(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     # sum_b scale[b] * (x_b . (bytes_b - CODE_BIAS)): the inner dot product runs on the bytes alone.
-    words = bits.view(torch.int32)
+    words, scale = bits[:, :, :-1].view(torch.int32), bits[:, :, -1]
     dots = _block_dots(x, words) - CODE_BIAS * _block_sums(x, words)
-    return (dots * scale.to(torch.float32)).sum(1).view(-1)
+    return (dots * scale).sum(1).view(-1)
 
 
 def _offset_matvec(x: torch.Tensor, bits: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
@@ -179,14 +187,12 @@ _compiled_offset_matvec = StaticKernel(_offset_matvec, fused=True)
 
 def q8_matvec(x: torch.Tensor, packed: PackedQ8) -> torch.Tensor:
     """x [in_features] (float32) -> x W^T [out_features], in one compiled pass over the codes."""
-    return q8_matvec_bits(x, word_bits(packed.words), packed.scale, packed.out_features)
+    return q8_matvec_bits(x, word_bits(packed.words), packed.out_features)
 
 
-def q8_matvec_bits(
-    x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, out_features: int
-) -> torch.Tensor:
-    """`q8_matvec` on the packed tensors, the words as their float32 bits (see q4_matvec_bits)."""
-    out = _compiled_matvec(x, bits, scale)
+def q8_matvec_bits(x: torch.Tensor, bits: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`q8_matvec` on the packed words as their float32 bits (see q4_matvec_bits)."""
+    out = _compiled_matvec(x, bits)
     return out if out.shape[0] == out_features else out[:out_features]
 
 

@@ -5,8 +5,8 @@ A Q4_K_M file holds Q4_K and Q6_K matrices, and Q5_0 / Q8_0 where a row isn't a 
 Q5_K, Q6_K, Q5_1 and Q8_0. Each of these is, per run of 16 or 32 weights, an integer code times a
 float32 scale (plus an offset), with scale and offset exact in float32: so they repack into the
 layouts of the compiled matvecs, which then run them, the decode step included. Scales and offsets
-are kept in float16 where every one of a matrix is exact in it (Q5_0 and Q5_1's d and m), else in
-float32 (the K-quants' products below, as a rule).
+beside the codes are kept in float16 where every one of a matrix is exact in it (Q5_1's d and m), else
+in float32 (the K-quants' products below, as a rule); PackedQ8 carries its scales in its words.
 
 - Q4_K -> PackedQ4 (bubo/kernels/q4_matvec.py). A super-block (d, dmin fp16; eight 6-bit scales
   and mins; 4-bit codes) is w = d * sc_j * q - dmin * m_j for sub-block j of 32 weights:
@@ -44,7 +44,7 @@ from bubo.gguf.quants import (
 )
 from bubo.kernels.codes import half_if_exact, tiled_by_rows
 from bubo.kernels.q4_matvec import PackedQ4, nibble_words
-from bubo.kernels.q8_matvec import CODE_BIAS, PackedQ8, PackedQ8Offset
+from bubo.kernels.q8_matvec import CODE_BIAS, PackedQ8, PackedQ8Offset, with_scales
 
 __all__ = ["REPACKABLE", "pack_q4_k", "pack_q5_0", "pack_q5_1", "pack_q5_k", "pack_q6_k", "repack"]
 
@@ -66,17 +66,23 @@ def _biased_words(codes: torch.Tensor) -> torch.Tensor:
     return _byte_words(codes.to(torch.int16) + CODE_BIAS)
 
 
-def _tiled(
-    raw: torch.Tensor, ggml_type: GGMLQuantizationType, rows: Rows
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`tiled_by_rows` of what `rows(blocks, n)` makes of each run of n rows' blocks of `raw`: the words,
-    and the per-block fields (`half_if_exact`)."""
+def _tiled(raw: torch.Tensor, ggml_type: GGMLQuantizationType, rows: Rows) -> tuple[torch.Tensor, ...]:
+    """`tiled_by_rows` of what `rows(blocks, n)` makes of each run of n rows' blocks of `raw`."""
     out_features, size = raw.shape[0], type_size(ggml_type)
     blocks = raw.reshape(out_features, -1, size)
-    words, fields = tiled_by_rows(
+    return tiled_by_rows(
         out_features, lambda start, stop: rows(blocks[start:stop].reshape(-1, size), stop - start)
     )
-    return words, half_if_exact(fields)
+
+
+def _with_offsets(
+    kind: type[PackedQ4] | type[PackedQ8Offset],
+    raw: torch.Tensor,
+    ggml_type: GGMLQuantizationType,
+    rows: Rows,
+) -> PackedQ4 | PackedQ8Offset:
+    words, scale_offset = _tiled(raw, ggml_type, rows)
+    return kind(words, half_if_exact(scale_offset), raw.shape[0])
 
 
 def _q4_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
@@ -90,11 +96,11 @@ def _q5_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
 
 
 def _q6_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    return _biased_words(q6_k_codes(blocks).view(n, -1, 16)), q6_k_scales(blocks).view(n, -1)
+    return (with_scales(_biased_words(q6_k_codes(blocks).view(n, -1, 16)), q6_k_scales(blocks).view(n, -1)),)
 
 
 def _q5_0_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    return _biased_words(q5_0_codes(blocks).view(n, -1, 32)), f16_field(blocks, 0).view(n, -1)
+    return (with_scales(_biased_words(q5_0_codes(blocks).view(n, -1, 32)), f16_field(blocks, 0).view(n, -1)),)
 
 
 def _q5_1_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
@@ -104,12 +110,12 @@ def _q5_1_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
 
 def pack_q4_k(raw: torch.Tensor) -> PackedQ4:
     """Q4_K super-blocks uint8 [out, row_bytes] -> PackedQ4 (blocks of 32 weights)."""
-    return PackedQ4(*_tiled(raw, Q.Q4_K, _q4_k_rows), raw.shape[0])
+    return _with_offsets(PackedQ4, raw, Q.Q4_K, _q4_k_rows)  # type: ignore[return-value]
 
 
 def pack_q5_k(raw: torch.Tensor) -> PackedQ8Offset:
     """Q5_K super-blocks uint8 [out, row_bytes] -> PackedQ8Offset (blocks of 32 weights, 8 words)."""
-    return PackedQ8Offset(*_tiled(raw, Q.Q5_K, _q5_k_rows), raw.shape[0])
+    return _with_offsets(PackedQ8Offset, raw, Q.Q5_K, _q5_k_rows)  # type: ignore[return-value]
 
 
 def pack_q6_k(raw: torch.Tensor) -> PackedQ8:
@@ -124,7 +130,7 @@ def pack_q5_0(raw: torch.Tensor) -> PackedQ8:
 
 def pack_q5_1(raw: torch.Tensor) -> PackedQ8Offset:
     """Q5_1 blocks uint8 [out, row_bytes] -> PackedQ8Offset (blocks of 32 weights, 8 words)."""
-    return PackedQ8Offset(*_tiled(raw, Q.Q5_1, _q5_1_rows), raw.shape[0])
+    return _with_offsets(PackedQ8Offset, raw, Q.Q5_1, _q5_1_rows)  # type: ignore[return-value]
 
 
 REPACKABLE: dict[GGMLQuantizationType, Callable[[torch.Tensor], PackedQ4 | PackedQ8 | PackedQ8Offset]] = {

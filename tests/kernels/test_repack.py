@@ -35,9 +35,8 @@ def _assert_unpacks_exactly(raw: np.ndarray, qtype: Q) -> None:
     assert torch.equal(packed.unpack(0, rows).T, weight)
     assert torch.equal(packed.unpack(3, rows - 2).T, weight[3 : rows - 2])
     assert torch.equal(packed.unpack(3, rows - 2, torch.bfloat16).T, weight[3 : rows - 2].to(torch.bfloat16))
-    # Q5_0 / Q5_1 scales (and offsets) are the file's fp16 d (and m): stored as float16.
-    fields = packed.scale if isinstance(packed, PackedQ8) else packed.scale_offset
-    assert fields.dtype == torch.float16 or qtype not in (Q.Q5_0, Q.Q5_1)
+    # Q5_1's scales and offsets are the file's fp16 d and m: stored as float16.
+    assert qtype != Q.Q5_1 or packed.scale_offset.dtype == torch.float16
 
 
 @pytest.mark.parametrize("qtype", list(REPACKABLE))
