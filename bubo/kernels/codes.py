@@ -15,12 +15,13 @@ power of two, so the scaled sum is bit for bit the one shifted codes would give 
 underflow, some 30 orders of magnitude away), for one AND per code rather than a shift and an AND. The
 top field can't be masked in place (it would set the sign bit) and is shifted down instead.
 
-Per-block fields: a block's scale and offset are stored next to each other, [tiles, blocks, 2, TILE],
-so a matvec streams two arrays (words and fields) rather than three: on the default model's gate/up
-matrix (3072x576 Q4_1, 2 threads, weights not in cache) 63-79 -> 51-73 µs. They are float16 where
-every value survives the round trip (`half_if_exact`: the fp16 d and m of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0),
-the file's own bytes; float32 otherwise (a K-quant's d * scale, an 11-bit mantissa times a 6-bit
-integer). The kernels widen them as they load them.
+Per-block fields: a matvec streams as few arrays as it can. A block's scale and offset (PackedQ4,
+PackedQ8Offset) lie next to each other, [tiles, blocks, 2, TILE], so the words and the fields are two
+arrays rather than three: on the default model's gate/up matrix (3072x576 Q4_1, 2 threads, weights not
+in cache) 63-79 -> 51-73 µs. They are float16 where every value survives the round trip
+(`half_if_exact`: the fp16 d and m of Q4_0/Q4_1/Q5_1, the file's own bytes), float32 otherwise (a
+K-quant's d * scale, an 11-bit mantissa times a 6-bit integer); the kernels widen them as they load
+them. A scale alone (PackedQ8) rides in the block's words as one more word of float32 bits.
 
 Words enter a compiled kernel as float32 bit patterns (`word_bits`) and are viewed back to int32
 inside it. Inductor loads a vector of int32 with `Vectorized<int32_t>::loadu(ptr, count)`, which in

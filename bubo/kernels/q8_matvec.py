@@ -63,8 +63,8 @@ def signed_to_biased(words: torch.Tensor) -> torch.Tensor:
 
 
 def with_scales(words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Code words int32 [rows, blocks, words] and float32 scales [rows, blocks] -> PackedQ8's rows of
-    words [rows, blocks, words + 1], each block's scale bits last."""
+    """Code words int32 [rows, blocks, words] and scales [rows, blocks] (exact in float32) -> PackedQ8's
+    rows of words [rows, blocks, words + 1], each block's scale's float32 bits last."""
     return torch.cat((words, scale.to(torch.float32).contiguous().view(torch.int32)[..., None]), dim=-1)
 
 
@@ -122,7 +122,7 @@ def q8_unpack(
     """Weight columns start:stop, transposed: [in_features, stop - start] in `dtype` (for a prefill's
     GEMM), expanded from the words in one compiled pass per whole tile (see q4_unpack)."""
     with_offset = isinstance(packed, PackedQ8Offset)
-    tiled = (word_bits(packed.words), *((packed.scale_offset,) if isinstance(packed, PackedQ8Offset) else ()))
+    tiled = (word_bits(packed.words), *((packed.scale_offset,) if with_offset else ()))  # type: ignore[union-attr]
     return expand_tiles(_unpack_kernel(with_offset, dtype), tiled, start, stop)
 
 

@@ -49,9 +49,9 @@ from bubo.kernels.q8_matvec import CODE_BIAS, PackedQ8, PackedQ8Offset, with_sca
 __all__ = ["REPACKABLE", "pack_q4_k", "pack_q5_0", "pack_q5_1", "pack_q5_k", "pack_q6_k", "repack"]
 
 Q = GGMLQuantizationType
-# Rows of a repacked matrix, built from one run of rows' blocks [n_blocks, block bytes]: its words and
-# scale (or scale and offset stacked), each [rows, ...] (the blocks are decoded by bubo/gguf/quants.py's
-# code readers).
+# Rows of a repacked matrix, built from one run of rows' blocks [n_blocks, block bytes], each tensor
+# [rows, ...]: PackedQ8's words with their scales, or the words and the scale and offset stacked (the
+# blocks are decoded by bubo/gguf/quants.py's code readers).
 Rows = Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]
 
 
