@@ -27,7 +27,7 @@ __all__ = ["DynamicKernel", "StaticKernel"]
 
 log = logging.getLogger(__name__)
 
-# Set while a StaticKernel traces its function: a kernel called from inside another kernel's function
+# Set while a kernel traces its function: a kernel called from inside another kernel's function
 # (a matvec inside a whole decode step, bubo/engine/compiled_decode.py) then traces as plain torch code
 # into the caller's graph, so inductor fuses it with what surrounds it.
 _tracing = threading.local()
@@ -45,16 +45,13 @@ _FUSED = {
 }
 
 
-class StaticKernel:
-    """`fn` compiled once per distinct (shape, stride, dtype) of its tensor arguments."""
+class _Kernel:
+    """What both kinds of kernel share: `fn` compiled once per argument layout (`_key`), looked up on
+    every call; inside another kernel's trace, `fn` itself; where inductor can't build, `fn` from then
+    on (logged once)."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], fused: bool = False) -> None:
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
         self.fn = fn
-        # Inductor stores a pointwise result to memory once its expression grows past a few dozen
-        # operations or reads; a matvec that expands 32 codes per block wants it all inline in the
-        # reduction loop (materializing the expanded codes would cost more memory traffic than the
-        # weights themselves), and FMA contraction.
-        self._options = _FUSED if fused else _STATIC
         self._compiled: dict[tuple, Callable[..., torch.Tensor]] = {}
         self._broken = False
 
@@ -66,7 +63,7 @@ class StaticKernel:
     def kernel_for(self, *args: torch.Tensor) -> Callable[..., torch.Tensor]:
         """The compiled kernel for arguments laid out as `args` (compiled now if it is new): a caller that
         passes the same layouts every time can keep it and skip the lookup."""
-        key = tuple((a.shape, a.stride(), a.dtype) for a in args)
+        key = self._key(args)
         kernel = self._compiled.get(key)
         if kernel is None:
             kernel = self._compiled[key] = self._compile(args)
@@ -77,24 +74,40 @@ class StaticKernel:
             return self.fn
         try:
             with torch.inference_mode(False), torch.no_grad():
-                # Traced under a fake mode with a (static) shape env, compiled inside a tracing context that
-                # holds it: without one inductor bypasses its on-disk FX graph cache ("No shape env") and
-                # lowers every shape again at each load, seconds and ~30 MB of RSS more than a cache hit.
-                mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
-                fake = [mode.from_tensor(a, static_shapes=True) for a in args]
-                graph = _trace(self.fn, mode, fake, "real")
-                with (
-                    torch._inductor.config.patch(self._options),
-                    tracing(TracingContext(mode)),
-                    warnings.catch_warnings(),
-                ):
-                    # Said of a bfloat16 unpacking of float16 scales (both widen to float32 in it).
-                    warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
-                    return torch._inductor.compile(graph, list(args))
-        except Exception as error:  # a missing compiler or an inductor limitation: run uncompiled
+                return self._build(args)
+        except Exception as error:  # a missing compiler, an inductor limitation, or an assumed layout
             log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)
             self._broken = True
             return self.fn
+
+    def _key(self, args: tuple[torch.Tensor, ...]) -> tuple:
+        raise NotImplementedError
+
+    def _build(self, args: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
+        raise NotImplementedError
+
+
+class StaticKernel(_Kernel):
+    """`fn` compiled once per distinct (shape, stride, dtype) of its tensor arguments."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], fused: bool = False) -> None:
+        super().__init__(fn)
+        # Inductor stores a pointwise result to memory once its expression grows past a few dozen
+        # operations or reads; a matvec that expands 32 codes per block wants it all inline in the
+        # reduction loop (materializing the expanded codes would cost more memory traffic than the
+        # weights themselves), and FMA contraction.
+        self._options = _FUSED if fused else _STATIC
+
+    def _key(self, args: tuple[torch.Tensor, ...]) -> tuple:
+        return tuple((a.shape, a.stride(), a.dtype) for a in args)
+
+    def _build(self, args: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
+        # Traced under a fake mode with a (static) shape env, compiled inside a tracing context that
+        # holds it: without one inductor bypasses its on-disk FX graph cache ("No shape env") and
+        # lowers every shape again at each load, seconds and ~30 MB of RSS more than a cache hit.
+        mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+        fake = [mode.from_tensor(a, static_shapes=True) for a in args]
+        return _inductor_compile(_trace(self.fn, mode, fake, "real"), list(args), mode, self._options)
 
 
 def _trace(
@@ -109,12 +122,26 @@ def _trace(
         _tracing.active = False
 
 
+def _inductor_compile(
+    graph: torch.fx.GraphModule, example: list[torch.Tensor], mode: FakeTensorMode, options: dict
+) -> Callable[..., torch.Tensor]:
+    """`graph` compiled by inductor with `options`, inside a tracing context holding `mode`'s shape env."""
+    with (
+        torch._inductor.config.patch(options),
+        tracing(TracingContext(mode)),
+        warnings.catch_warnings(),
+    ):
+        # Said of a bfloat16 unpacking of float16 scales (both widen to float32 in it).
+        warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
+        return torch._inductor.compile(graph, example)
+
+
 # A dynamic size is traced at this value: not 0 or 1 (which tracing would specialize on), and not a
 # multiple of a vector width (so the generated code keeps its loops' tails).
 _DYNAMIC_HINT = 37
 
 
-class DynamicKernel:
+class DynamicKernel(_Kernel):
     """`fn` compiled once per layout of its arguments, where the dimensions `dynamic` names ({argument
     index: dims}) take any size at every call, and an argument with such a dimension any strides but a
     unit innermost one (a view into a cache of any capacity, or a contiguous copy): the generated code
@@ -125,19 +152,11 @@ class DynamicKernel:
     plain function runs."""
 
     def __init__(self, fn: Callable[..., torch.Tensor], dynamic: dict[int, tuple[int, ...]]) -> None:
-        self.fn = fn
+        super().__init__(fn)
         self.dynamic = dynamic
-        self._compiled: dict[tuple, Callable[..., torch.Tensor]] = {}
-        self._broken = False
 
-    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
-        if getattr(_tracing, "active", False):
-            return self.fn(*args)
-        key = tuple(self._layout(i, a) for i, a in enumerate(args))
-        kernel = self._compiled.get(key)
-        if kernel is None:
-            kernel = self._compiled[key] = self._compile(args)
-        return kernel(*args)
+    def _key(self, args: tuple[torch.Tensor, ...]) -> tuple:
+        return tuple(self._layout(i, a) for i, a in enumerate(args))
 
     def _layout(self, index: int, a: torch.Tensor) -> tuple:
         dims = self.dynamic.get(index)
@@ -145,50 +164,41 @@ class DynamicKernel:
             return (a.shape, a.stride(), a.dtype)
         return (tuple(-1 if d in dims else n for d, n in enumerate(a.shape)), a.stride(-1), a.dtype)
 
-    def _compile(self, args: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
-        if self._broken:
-            return self.fn
-        try:
-            with torch.inference_mode(False), torch.no_grad():
-                # No duck sizing: two sizes or strides that happen to be equal when traced stay two symbols.
-                shape_env = ShapeEnv(duck_shape=False)
-                mode = FakeTensorMode(shape_env=shape_env)
-                fake, sizes, strides = [], set(), set()
-                for index, a in enumerate(args):
-                    dims = self.dynamic.get(index, ())
-                    if not dims:
-                        fake.append(mode.from_tensor(a, static_shapes=True))
-                        continue
-                    context = StatelessSymbolicContext(
-                        dynamic_sizes=[
-                            DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(a.dim())
-                        ],
-                        dynamic_strides=[DimDynamic.DYNAMIC] * (a.dim() - 1) + [DimDynamic.INFER_STRIDE],
-                    )
-                    symbolic = mode.from_tensor(_generic_example(a, dims), symbolic_context=context)
-                    sizes |= {symbolic.shape[d].node.expr for d in dims}
-                    strides |= {s.node.expr for s in symbolic.stride()[:-1] if isinstance(s, torch.SymInt)}
-                    fake.append(symbolic)
-                graph = _trace(self.fn, mode, fake, "symbolic")
-                # The graph's own reference to the shape env (the tracing context below holds it too):
-                # left, it would be hashed into AOTAutograd's cache key, which it can't be, and every
-                # load would compile the graph again instead of taking it from the cache.
-                del graph.shape_env
-                with torch._inductor.config.patch(_FUSED), tracing(TracingContext(mode)):
-                    kernel = torch._inductor.compile(graph, fake)
-                # A stride replaced by anything, or a length by a constant (the function read its value),
-                # is an assumption the generated code would make of every call. (A length replaced by
-                # another is the one length every dynamic dim shares.)
-                replaced = shape_env.replacements
-                assumed = strides.intersection(replaced)
-                assumed |= {s for s in sizes.intersection(replaced) if not replaced[s].free_symbols}
-                if assumed:
-                    raise ValueError(f"tracing fixed {sorted(map(str, assumed))} to other values")
-                return kernel
-        except Exception as error:  # a missing compiler, an inductor limitation, or an assumed layout
-            log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)
-            self._broken = True
-            return self.fn
+    def _build(self, args: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
+        # No duck sizing: two sizes or strides that happen to be equal when traced stay two symbols.
+        shape_env = ShapeEnv(duck_shape=False)
+        mode = FakeTensorMode(shape_env=shape_env)
+        fake, sizes, strides = [], set(), set()
+        for index, a in enumerate(args):
+            dims = self.dynamic.get(index, ())
+            if not dims:
+                fake.append(mode.from_tensor(a, static_shapes=True))
+                continue
+            context = StatelessSymbolicContext(
+                dynamic_sizes=[
+                    DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(a.dim())
+                ],
+                dynamic_strides=[DimDynamic.DYNAMIC] * (a.dim() - 1) + [DimDynamic.INFER_STRIDE],
+            )
+            symbolic = mode.from_tensor(_generic_example(a, dims), symbolic_context=context)
+            sizes |= {symbolic.shape[d].node.expr for d in dims}
+            strides |= {s.node.expr for s in symbolic.stride()[:-1] if isinstance(s, torch.SymInt)}
+            fake.append(symbolic)
+        graph = _trace(self.fn, mode, fake, "symbolic")
+        # The graph's own reference to the shape env (the compile's tracing context holds it too):
+        # left, it would be hashed into AOTAutograd's cache key, which it can't be, and every
+        # load would compile the graph again instead of taking it from the cache.
+        del graph.shape_env
+        kernel = _inductor_compile(graph, fake, mode, _FUSED)
+        # A stride replaced by anything, or a length by a constant (the function read its value),
+        # is an assumption the generated code would make of every call. (A length replaced by
+        # another is the one length every dynamic dim shares.)
+        replaced = shape_env.replacements
+        assumed = strides.intersection(replaced)
+        assumed |= {s for s in sizes.intersection(replaced) if not replaced[s].free_symbols}
+        if assumed:
+            raise ValueError(f"tracing fixed {sorted(map(str, assumed))} to other values")
+        return kernel
 
 
 def _generic_example(a: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
