@@ -427,11 +427,12 @@ class ServerState:
                     param=schema_field,
                 )
             if choice.forced:
-                forcing = partial(
-                    tool_call_grammar, fmt, chat.tools, name=choice.name, parallel=choice.parallel
-                )
                 try:
-                    grammar = await self._compile(lambda: lark_grammar(forcing()))
+                    grammar = await self._compile(
+                        lambda: lark_grammar(
+                            tool_call_grammar(fmt, chat.tools, name=choice.name, parallel=choice.parallel)
+                        )
+                    )
                 except GrammarError as error:
                     # The forcing grammar embeds each tool's parameters schema: a broken one is the
                     # request's fault, as it is in response_format.
