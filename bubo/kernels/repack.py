@@ -27,6 +27,7 @@ in float32 (the K-quants' products below, as a rule); PackedQ8 carries its scale
 """
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from gguf import GGMLQuantizationType
@@ -53,6 +54,8 @@ Q = GGMLQuantizationType
 # [rows, ...]: PackedQ8's words with their scales, or the words and the scale and offset stacked (the
 # blocks are decoded by bubo/gguf/quants.py's code readers).
 Rows = Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]
+# The layouts that keep a block's scale and offset beside its words.
+WithOffsets = TypeVar("WithOffsets", PackedQ4, PackedQ8Offset)
 
 
 def _byte_words(codes: torch.Tensor) -> torch.Tensor:
@@ -76,11 +79,8 @@ def _tiled(raw: torch.Tensor, ggml_type: GGMLQuantizationType, rows: Rows) -> tu
 
 
 def _with_offsets(
-    kind: type[PackedQ4] | type[PackedQ8Offset],
-    raw: torch.Tensor,
-    ggml_type: GGMLQuantizationType,
-    rows: Rows,
-) -> PackedQ4 | PackedQ8Offset:
+    kind: type[WithOffsets], raw: torch.Tensor, ggml_type: GGMLQuantizationType, rows: Rows
+) -> WithOffsets:
     words, scale_offset = _tiled(raw, ggml_type, rows)
     return kind(words, half_if_exact(scale_offset), raw.shape[0])
 
@@ -110,12 +110,12 @@ def _q5_1_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
 
 def pack_q4_k(raw: torch.Tensor) -> PackedQ4:
     """Q4_K super-blocks uint8 [out, row_bytes] -> PackedQ4 (blocks of 32 weights)."""
-    return _with_offsets(PackedQ4, raw, Q.Q4_K, _q4_k_rows)  # type: ignore[return-value]
+    return _with_offsets(PackedQ4, raw, Q.Q4_K, _q4_k_rows)
 
 
 def pack_q5_k(raw: torch.Tensor) -> PackedQ8Offset:
     """Q5_K super-blocks uint8 [out, row_bytes] -> PackedQ8Offset (blocks of 32 weights, 8 words)."""
-    return _with_offsets(PackedQ8Offset, raw, Q.Q5_K, _q5_k_rows)  # type: ignore[return-value]
+    return _with_offsets(PackedQ8Offset, raw, Q.Q5_K, _q5_k_rows)
 
 
 def pack_q6_k(raw: torch.Tensor) -> PackedQ8:
@@ -130,7 +130,7 @@ def pack_q5_0(raw: torch.Tensor) -> PackedQ8:
 
 def pack_q5_1(raw: torch.Tensor) -> PackedQ8Offset:
     """Q5_1 blocks uint8 [out, row_bytes] -> PackedQ8Offset (blocks of 32 weights, 8 words)."""
-    return _with_offsets(PackedQ8Offset, raw, Q.Q5_1, _q5_1_rows)  # type: ignore[return-value]
+    return _with_offsets(PackedQ8Offset, raw, Q.Q5_1, _q5_1_rows)
 
 
 REPACKABLE: dict[GGMLQuantizationType, Callable[[torch.Tensor], PackedQ4 | PackedQ8 | PackedQ8Offset]] = {
