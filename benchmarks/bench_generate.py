@@ -43,6 +43,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="float32", help="compute dtype for bubo and transformers (transformers-bf16: bf16)"
     )
+    parser.add_argument(
+        "--cache-type",
+        choices=("f32", "f16", "bf16"),
+        default="f16",
+        help="bubo's KV cache type (default f16: `bubo serve`'s default, and llama.cpp's)",
+    )
 
 
 def main() -> int:
@@ -97,6 +103,8 @@ def run_engine(engine: str, args: argparse.Namespace) -> dict:
         str(args.gen_tokens),
         "--dtype",
         args.dtype,
+        "--cache-type",
+        args.cache_type,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
@@ -110,7 +118,7 @@ def _print_table(args: argparse.Namespace, results: dict[str, list[dict]], skipp
     print(f"model: {args.model}")
     print(
         f"threads: {args.threads}  prompt: {args.prompt_tokens} tokens  generated: {args.gen_tokens} tokens  "
-        f"dtype: {args.dtype}  runs per engine: {args.repeats} (interleaved); median [min–max]\n"
+        f"dtype: {args.dtype}  bubo KV cache: {args.cache_type}  runs per engine: {args.repeats} (interleaved); median [min–max]\n"
     )
     cols = [
         ("prefill tok/s", "prefill_tps", "{:.1f}"),
@@ -180,7 +188,8 @@ def _bubo(args: argparse.Namespace) -> tuple[float, float]:
     from bubo.engine.sampler import SamplingParams
 
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype=getattr(torch, args.dtype))
+    cache = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[args.cache_type]
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype), cache_dtypes=(cache, cache))
     ids = _prompt_ids(lambda t: loaded.tokenizer.encode(t), args.prompt_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
     result = None

@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "model": str(args.model),
         "settings": {
-            k: getattr(args, k) for k in ("threads", "prompt_tokens", "gen_tokens", "repeats", "dtype")
+            k: getattr(args, k)
+            for k in ("threads", "prompt_tokens", "gen_tokens", "repeats", "dtype", "cache_type")
         },
         "weight_bytes": weights,
         "memory_bandwidth_gb_s": bandwidth / 1e9,
@@ -141,7 +142,7 @@ def print_table(report: dict) -> None:
     )
     print(
         f"prompt: {s['prompt_tokens']} tokens, generated: {s['gen_tokens']}, dtype: {s['dtype']}, "
-        f"best of {s['repeats']} interleaved runs per engine\n"
+        f"bubo KV cache: {s['cache_type']}, best of {s['repeats']} interleaved runs per engine\n"
     )
     print(f"{'engine':<18}" + "".join(f"{label:>16}" for _, label, _ in METRICS))
     for engine, figures in report["engines"].items():

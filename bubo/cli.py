@@ -18,6 +18,8 @@ from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.process_memory import configure_cpu_process
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# KV cache storage types, by llama.cpp's names for them (`--cache-type-k/-v`).
+CACHE_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -184,6 +186,15 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)"
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    for part, short in (("k", "-ctk"), ("v", "-ctv")):
+        parser.add_argument(
+            f"--cache-type-{part}",
+            short,
+            choices=sorted(CACHE_TYPES),
+            default="f16",
+            help=f"KV cache storage type of the {'keys' if part == 'k' else 'values'} (default f16, as "
+            "llama.cpp's: half the memory of f32, widened as attention reads it)",
+        )
     parser.add_argument(
         "--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)"
     )
@@ -249,7 +260,13 @@ def _generate(args: argparse.Namespace) -> int:
     params.validate()
     path = _resolve_model(args)
     started = time.perf_counter()
-    loaded = load_model(path, dtype=DTYPES[args.dtype], device=args.device, progress=sys.stderr.isatty())
+    loaded = load_model(
+        path,
+        dtype=DTYPES[args.dtype],
+        device=args.device,
+        progress=sys.stderr.isatty(),
+        cache_dtypes=_cache_dtypes(args),
+    )
     if args.mtp_weights is not None:
         load_mtp_weights(loaded.model, args.mtp_weights)
     drafter = mtp_drafter(loaded.model, args.spec_draft)
@@ -340,6 +357,7 @@ def _serve(args: argparse.Namespace) -> int:
         debug_hooks=args.debug_hooks,
         max_body_mb=args.max_body_mb,
         dtype=DTYPES[args.dtype],
+        cache_dtypes=_cache_dtypes(args),
         device=args.device,
         threads=args.threads,
         defaults=defaults,
@@ -358,6 +376,10 @@ def _serve(args: argparse.Namespace) -> int:
     ServerState(settings).preflight()
     logging.basicConfig(level=logging.INFO, format="bubo: %(levelname)s %(name)s: %(message)s")
     return serve(settings)
+
+
+def _cache_dtypes(args: argparse.Namespace) -> tuple[torch.dtype, torch.dtype]:
+    return CACHE_TYPES[args.cache_type_k], CACHE_TYPES[args.cache_type_v]
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -49,6 +49,7 @@ class BlockPool:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        value_dtype: torch.dtype | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -59,8 +60,10 @@ class BlockPool:
         # On the CPU the pages are only committed as blocks fill (torch.zeros would write them all now).
         lazy = torch.device(device).type == "cpu"
         zeros = lazy_zeros if lazy else partial(torch.zeros, device=device)
+        # Keys in `dtype`, values in `value_dtype` (default the same): the storage types, which may be
+        # narrower than the compute dtype (`bubo serve --cache-type-k/-v`); readers widen what they read.
         self.keys = [zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [zeros(shape, dtype=value_dtype or dtype) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.refs = [0] * num_blocks
@@ -90,6 +93,11 @@ class BlockPool:
     def bytes_per_block(self) -> int:
         """Bytes one block takes over every layer's keys and values."""
         return sum(pool[:, : self.block_size].nbytes for pool in (*self.keys, *self.values))
+
+    @property
+    def bytes_per_position(self) -> int:
+        """Bytes one position takes over every layer's keys and values, in their storage types."""
+        return self.bytes_per_block // self.block_size
 
     def blocks_for(self, positions: int) -> int:
         """Blocks that hold `positions` positions."""

@@ -130,7 +130,7 @@ def masked_attention(
     out: static shapes whatever the length. Costs the table's width, not the length."""
     offsets = torch.arange(block_size, device=keys.device)
     where = (inputs.table[0, :, None].long() * block_size + offsets).reshape(-1)
-    k, v = keys.index_select(1, where)[None], values.index_select(1, where)[None]
+    k, v = keys.index_select(1, where)[None].to(q.dtype), values.index_select(1, where)[None].to(q.dtype)
     visible = torch.arange(where.shape[0], device=keys.device) < inputs.length
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible.view(1, 1, 1, -1), enable_gqa=True)
 

@@ -71,11 +71,14 @@ class KVCache:
         indexers: Sequence["IndexerState"] = (),
         ple: "PLEState | None" = None,
         pool: BlockPool | None = None,
+        value_dtype: torch.dtype | None = None,
     ) -> None:
         if pool is None:
             block_size = min(DEFAULT_BLOCK_SIZE, max(max_len, 1))
             blocks = batch * -(-max(max_len, 1) // block_size)
-            pool = BlockPool(num_layers, num_kv_heads, head_dim, blocks, block_size, dtype, device)
+            pool = BlockPool(
+                num_layers, num_kv_heads, head_dim, blocks, block_size, dtype, device, value_dtype
+            )
         elif pool.num_layers != num_layers:
             raise ValueError(f"a block pool of {pool.num_layers} layers can't hold {num_layers} layers")
         self.pool = pool
@@ -161,6 +164,7 @@ class KVCache:
         start, end = self.length, self.length + k.shape[2]
         self._claim(end)
         keys, values = self.pool.keys[layer], self.pool.values[layer]
+        k, v = k.to(keys.dtype), v.to(values.dtype)  # narrowed to the storage types (a float16 cache)
         for row in range(self.batch):
             layout = self._row_layout(row)
             if isinstance(layout, int):

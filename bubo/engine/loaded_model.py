@@ -42,8 +42,10 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool = False,
+    cache_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
 ) -> LoadedModel:
-    """Open `path`, check its architecture, and build the decoder and tokenizer from it.
+    """Open `path`, check its architecture, and build the decoder and tokenizer from it; its caches
+    store keys and values in `cache_dtypes` (default: `dtype`).
 
     The config is read first so an unsupported architecture fails before any weight is touched.
     """
@@ -55,13 +57,26 @@ def load_model(
             # The tokenizer holds its own tables; as lists of Python strings these stay ~8 MB of heap.
             file.metadata.pop(key, None)
         model = load_decoder(file, config, dtype=dtype, device=device, progress=progress)
+        if cache_dtypes is not None:
+            # Before the decode step is prepared: its warm-up compiles attention for these dtypes.
+            model.cache_dtypes = cache_dtypes
         if prepare_decode_step(model) is not None:
+            drop_trace_caches()
+        elif model.device.type == "cpu" and model.cache_dtypes != (dtype, dtype):
+            _warm_up_narrow_cache_reads(model)
             drop_trace_caches()
         _report_cpu_precision(model, dtype)
     except BaseException:
         file.close()
         raise
     return LoadedModel(Path(path), file, config, model, tokenizer)
+
+
+def _warm_up_narrow_cache_reads(model: Decoder) -> None:
+    """Decode one token on a scratch cache, so that the kernel the eager step reads a narrower cache with
+    (Attention.attend: bubo/kernels/decode_attention.py) compiles now rather than on a first request."""
+    with torch.inference_mode():
+        model(torch.zeros(1, 1, dtype=torch.long, device=model.device), model.new_cache(max_len=2))
 
 
 def _report_cpu_precision(model: Decoder, dtype: torch.dtype) -> None:

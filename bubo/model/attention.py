@@ -6,6 +6,7 @@ from torch import nn
 
 from bubo.engine.kv_cache import CacheBatch, KVCache
 from bubo.gguf.config import ModelConfig
+from bubo.kernels.decode_attention import decode_attention
 from bubo.kernels.triton_support import triton_enabled
 from bubo.model.layers import RMSNorm, apply_rotary
 from bubo.model.paged_decode import paged_decode_attention
@@ -136,8 +137,19 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Store k, v in the cache, attend over everything cached (under `mask`), then gate and project
         out — or, with `project` False, return the heads' outputs [B, T, heads, head_dim] as they are."""
-        k, v = cache.update(self.layer_index, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+        keys, values = cache.update(self.layer_index, k, v)
+        if keys.dtype == q.dtype and values.dtype == q.dtype:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=True
+            )
+        elif q.shape[:3] == (1, self.num_heads, 1) and mask is None and q.device.type == "cpu":
+            # One query over a narrower cache (float16 keys and values, say): the decode kernel widens
+            # them as it loads them, where SDPA would need a widened copy of the whole cache.
+            out = decode_attention(q, keys, values)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, is_causal=is_causal, enable_gqa=True
+            )
         out = out.transpose(1, 2)
         return self.output(out, gate) if project else out
 

@@ -433,13 +433,17 @@ class Decoder(nn.Module):
     """tokens [B, T] -> float32 logits [B, T, vocab], continuing at position `cache.length`.
 
     The compute dtype is fixed at load time (`dtype`); the device is wherever the weights are. With
-    an MTP block (`mtp`), `draft_logits` proposes the token after the next from `hidden` states.
+    an MTP block (`mtp`), `draft_logits` proposes the token after the next from `hidden` states. The
+    caches it makes store keys and values in `cache_dtypes` (keys, values): the compute dtype unless set
+    narrower (float16 halves the KV cache's memory and what a decode step's attention reads, as
+    llama.cpp's default f16 cache does); attention widens them to the compute dtype as it reads them.
     """
 
     def __init__(self, config: ModelConfig, weights: WeightSource) -> None:
         super().__init__()
         self.config = config
         self.dtype = weights.dtype
+        self.cache_dtypes = (self.dtype, self.dtype)
         vocab_shape = (config.vocab_size, config.hidden_size)
         self.embedding = weights.embedding("token_embd.weight", vocab_shape)
         self.layers = nn.ModuleList(build_layer(config, i, weights) for i in range(config.num_layers))
@@ -581,8 +585,9 @@ class Decoder(nn.Module):
             num_kv_heads=c.num_kv_heads,
             max_len=c.context_length if max_len is None else max_len,
             head_dim=c.head_dim,
-            dtype=self.dtype,
+            dtype=self.cache_dtypes[0],
             device=self.device,
+            value_dtype=self.cache_dtypes[1],
         )
 
     def new_block_pool(self, positions: int, block_size: int = DEFAULT_BLOCK_SIZE) -> BlockPool:
@@ -591,8 +596,9 @@ class Decoder(nn.Module):
         c = self.config
         blocks = -(-positions // block_size)
         attention_layers = c.num_layers - sum(c.recurrent_layers)
+        keys, values = self.cache_dtypes
         return BlockPool(
-            attention_layers, c.num_kv_heads, c.head_dim, blocks, block_size, self.dtype, self.device
+            attention_layers, c.num_kv_heads, c.head_dim, blocks, block_size, keys, self.device, values
         )
 
     def new_cache(self, batch: int = 1, max_len: int | None = None, pool: BlockPool | None = None) -> KVCache:
@@ -620,10 +626,11 @@ class Decoder(nn.Module):
             num_kv_heads=c.num_kv_heads,
             max_len=max_len,
             head_dim=c.head_dim,
-            dtype=self.dtype,
+            dtype=self.cache_dtypes[0],
             device=self.device,
             recurrent=recurrent,
             indexers=indexers,
             ple=None if ple is None else ple.new_state(batch, self.dtype, self.device),
             pool=pool,
+            value_dtype=self.cache_dtypes[1],
         )

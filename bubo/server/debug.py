@@ -77,6 +77,8 @@ async def cache(request: web.Request) -> web.Response:
                 "free_blocks": pool.free_blocks,
                 "shared_blocks": sum(1 for r in pool.refs if r > 1),
                 "bytes_per_block": pool.bytes_per_block,
+                "key_dtype": str(pool.keys[0].dtype).removeprefix("torch.") if pool.keys else None,
+                "value_dtype": str(pool.values[0].dtype).removeprefix("torch.") if pool.values else None,
             },
         }
     )

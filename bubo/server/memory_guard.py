@@ -167,13 +167,16 @@ class MemoryGuard:
             )
 
 
-def request_cost(config: ModelConfig, dtype: torch.dtype) -> RequestCost:
-    """The estimate's constants for a model: KV bytes per position over its attention layers, and a
+def kv_bytes_per_position(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of keys and values a position takes over the model's attention layers, stored in `dtype`."""
+    attention_layers = config.num_layers - sum(config.recurrent_layers)
+    return attention_layers * 2 * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
+def request_cost(config: ModelConfig, kv_bytes: int) -> RequestCost:
+    """The estimate's constants for a model whose KV cache takes `kv_bytes` a position: those, and a
     generous bound on prefill activations per prompt token (the residual stream, q/k/v, the MLP's
     gate/up/down widths, all in float32 as the matmuls produce them)."""
-    element = torch.finfo(dtype).bits // 8
-    attention_layers = config.num_layers - sum(config.recurrent_layers)
-    kv = attention_layers * 2 * config.num_kv_heads * config.head_dim * element
     mlp_width = max(
         config.intermediate_size,
         config.moe_intermediate_size * max(config.num_experts_per_tok, 1)
@@ -182,7 +185,7 @@ def request_cost(config: ModelConfig, dtype: torch.dtype) -> RequestCost:
     activations = 4 * (12 * config.hidden_size + 3 * mlp_width + 2 * config.num_heads * config.head_dim)
     # Per request: the logits row and the sampler's sort buffers, plus slack for allocator rounding.
     fixed = 16 * config.vocab_size + (64 << 20)
-    return RequestCost(kv_bytes_per_token=kv, activation_bytes_per_token=activations, fixed_bytes=fixed)
+    return RequestCost(kv_bytes_per_token=kv_bytes, activation_bytes_per_token=activations, fixed_bytes=fixed)
 
 
 def vision_bytes(config: Any, grids: Sequence[tuple[int, int, int]]) -> int:

@@ -40,7 +40,14 @@ from bubo.server.errors import ApiError, bad_field
 from bubo.server.image_fetch import Lookup, system_lookup
 from bubo.server.image_input import DecodedImage, ImageLimits
 from bubo.server.image_prompt import IMAGE_PAD, check_mmproj, load_images, place_images, text_only
-from bubo.server.memory_guard import MemoryGuard, MemoryProbe, SystemMemoryProbe, request_cost, vision_bytes
+from bubo.server.memory_guard import (
+    MemoryGuard,
+    MemoryProbe,
+    SystemMemoryProbe,
+    kv_bytes_per_position,
+    request_cost,
+    vision_bytes,
+)
 from bubo.server.shutdown import StreamCutoff
 from bubo.templates.chat_template import ChatTemplate, ChatTemplateError, TemplateSandboxError
 from bubo.templates.tool_calls import ToolCallParser, tool_call_format
@@ -96,6 +103,8 @@ class ServerSettings:
     debug_hooks: bool = False
     max_body_mb: float = 32.0
     dtype: torch.dtype = torch.float32
+    # The KV cache's storage types (keys, values); None: the compute dtype. `bubo serve` passes float16.
+    cache_dtypes: tuple[torch.dtype, torch.dtype] | None = None
     device: str = "cpu"
     threads: int | None = None
     defaults: SamplingParams = field(default_factory=SamplingParams)
@@ -184,7 +193,10 @@ class ServerState:
             if self.settings.threads:
                 torch.set_num_threads(self.settings.threads)
             loaded = load_model(
-                self.settings.model_path, dtype=self.settings.dtype, device=self.settings.device
+                self.settings.model_path,
+                dtype=self.settings.dtype,
+                device=self.settings.device,
+                cache_dtypes=self.settings.cache_dtypes,
             )
             if self.settings.mtp_weights is not None:
                 load_mtp_weights(loaded.model, self.settings.mtp_weights)
@@ -222,10 +234,6 @@ class ServerState:
             log.warning("%s; using the ChatML fallback", error)
             template = ChatTemplate.fallback(special)
         self.template = template
-        self.guard = MemoryGuard(
-            self._memory_probe or SystemMemoryProbe(loaded.model.device),
-            request_cost(config, self.settings.dtype),
-        )
         settings = self.settings
         # With several slots their decode steps run as one batch; a verify pass of several tokens can't
         # join it, so speculation is on by default only with one slot.
@@ -241,6 +249,18 @@ class ServerState:
             settings.kv_tokens,
             new_drafter=lambda: mtp_drafter(loaded.model, spec_draft),
             vision=tower,
+        )
+        # KV bytes per position as the pool stores them (its key and value types); without a pool (a
+        # stand-in model) as the compute dtype would.
+        pool = self.slots.pool
+        self.guard = MemoryGuard(
+            self._memory_probe or SystemMemoryProbe(loaded.model.device),
+            request_cost(
+                config,
+                pool.bytes_per_position
+                if pool is not None
+                else kv_bytes_per_position(config, settings.dtype),
+            ),
         )
         self.tower = tower
         self.loaded = loaded

@@ -95,6 +95,16 @@ def test_packed_quantized_projections_match_the_eager_step(
     _compare(model, CompiledDecodeStep(model))
 
 
+def test_half_precision_cache_matches_the_eager_step(tmp_path: Path) -> None:
+    """A float16 cache (`--cache-type-k/-v f16`, the server's default): the compiled step writes the new
+    keys and values narrowed and reads them widened, as the eager decoder does."""
+    model = _model("qwen3-qk-norm", tmp_path / "qwen3.gguf")
+    model.cache_dtypes = (torch.float16, torch.float16)
+    cache = model.new_cache(max_len=32)
+    assert cache.pool.keys[0].dtype == cache.pool.values[0].dtype == torch.float16
+    _compare(model, CompiledDecodeStep(model), cache)
+
+
 def test_blocks_that_are_not_one_run(tmp_path: Path) -> None:
     """A cache whose blocks are scattered over a shared pool reads its keys by gathering them."""
     model = _model("llama-tied", tmp_path / "llama.gguf")

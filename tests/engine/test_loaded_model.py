@@ -39,3 +39,15 @@ def test_float32_is_not_warned_about(packed_model_path: Path, caplog: pytest.Log
     with caplog.at_level(logging.WARNING, logger="bubo.engine.loaded_model"):
         load_model(packed_model_path)
     assert not [r for r in caplog.records if r.name == "bubo.engine.loaded_model"]
+
+
+def test_a_narrower_cache_compiles_its_attention_at_load(tiny_llama_path: Path) -> None:
+    """A float16 cache on a model the compiled step doesn't cover (float weights): the eager step's
+    single-query kernel for it is compiled by the load, not by the first request."""
+    from bubo.kernels import decode_attention
+
+    loaded = load_model(tiny_llama_path, cache_dtypes=(torch.float16, torch.float16))
+    config, pool = loaded.config, loaded.model.new_cache(max_len=4).pool
+    assert pool.keys[0].dtype == pool.values[0].dtype == torch.float16
+    wanted = ((1, config.num_kv_heads, -1, config.head_dim), 1, torch.float16)
+    assert any(key[1] == key[2] == wanted for key in decode_attention._kernel._compiled)

@@ -27,6 +27,12 @@ def llama(tiny_llama_path: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
+def llama_f16(tiny_llama_path: Path) -> LoadedModel:
+    """The tiny llama with a float16 KV cache (`bubo serve`'s default): blocks written narrowed."""
+    return load_model(tiny_llama_path, cache_dtypes=(torch.float16, torch.float16))
+
+
+@pytest.fixture(scope="module")
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     model = tiny_hybrid(
         "qwen35moe", ["linear_attention", "full_attention"] * 2, vocab_size=320, max_position_embeddings=256
@@ -41,8 +47,11 @@ def _reference(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens]), model.new_cache(max_len=64))[0]
 
 
-def test_sequences_whose_blocks_interleave_get_the_same_logits(llama: LoadedModel) -> None:
-    model = llama.model
+@pytest.mark.parametrize("which", ["llama", "llama_f16"])
+def test_sequences_whose_blocks_interleave_get_the_same_logits(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    model = request.getfixturevalue(which).model
     pool = model.new_block_pool(positions=64, block_size=4)
     caches = [model.new_cache(max_len=32, pool=pool) for _ in range(2)]
     tokens = [PROMPTS[0] + [1, 2, 3, 4, 5, 6], [9] * 3 + PROMPTS[2] + [7, 7, 7, 7, 7, 7]]
@@ -56,7 +65,11 @@ def test_sequences_whose_blocks_interleave_get_the_same_logits(llama: LoadedMode
     for i, cache in enumerate(caches):
         table = cache.tables[0]
         assert any(b + 1 != c for b, c in itertools.pairwise(table)), "blocks should interleave"
-        torch.testing.assert_close(torch.cat(got[i]), _reference(model, tokens[i]), atol=1e-5, rtol=1e-5)
+        # float16 keys of a 3-token chunk's projection can round one half-ulp away from the one-pass's.
+        tolerance = 1e-5 if which == "llama" else 1e-4
+        torch.testing.assert_close(
+            torch.cat(got[i]), _reference(model, tokens[i]), atol=tolerance, rtol=tolerance
+        )
 
 
 def test_a_shared_prefix_is_held_not_copied_and_copied_on_write(llama: LoadedModel) -> None:
@@ -139,7 +152,7 @@ def test_only_blocks_never_taken_are_uncommitted() -> None:
     assert pool.uncommitted_blocks == 2
 
 
-@pytest.mark.parametrize("which", ["llama", "hybrid"])
+@pytest.mark.parametrize("which", ["llama", "llama_f16", "hybrid"])
 def test_a_batch_of_caches_decodes_as_each_alone(which: str, request: pytest.FixtureRequest) -> None:
     model = request.getfixturevalue(which).model
     assert model.supports_cache_batch

@@ -30,6 +30,25 @@ def test_matches_sdpa_in_float64(heads: int, kv_heads: int, dim: int, length: in
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("key_dtype", "value_dtype"), [(torch.float16, torch.float16), (torch.bfloat16, torch.float16)]
+)
+def test_narrower_keys_and_values_are_widened_as_they_are_read(
+    key_dtype: torch.dtype, value_dtype: torch.dtype
+) -> None:
+    # A float16 (or bfloat16) KV cache under float32 queries: the result is the float32 attention over
+    # the stored values, not a half-precision one.
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 9, 1, 64, generator=g)
+    keys, values = _cache_views(3, 300, 64, capacity=400, start=20, g=g)
+    keys, values = keys.to(key_dtype), values.to(value_dtype)
+    with torch.inference_mode():
+        got = decode_attention(q, keys, values)
+    expected = decode_attention_reference(q.double(), keys.double(), values.double())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_contiguous_keys_and_other_capacities_take_the_same_kernel() -> None:
     # A sequence whose blocks are not one run gathers its keys into a contiguous copy; other caches have
     # other capacities: every layout runs the one compiled kernel, and right.

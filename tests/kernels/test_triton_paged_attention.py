@@ -147,3 +147,17 @@ def test_uneven_head_groups_and_bad_partitions_are_refused() -> None:
         paged_attention_decode(q, pool.keys[0], pool.values[0], tables, lens, 8)
     with pytest.raises(ValueError, match="partition"):
         paged_attention_decode(q[:, :2], pool.keys[0], pool.values[0], tables, lens, 8, partition=24)
+
+
+def test_float16_pool_under_float32_queries() -> None:
+    """`--cache-type-k/-v f16` on a float32 model: the kernel widens the float16 tiles as it loads them
+    and returns float32."""
+    torch.manual_seed(5)
+    lengths = [3, 29]
+    pool, caches = _filled_caches(lengths, 2, 16, 8, torch.float16)
+    q = torch.randn(len(lengths), 4, 16, device=DEVICE)
+    tables, lens = _tables(caches)
+    out = paged_attention_decode(q, pool.keys[LAYER], pool.values[LAYER], tables, lens, 8, partition=16)
+    assert out.dtype == torch.float32
+    # TF32 products on a GPU (the pool's values are exact in it, q is not); exact in the interpreter.
+    torch.testing.assert_close(out, _reference(q, caches), atol=2e-3, rtol=2e-3)

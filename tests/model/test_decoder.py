@@ -34,6 +34,7 @@ from bubo.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 
 TOLERANCE = 1e-3  # fp32 Bubo vs fp32 transformers (TESTING.md); measured max is 2.3e-6
+HALF_CACHE_TOLERANCE = 3e-2  # the same with float16 keys and bfloat16 values cached; measured max 1.2e-2
 SEQ_LEN = 14
 BATCH = 2
 
@@ -141,6 +142,29 @@ def test_matches_transformers(name: str, tmp_path: Path) -> None:
     reference = _reference(name)
     _, model = _load(write_gguf(reference, tmp_path / f"{name}.gguf"))
     _check_against_reference(reference, model, name)
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen3-qk-norm"])
+def test_half_precision_cache_tracks_transformers(name: str, tmp_path: Path) -> None:
+    """Keys stored in float16 and values in bfloat16 (`--cache-type-k f16 --cache-type-v bf16`) under
+    float32 compute: every read widens them, so the logits stay within the half types' rounding of
+    transformers' float32 ones. One sequence: its decode steps take the CPU's single-query kernel, its
+    second chunk SDPA over the widened cache under the offset causal mask."""
+    reference = _reference(name)
+    _, model = _load(write_gguf(reference, tmp_path / f"{name}.gguf"))
+    model.cache_dtypes = (torch.float16, torch.bfloat16)
+    pool = model.new_cache(max_len=8).pool
+    assert (pool.keys[0].dtype, pool.values[0].dtype) == (torch.float16, torch.bfloat16)
+    tokens = _tokens(reference.config.vocab_size)[:1]
+    with torch.no_grad():
+        expected = reference(tokens).logits
+    d_full, d_step = (
+        _max_diff(_prefill(model, tokens), expected),
+        _max_diff(_stepwise(model, tokens), expected),
+    )
+    print(f"{name}: max|Δlogit| prefill {d_full:.2e}, cached decode {d_step:.2e}")
+    assert d_full <= HALF_CACHE_TOLERANCE
+    assert d_step <= HALF_CACHE_TOLERANCE
 
 
 @pytest.mark.parametrize("name", CASES)

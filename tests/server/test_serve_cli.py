@@ -104,6 +104,32 @@ def test_serve_answers_then_stops_cleanly(tiny_llama_path: Path) -> None:
     assert f"listening on {url}" in stderr and "ready: serving 'tiny'" in stderr
 
 
+def test_cache_type_flags_set_the_kv_pool(tiny_llama_path: Path) -> None:
+    """`-ctk` / `-ctv` (llama-server's names) choose the pool's storage types; f16 by default."""
+    for flags, expected in (
+        ((), ("float16", "float16")),
+        (("-ctk", "bf16", "-ctv", "f32"), ("bfloat16", "float32")),
+    ):
+        port = free_port()
+        process = subprocess.Popen(
+            [*BUBO, "serve", "--model", str(tiny_llama_path), "--port", str(port), "--debug-hooks", *flags],
+            stderr=subprocess.DEVNULL,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            assert wait_ready(url)
+            assert (
+                httpx.post(url + "/completion", json={"prompt": "hello", "n_predict": 2}).status_code == 200
+            )
+            pool = httpx.get(url + "/debug/cache").json()["kv_pool"]
+            assert (pool["key_dtype"], pool["value_dtype"]) == expected
+        finally:
+            process.kill()
+            process.wait(30)
+    refused = _run("--model", str(tiny_llama_path), "-ctk", "q4_0")
+    assert refused.returncode == 2 and "invalid choice: 'q4_0'" in refused.stderr
+
+
 def test_a_port_in_use_is_one_line(tiny_llama_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

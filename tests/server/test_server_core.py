@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from bubo.engine.grammar import GrammarMatcher
-from bubo.engine.loaded_model import LoadedModel
+from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.sampler import SamplingParams
 from bubo.server import state as state_module
-from bubo.server.memory_guard import MemoryInfo
+from bubo.server.memory_guard import MemoryInfo, kv_bytes_per_position
 from bubo.server.state import INLINE_PROMPT_BYTES
 from tests.server.live_server import LiveServer, ScriptedModel, scripted, serve_loaded
 
@@ -273,6 +273,19 @@ def test_the_estimate_grows_with_the_request(tiny_llama: LoadedModel) -> None:
         guard = server.state.guard
         assert guard is not None
         assert guard.estimate(100, 200) > guard.estimate(10, 20) > 0
+    finally:
+        server.stop()
+
+
+def test_the_estimate_counts_the_kv_in_the_pools_storage_types(tiny_llama_path: Path) -> None:
+    # A float16 cache (`bubo serve`'s default) takes half the bytes a position of float32 does.
+    loaded = load_model(tiny_llama_path, cache_dtypes=(torch.float16, torch.float16))
+    server = serve_loaded(loaded)
+    try:
+        guard, config = server.state.guard, loaded.config
+        assert guard is not None
+        half = kv_bytes_per_position(config, torch.float16)
+        assert guard.cost.kv_bytes_per_token == half == kv_bytes_per_position(config, torch.float32) // 2
     finally:
         server.stop()
 

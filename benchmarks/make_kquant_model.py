@@ -1,0 +1,109 @@
+"""A K-quant benchmark file whose matrices are all whole 256-weight super-blocks: random weights at the
+widths of a ~0.4B llama (hidden 1024, MLP 3072, 24 layers, 16 query heads over 8 KV heads of 64, tied
+embeddings), the default model's tokenizer, written as F16 and quantized by llama.cpp to Q4_K_M.
+
+The default model's Q4_K_M (SmolLM2-135M, hidden 576) is mostly Q5_0 because 576 is not a multiple of
+256; this file has the Q4_K / Q6_K mix a real Q4_K_M of a larger model has (Q4_K almost everywhere, Q6_K
+for the embedding and half the layers' attn_v / ffn_down). Random weights: for speed and memory
+figures only, its text is noise.
+
+    python benchmarks/make_kquant_model.py /tmp/r1024-q4km.gguf      # needs llama-cpp-python (README)
+    python benchmarks/run.py --model /tmp/r1024-q4km.gguf --engines bubo,llama.cpp
+"""
+
+import argparse
+import ctypes
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from bubo.default_model import default_model_path
+
+HIDDEN, MLP, LAYERS, HEADS, KV_HEADS = 1024, 3072, 24, 16, 8
+
+
+def _copy_tokenizer(source: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
+    for field in source.fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            if field.types[-1] == gguf.GGUFValueType.STRING:
+                writer.add_array(field.name, [bytes(field.parts[i]).decode() for i in field.data])
+            else:
+                writer.add_array(field.name, [field.parts[i].tolist()[0] for i in field.data])
+        elif kind == gguf.GGUFValueType.STRING:
+            writer.add_string(field.name, bytes(field.parts[field.data[0]]).decode())
+        else:
+            writer.add_key_value(field.name, field.parts[field.data[0]].tolist()[0], kind)
+
+
+def write_f16_model(path: Path, seed: int = 0) -> None:
+    """The random F16 llama described above, with the default model's tokenizer and chat template."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(8192)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(MLP)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(100000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    _copy_tokenizer(gguf.GGUFReader(default_model_path()), writer)
+    rng = np.random.default_rng(seed)
+
+    def matrix(name: str, rows: int, columns: int) -> None:
+        weights = rng.standard_normal((rows, columns), dtype=np.float32) * 0.02
+        writer.add_tensor(name, weights.astype(np.float16))
+
+    vocab = len(gguf.GGUFReader(default_model_path()).fields["tokenizer.ggml.tokens"].data)
+    matrix("token_embd.weight", vocab, HIDDEN)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    kv_width = HIDDEN * KV_HEADS // HEADS
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", np.ones(HIDDEN, np.float32))
+        writer.add_tensor(p + "ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        matrix(p + "attn_q.weight", HIDDEN, HIDDEN)
+        matrix(p + "attn_k.weight", kv_width, HIDDEN)
+        matrix(p + "attn_v.weight", kv_width, HIDDEN)
+        matrix(p + "attn_output.weight", HIDDEN, HIDDEN)
+        matrix(p + "ffn_gate.weight", MLP, HIDDEN)
+        matrix(p + "ffn_up.weight", MLP, HIDDEN)
+        matrix(p + "ffn_down.weight", HIDDEN, MLP)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def quantize_q4_k_m(source: Path, target: Path) -> None:
+    """llama.cpp's own Q4_K_M recipe (llama_model_quantize), as `llama-quantize` applies it."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)):
+        raise RuntimeError(f"llama.cpp could not quantize {source}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("output", type=Path, help="the Q4_K_M file to write")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        f16 = Path(scratch) / "f16.gguf"
+        write_f16_model(f16)
+        quantize_q4_k_m(f16, args.output)
+    print(f"wrote {args.output} ({args.output.stat().st_size / 1e6:.0f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
