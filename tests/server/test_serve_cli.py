@@ -118,9 +118,8 @@ def test_cache_type_flags_set_the_kv_pool(tiny_llama_path: Path) -> None:
         url = f"http://127.0.0.1:{port}"
         try:
             assert wait_ready(url)
-            assert (
-                httpx.post(url + "/completion", json={"prompt": "hello", "n_predict": 2}).status_code == 200
-            )
+            reply = httpx.post(url + "/completion", json={"prompt": "hello", "n_predict": 2}, timeout=60)
+            assert reply.status_code == 200
             pool = httpx.get(url + "/debug/cache").json()["kv_pool"]
             assert (pool["key_dtype"], pool["value_dtype"]) == expected
         finally:
