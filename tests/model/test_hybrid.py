@@ -36,6 +36,7 @@ from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.fixtures.hybrid_models import HYBRID_SIZES, tiny_hybrid
 
 TOLERANCE = 1e-3  # fp32 Bubo vs fp32 transformers (TESTING.md)
+HALF_CACHE_TOLERANCE = 3e-2  # the same over a float16 KV cache; measured max 7.0e-3
 PREFILL, DECODE, BATCH = 64, 32, 2
 ARCHS = ["qwen35", "qwen35moe", "qwen3next"]
 LAYER_TYPES = ["linear_attention", "full_attention"] * 2
@@ -113,6 +114,18 @@ def test_matches_transformers(arch: str, tmp_path: Path) -> None:
     d_prefill, d_decode = prefill_and_decode_deltas(reference, model, _tokens(PREFILL + DECODE), PREFILL)
     print(f"{arch}: max|Δlogit| prefill {d_prefill:.2e}, cached decode {d_decode:.2e}")
     assert d_prefill <= TOLERANCE and d_decode <= TOLERANCE
+
+
+def test_a_float16_cache_tracks_transformers(tmp_path: Path) -> None:
+    """Gated attention over float16 keys and values (`bubo serve`'s default cache), one sequence: its
+    decode steps take the CPU's single-query kernel; the logits stay within float16's rounding."""
+    reference = _reference("qwen35")
+    model = _load(write_gguf(reference, tmp_path / "model.gguf"))
+    model.cache_dtypes = (torch.float16, torch.float16)
+    tokens = _tokens(PREFILL + DECODE)[:1]
+    d_prefill, d_decode = prefill_and_decode_deltas(reference, model, tokens, PREFILL)
+    print(f"qwen35, float16 cache: max|Δlogit| prefill {d_prefill:.2e}, cached decode {d_decode:.2e}")
+    assert d_prefill <= HALF_CACHE_TOLERANCE and d_decode <= HALF_CACHE_TOLERANCE
 
 
 def test_qwen3next_with_a_fused_ssm_in_matches_transformers(tmp_path: Path) -> None:
