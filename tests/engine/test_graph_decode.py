@@ -137,6 +137,17 @@ def test_static_step_matches_the_eager_step(name: str, tmp_path: Path) -> None:
     assert _compare(model, step, _cache(model), sample=True) > 1
 
 
+def test_static_step_over_a_float16_cache(tmp_path: Path) -> None:
+    """`bubo serve`'s default float16 KV cache: the static step writes the new keys and values narrowed
+    and attends over them widened, as the eager decoder does."""
+    model = _model("qwen3-qk-norm", tmp_path / "qwen3.gguf")
+    model.cache_dtypes = (torch.float16, torch.float16)
+    cache = _cache(model)
+    assert cache.pool.keys[0].dtype == cache.pool.values[0].dtype == torch.float16
+    step = GraphDecodeStep(model, masked_attention, capture=_run_as_is)
+    assert _compare(model, step, cache, sample=True) > 1
+
+
 _QUANTIZED = {"blk.*.attn_q.weight": Q.Q4_0, "blk.*.ffn_down.weight": Q.Q8_0, "output.weight": Q.Q8_0}
 
 
@@ -478,6 +489,18 @@ def test_cuda_graph_replay_matches_eager(cuda_model: Decoder) -> None:
             torch.cuda.set_sync_debug_mode("default")
 
     _compare(cuda_model, strict, _cache(cuda_model), sample=True)
+    assert not step.failed
+
+
+@cuda
+def test_cuda_graph_replay_over_a_float16_cache(tmp_path: Path) -> None:
+    """The server's default float16 KV cache under a float32 model on CUDA: the Triton paged kernel reads
+    the narrowed pool inside the captured graph."""
+    model = _model("qwen3-qk-norm", tmp_path / "qwen3.gguf", device="cuda")
+    model.cache_dtypes = (torch.float16, torch.float16)
+    step = graph_step_for(model, _cache(model))
+    assert step is not None
+    _compare(model, step, _cache(model), sample=True)
     assert not step.failed
 
 
