@@ -43,9 +43,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="float32", help="compute dtype for bubo and transformers (transformers-bf16: bf16)"
     )
+    # bubo.cli.CACHE_TYPES's names, spelled out: importing bubo here would load torch into every worker,
+    # llama.cpp's included, and inflate its measured peak memory.
     parser.add_argument(
         "--cache-type",
-        choices=("f32", "f16", "bf16"),
+        choices=("bf16", "f16", "f32"),
         default="f16",
         help="bubo's KV cache type (default f16: `bubo serve`'s default, and llama.cpp's)",
     )
@@ -183,12 +185,13 @@ def _bubo(args: argparse.Namespace) -> tuple[float, float]:
     from bubo.process_memory import configure_cpu_process
 
     configure_cpu_process()  # as `bubo serve` / `bubo generate` do on the CPU, before the model code loads
+    from bubo.cli import CACHE_TYPES
     from bubo.engine.generate import GenerationResult, generate
     from bubo.engine.loaded_model import load_model
     from bubo.engine.sampler import SamplingParams
 
     torch.set_num_threads(args.threads)
-    cache = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[args.cache_type]
+    cache = CACHE_TYPES[args.cache_type]
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype), cache_dtypes=(cache, cache))
     ids = _prompt_ids(lambda t: loaded.tokenizer.encode(t), args.prompt_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)

@@ -138,15 +138,13 @@ class Attention(nn.Module):
         """Store k, v in the cache, attend over everything cached (under `mask`), then gate and project
         out — or, with `project` False, return the heads' outputs [B, T, heads, head_dim] as they are."""
         keys, values = cache.update(self.layer_index, k, v)
-        if keys.dtype == q.dtype and values.dtype == q.dtype:
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=True
-            )
-        elif q.shape[:3] == (1, self.num_heads, 1) and mask is None and q.device.type == "cpu":
+        narrower = keys.dtype != q.dtype or values.dtype != q.dtype
+        if narrower and q.shape[:3] == (1, self.num_heads, 1) and mask is None and q.device.type == "cpu":
             # One query over a narrower cache (float16 keys and values, say): the decode kernel widens
             # them as it loads them, where SDPA would need a widened copy of the whole cache.
             out = decode_attention(q, keys, values)
         else:
+            # `.to` returns the cache's own views when it is in q's dtype already.
             out = F.scaled_dot_product_attention(
                 q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, is_causal=is_causal, enable_gqa=True
             )
