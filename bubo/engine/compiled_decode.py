@@ -1,4 +1,5 @@
-"""A decode step (one token, one sequence) compiled by inductor on the CPU, in place of the eager model's.
+"""A decode step (one token of one sequence, or a verify pass's few) compiled by inductor on the CPU, in place
+of the eager model's.
 
 The eager decoder runs some 25 small ops a layer between its compiled matvecs (norms, rotary, residual
 adds, the SwiGLU product): each an op dispatch and an OpenMP parallel region, about a third of a
@@ -77,6 +78,7 @@ class _Projection:
     has_bias: bool
 
     def __call__(self, x: torch.Tensor, tensors: Tensors) -> list[torch.Tensor]:
+        """x [rows, in] -> each member's [rows, out]."""
         out_features = sum(self.sizes)
         # Store the input once: left as an expression, inductor would inline it (a norm, SiLU's exp)
         # into the matvec's loop, to be recomputed for every tile of output rows.
@@ -91,7 +93,7 @@ class _Projection:
             y = F.linear(x, tensors[0])
         if self.has_bias:
             y = y + tensors[-1]
-        return list(y.split(self.sizes)) if len(self.sizes) > 1 else [y]
+        return list(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [y]
 
 
 # Tensors each kind of product takes (before a bias): word bits and per-block fields packed; a weight.
@@ -245,23 +247,24 @@ def _plan_layer(layer: nn.Module) -> tuple[_LayerPlan, _LayerTensors]:
 def _enter(
     plan: _LayerPlan, w: _LayerTensors, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> Tensors:
-    """Attention.project on the layer's normed input x [hidden]: rotated q [1, heads, 1, D], k and v
-    [kv_heads, D] (the shape of one position in the cache)."""
+    """Attention.project on the layer's normed input x [tokens, hidden]: rotated q [1, heads, tokens, D],
+    k and v [kv_heads, tokens, D] (the shape of their positions in the cache)."""
     q, k, v = _project(rms_norm(x, w.attn_norm, plan.eps), plan.qkv, w.qkv)
-    q = q.view(1, 1, plan.num_heads, plan.head_dim)
-    k = k.view(1, 1, plan.num_kv_heads, plan.head_dim)
-    v = v.view(1, 1, plan.num_kv_heads, plan.head_dim)
+    tokens = x.shape[0]
+    q = q.view(1, tokens, plan.num_heads, plan.head_dim)
+    k = k.view(1, tokens, plan.num_kv_heads, plan.head_dim)
+    v = v.view(1, tokens, plan.num_kv_heads, plan.head_dim)
     if w.q_norm is not None and w.k_norm is not None:
         q, k = rms_norm(q, w.q_norm, plan.eps), rms_norm(k, w.k_norm, plan.eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q, k = apply_rotary(q, cos, sin, plan.rope_style), apply_rotary(k, cos, sin, plan.rope_style)
-    return q, k.view(plan.num_kv_heads, plan.head_dim), v.reshape(plan.num_kv_heads, plan.head_dim)
+    return q, k[0], v[0]
 
 
 def _leave(plan: _LayerPlan, w: _LayerTensors, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    """The rest of DecoderLayer after attention: o_proj of the heads' outputs [1, heads, 1, D], the
-    residual, the MLP and its residual -> x [hidden]."""
-    (o,) = _project(attended.transpose(1, 2).reshape(-1), plan.o, w.o)
+    """The rest of DecoderLayer after attention: o_proj of the heads' outputs [1, heads, tokens, D], the
+    residual, the MLP and its residual -> x [tokens, hidden]."""
+    (o,) = _project(attended.transpose(1, 2).reshape(x.shape[0], -1), plan.o, w.o)
     x = x + o
     gate, up = _project(rms_norm(x, w.ffn_norm, plan.eps), plan.gate_up, w.gate_up)
     (down,) = _project(F.silu(gate) * up, plan.down, w.down)
@@ -305,14 +308,16 @@ def _finish_graph(plan: _LayerPlan, count: int, head: _Projection, eps: float) -
 
 
 def _write_and_view(pool: torch.Tensor, run: int, start: int, new: torch.Tensor) -> torch.Tensor:
-    """Store `new` [kv_heads, D] at position `start` of a sequence whose positions lie at `run`.. of a
-    layer's pool [kv_heads, pool positions, D], and return positions 0..start as [1, kv_heads, start + 1,
-    D]: two ops where KVCache.update runs a dozen (a decode step pays this twice a layer)."""
-    pool.select(1, run + start).copy_(new)
+    """Store `new` [kv_heads, tokens, D] at positions start.. of a sequence whose positions lie at `run`..
+    of a layer's pool [kv_heads, pool positions, D], and return positions 0..start + tokens - 1 as [1,
+    kv_heads, start + tokens, D]: two ops where KVCache.update runs a dozen (a decode step pays this twice
+    a layer)."""
+    tokens = new.shape[1]
+    pool.narrow(1, run + start, tokens).copy_(new)
     heads, _, dim = pool.shape
     head_stride, position_stride, dim_stride = pool.stride()
     return pool.as_strided(
-        (1, heads, start + 1, dim),
+        (1, heads, start + tokens, dim),
         (heads * head_stride, head_stride, position_stride, dim_stride),
         pool.storage_offset() + run * position_stride,
     )
@@ -320,7 +325,11 @@ def _write_and_view(pool: torch.Tensor, run: int, start: int, new: torch.Tensor)
 
 class CompiledDecodeStep:
     """`step(token, cache)` -> float32 logits [vocab] of the next position, as `model(token.view(1, 1),
-    cache)[0, -1]` computes them, for a single-sequence KVCache (the cache advances by one)."""
+    cache)[0, -1]` computes them, for a single-sequence KVCache (the cache advances by one).
+    `step(tokens, cache)` with tokens [T] (a few: a speculative round's verify pass) runs them at the
+    cache's next T positions in one pass -> logits [T, vocab], each position attending to those before
+    it: the weights are expanded once for all T rows (bubo/kernels/codes.py's block_dots), the graphs are
+    compiled once per T."""
 
     def __init__(self, model: Decoder) -> None:
         if model.device.type != "cpu" or model.dtype != torch.float32:
@@ -345,19 +354,19 @@ class CompiledDecodeStep:
         if len(between) > MAX_BETWEEN_GRAPHS:
             raise UnsupportedModelError(f"{len(between)} kinds of layer boundary, each a graph to compile")
         self._finish = _finish_graph(plans[-1], len(self.layers[-1]), head_plan, model.norm.eps)
-        self._kernels: dict[int, Callable[..., Any]] = {}
+        self._kernels: dict[tuple[int, int], Callable[..., Any]] = {}
 
-    def __call__(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        model, start = self.model, cache.length
-        positions = torch.arange(start + cache.rope_delta, start + cache.rope_delta + 1)
+    def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        model, start, count = self.model, cache.length, tokens.numel()
+        positions = torch.arange(start + cache.rope_delta, start + cache.rope_delta + count)
         cos, sin = model.rotary(positions, model.dtype)
-        x = model.embedding(token.view(1)).view(-1)
-        q, k, v = self._run(0, self._enter, x, cos, sin, *self.layers[0])
+        x = model.embedding(tokens.view(count))
+        q, k, v = self._run(0, count, self._enter, x, cos, sin, *self.layers[0])
         last = len(self.layers) - 1
-        run = cache.single_run(start + 1)
+        run = cache.single_run(start + count)
         for i, slot in enumerate(self.layer_slots):
             if run is None:
-                keys, values = cache.update(slot, k[None, :, None], v[None, :, None])
+                keys, values = cache.update(slot, k[None], v[None])
             else:
                 keys, values = (
                     _write_and_view(cache.pool.keys[slot], run, start, k),
@@ -366,21 +375,37 @@ class CompiledDecodeStep:
             attended = decode_attention(q, keys, values)
             if i < last:
                 x, q, k, v = self._run(
-                    i + 1, self._between[i], x, attended, cos, sin, *self.layers[i], *self.layers[i + 1]
+                    i + 1,
+                    count,
+                    self._between[i],
+                    x,
+                    attended,
+                    cos,
+                    sin,
+                    *self.layers[i],
+                    *self.layers[i + 1],
                 )
             else:
                 logits = self._run(
-                    i + 1, self._finish, x, attended, *self.layers[i], self._norm_weight, *self.head_tensors
+                    i + 1,
+                    count,
+                    self._finish,
+                    x,
+                    attended,
+                    *self.layers[i],
+                    self._norm_weight,
+                    *self.head_tensors,
                 )
-        cache.advance(1)
-        return logits
+        cache.advance(count)
+        return logits if tokens.dim() else logits[0]
 
-    def _run(self, call: int, graph: StaticKernel, *args: torch.Tensor) -> Any:
-        """The step's `call`-th graph on `args`: every step passes the same layouts there, so the compiled
-        kernel is looked up once (the lookup keys some 40 tensors' shapes and strides)."""
-        kernel = self._kernels.get(call)
+    def _run(self, call: int, count: int, graph: StaticKernel, *args: torch.Tensor) -> Any:
+        """The step's `call`-th graph on `args` for `count` tokens: every step of that many passes the
+        same layouts there, so the compiled kernel is looked up once (the lookup keys some 40 tensors'
+        shapes and strides)."""
+        kernel = self._kernels.get((call, count))
         if kernel is None:
-            kernel = self._kernels[call] = graph.kernel_for(*args)
+            kernel = self._kernels[call, count] = graph.kernel_for(*args)
         return kernel(*args)
 
     def warm_up(self) -> None:

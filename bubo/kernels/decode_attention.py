@@ -38,17 +38,39 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.
     return out.view(q.shape)
 
 
+def _attend_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    # M queries at the last M of the T positions (a verify pass's tokens): query i sees positions up to
+    # T - M + i. The length enters only as an extent and in the mask's comparison.
+    kv_heads, length, dim = keys.shape[1], keys.shape[2], keys.shape[3]
+    queries = q.shape[2]
+    grouped = q.view(kv_heads, -1, queries, dim) * dim**-0.5  # [kv_heads, G, M, D]
+    k, v = keys[0].to(q.dtype), values[0].to(q.dtype)
+    scores = (k[:, None, None] * grouped[:, :, :, None, :]).sum(-1)  # [kv_heads, G, M, T]
+    last_seen = length - queries + torch.arange(queries, device=q.device)
+    seen = torch.arange(length, device=q.device)[None, :] <= last_seen[:, None]  # [M, T]
+    scores = torch.where(seen, scores, float("-inf"))
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    out = (weights[..., None] * v[:, None, None]).sum(3) / weights.sum(-1)[..., None]
+    return out.view(q.shape)
+
+
 _kernel = DynamicKernel(_attend, dynamic={1: (2,), 2: (2,)})
+_causal_kernel = DynamicKernel(_attend_causal, dynamic={1: (2,), 2: (2,)})
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """q [1, heads, 1, D] over keys and values [1, kv_heads, T, D] (heads a multiple of kv_heads; any
-    strides but a unit one for D; q's dtype or narrower) -> [1, heads, 1, D], as
-    `decode_attention_reference` computes it."""
-    return _kernel(q, keys, values)
+    """q [1, heads, M, D] over keys and values [1, kv_heads, T, D] (heads a multiple of kv_heads; any
+    strides but a unit one for D; q's dtype or narrower) -> [1, heads, M, D], as
+    `decode_attention_reference` computes it. The M queries are the last M positions (a decode step's
+    one, or a verify pass's few), each attending to itself and the positions before it."""
+    return (_kernel if q.shape[2] == 1 else _causal_kernel)(q, keys, values)
 
 
 def decode_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The plain-torch result the kernel must match: SDPA on keys and values widened to q's dtype, no
-    mask, scale 1/sqrt(D)."""
-    return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), enable_gqa=True)
+    """The plain-torch result the kernel must match: SDPA on keys and values widened to q's dtype, scale
+    1/sqrt(D), the queries at the last positions under a causal mask."""
+    queries, length = q.shape[2], keys.shape[2]
+    seen = torch.ones(queries, length, dtype=torch.bool).tril(length - queries)
+    return F.scaled_dot_product_attention(
+        q, keys.to(q.dtype), values.to(q.dtype), attn_mask=seen, enable_gqa=True
+    )

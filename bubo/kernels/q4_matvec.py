@@ -25,11 +25,12 @@ from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
 from bubo.kernels.codes import (
+    block_dots,
+    block_sums,
     by_block,
+    by_rows,
     expand_tiles,
     half_if_exact,
-    pairwise_sum,
-    placed_codes,
     tiled_by_rows,
     word_bits,
 )
@@ -124,30 +125,19 @@ def _unpack_kernel(dtype: torch.dtype) -> StaticKernel:
 
 def _matvec(x: torch.Tensor, bits: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
     # sum_b scale[b] * (x_b . codes_b) + offset[b] * sum(x_b): the inner dot product runs on codes alone.
-    # One reduction over blocks whose body expands a block's 32 codes, so that inductor emits a single
-    # loop per tile with nothing stored between the words and the result. The products of one nibble
-    # position form a chain (four FMAs, one per word) scaled once by its placement factor.
     words = bits.view(torch.int32)
-    n_blocks = words.shape[1]
-    xr = x.view(n_blocks, _WORDS, _NIBBLES)
-    positions = []
-    for s in range(_NIBBLES):
-        chain = None
-        for w in range(_WORDS):
-            codes, place = placed_codes(words[:, :, w], s, 4)
-            term = xr[None, :, w, s, None] * codes
-            chain = term if chain is None else chain + term
-        positions.append(chain if place == 1.0 else chain * place)
-    block_sums = x.view(1, n_blocks, 1, 32).sum(-1)
+    sums = block_sums(x, words.shape[1])
     scale, offset = scale_offset.to(torch.float32).unbind(2)
-    return (pairwise_sum(positions) * scale + block_sums * offset).sum(1).view(-1)
+    dots = block_dots(x, words, 4)
+    return by_rows(x, [(d * scale + sums[r] * offset).sum(1).view(-1) for r, d in enumerate(dots)])
 
 
 _compiled_matvec = StaticKernel(_matvec, fused=True)
 
 
 def q4_matvec(x: torch.Tensor, packed: PackedQ4) -> torch.Tensor:
-    """x [in_features] (float32) -> x W^T [out_features], in one compiled pass over the codes."""
+    """x [in_features] (float32) -> x W^T [out_features], in one compiled pass over the codes; x [rows,
+    in_features] (a few rows) -> [rows, out_features], the codes expanded once for all rows."""
     return q4_matvec_bits(x, word_bits(packed.words), packed.scale_offset, packed.out_features)
 
 
@@ -157,7 +147,7 @@ def q4_matvec_bits(
     """`q4_matvec` on the packed tensors, the words as their float32 bits (`word_bits`): the form in
     which a compiled graph that contains the matvec takes them as inputs."""
     out = _compiled_matvec(x, bits, scale_offset)
-    return out if out.shape[0] == out_features else out[:out_features]
+    return out if out.shape[-1] == out_features else out[..., :out_features]
 
 
 def q4_matvec_reference(x: torch.Tensor, raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:

@@ -28,10 +28,11 @@ from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import dequantize
 from bubo.kernels.codes import (
+    block_dots,
+    block_sums,
     by_block,
+    by_rows,
     expand_tiles,
-    pairwise_sum,
-    placed_codes,
     tiled_by_rows,
     word_bits,
 )
@@ -147,38 +148,22 @@ def _unpack_kernel(with_offset: bool, dtype: torch.dtype) -> StaticKernel:
     return StaticKernel(q8_unpack_tiles)
 
 
-def _block_dots(x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    """x_b . bytes_b for every block b of every row, the bytes unsigned: [tiles, blocks, TILE]. One
-    reduction over blocks expanding a block's codes in its body; the products of one byte position form
-    a chain (one FMA per word) scaled once by its placement factor (see q4_matvec)."""
-    xr = x.view(words.shape[1], words.shape[2], _BYTES)
-    positions = []
-    for s in range(_BYTES):
-        chain = None
-        for w in range(words.shape[2]):
-            codes, place = placed_codes(words[:, :, w], s, 8)
-            term = xr[None, :, w, s, None] * codes
-            chain = term if chain is None else chain + term
-        positions.append(chain if place == 1.0 else chain * place)
-    return pairwise_sum(positions)
-
-
-def _block_sums(x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    return x.view(1, words.shape[1], 1, -1).sum(-1)
-
-
 def _matvec(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    # sum_b scale[b] * (x_b . (bytes_b - CODE_BIAS)): the inner dot product runs on the bytes alone.
+    # sum_b scale[b] * (x_b . (bytes_b - CODE_BIAS)): the inner dot product runs on the bytes alone
+    # (bubo/kernels/codes.py's block_dots, the codes of several rows of x expanded once).
     words, scale = bits[:, :, :-1].view(torch.int32), bits[:, :, -1]
-    dots = _block_dots(x, words) - CODE_BIAS * _block_sums(x, words)
-    return (dots * scale).sum(1).view(-1)
+    sums = block_sums(x, words.shape[1])
+    dots = block_dots(x, words, 8)
+    return by_rows(x, [((d - CODE_BIAS * sums[r]) * scale).sum(1).view(-1) for r, d in enumerate(dots)])
 
 
 def _offset_matvec(x: torch.Tensor, bits: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
     # sum_b scale[b] * (x_b . codes_b) + offset[b] * sum(x_b)
     words = bits.view(torch.int32)
     scale, offset = scale_offset.to(torch.float32).unbind(2)
-    return (_block_dots(x, words) * scale + _block_sums(x, words) * offset).sum(1).view(-1)
+    sums = block_sums(x, words.shape[1])
+    dots = block_dots(x, words, 8)
+    return by_rows(x, [(d * scale + sums[r] * offset).sum(1).view(-1) for r, d in enumerate(dots)])
 
 
 _compiled_matvec = StaticKernel(_matvec, fused=True)
@@ -186,14 +171,15 @@ _compiled_offset_matvec = StaticKernel(_offset_matvec, fused=True)
 
 
 def q8_matvec(x: torch.Tensor, packed: PackedQ8) -> torch.Tensor:
-    """x [in_features] (float32) -> x W^T [out_features], in one compiled pass over the codes."""
+    """x [in_features] (float32) -> x W^T [out_features], in one compiled pass over the codes; x [rows,
+    in_features] -> [rows, out_features] (see q4_matvec)."""
     return q8_matvec_bits(x, word_bits(packed.words), packed.out_features)
 
 
 def q8_matvec_bits(x: torch.Tensor, bits: torch.Tensor, out_features: int) -> torch.Tensor:
     """`q8_matvec` on the packed words as their float32 bits (see q4_matvec_bits)."""
     out = _compiled_matvec(x, bits)
-    return out if out.shape[0] == out_features else out[:out_features]
+    return out if out.shape[-1] == out_features else out[..., :out_features]
 
 
 def q8_offset_matvec_bits(
@@ -201,7 +187,7 @@ def q8_offset_matvec_bits(
 ) -> torch.Tensor:
     """The matvec of a PackedQ8Offset on its tensors, the words as their float32 bits (see q4_matvec_bits)."""
     out = _compiled_offset_matvec(x, bits, scale_offset)
-    return out if out.shape[0] == out_features else out[:out_features]
+    return out if out.shape[-1] == out_features else out[..., :out_features]
 
 
 def q8_matvec_reference(x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:

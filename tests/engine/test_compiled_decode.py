@@ -117,6 +117,34 @@ def test_blocks_that_are_not_one_run(tmp_path: Path) -> None:
     _compare(model, CompiledDecodeStep(model), cache)
 
 
+@pytest.mark.parametrize("name", ["llama-tied", "qwen3-qk-norm"])
+def test_several_tokens_in_one_step_match_the_eager_pass(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verify pass: T tokens at the cache's next positions in one compiled pass give the logits the
+    eager decoder gives for them, each position seeing those before it; packed matvecs over T rows."""
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    model = _model(name, tmp_path / f"{name}.gguf", quantize=_MIXED if name == "llama-tied" else None)
+    step = CompiledDecodeStep(model)
+    prompt = torch.tensor([[3, 17, 42, 7, 99]])
+    eager_cache, compiled_cache = model.new_cache(max_len=32), model.new_cache(max_len=32)
+    with torch.inference_mode():
+        model(prompt, eager_cache, last_only=True)
+        model(prompt, compiled_cache, last_only=True)
+        for tokens in ([5, 61, 2, 88], [9, 4], [70, 31, 8, 6]):
+            expected = model(torch.tensor([tokens]), eager_cache)[0]
+            got = step(torch.tensor(tokens), compiled_cache)
+            assert got.shape == expected.shape and got.dtype == torch.float32
+            assert (got - expected).abs().max().item() <= LOGIT_TOLERANCE
+            assert compiled_cache.length == eager_cache.length
+        # A rejected draft: the cache is cut back and the next pass writes over the rejected positions.
+        eager_cache.truncate(eager_cache.length - 3)
+        compiled_cache.truncate(compiled_cache.length - 3)
+        expected = model(torch.tensor([[12, 13]]), eager_cache)[0]
+        got = step(torch.tensor([12, 13]), compiled_cache)
+        assert (got - expected).abs().max().item() <= LOGIT_TOLERANCE
+
+
 def test_hybrid_models_decode_eagerly(tmp_path: Path) -> None:
     reference = tiny_hybrid("qwen35", ["linear_attention", "full_attention"])
     randomize_(reference, seed=1)

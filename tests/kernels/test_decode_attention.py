@@ -66,3 +66,32 @@ def test_contiguous_keys_and_other_capacities_take_the_same_kernel() -> None:
     assert module._kernel._compiled and all(
         k is not module._attend for k in module._kernel._compiled.values()
     )
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4)])
+@pytest.mark.parametrize(("queries", "length"), [(2, 2), (4, 9), (4, 530)])
+def test_several_queries_each_see_the_positions_up_to_their_own(
+    heads: int, kv_heads: int, queries: int, length: int
+) -> None:
+    # A verify pass's queries are the last positions: query i attends to positions 0 .. T - M + i.
+    g = torch.Generator().manual_seed(queries * length)
+    q = torch.randn(1, heads, queries, 64, generator=g)
+    keys, values = _cache_views(kv_heads, length, 64, capacity=length + 40, start=7, g=g)
+    with torch.inference_mode():
+        got = decode_attention(q, keys, values)
+        # Each query alone over its own prefix: the single-query kernel.
+        alone = [
+            decode_attention(
+                q[:, :, i : i + 1],
+                keys[:, :, : length - queries + i + 1],
+                values[:, :, : length - queries + i + 1],
+            )
+            for i in range(queries)
+        ]
+    expected = decode_attention_reference(q.double(), keys.double(), values.double())
+    assert got.shape == q.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, torch.cat(alone, dim=2), rtol=1e-5, atol=1e-6)
+    assert module._causal_kernel._compiled and all(
+        k is not module._attend_causal for k in module._causal_kernel._compiled.values()
+    )

@@ -58,6 +58,25 @@ def test_matvec_matches_float64_reference(qtype: Q) -> None:
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
+# Q4_K, Q5_K and Q6_K repack into the three matvec layouts (PackedQ4, PackedQ8Offset, PackedQ8).
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_matvec_of_several_rows_is_each_rows_matvec(qtype: Q) -> None:
+    # A verify pass multiplies its few tokens' rows in one pass over the codes: each row's result is the
+    # one its own matvec gives, bit for bit (a speculative round's greedy tokens are plain decoding's).
+    raw = random_blocks(qtype, 19, 512, seed=4)
+    packed = repack(torch.from_numpy(raw), qtype)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5))
+    expected = x.double() @ torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float64)).T
+    with torch.inference_mode():
+        got = packed.matvec(x)
+        rows = [packed.matvec(row) for row in x]
+    assert got.shape == (3, 19)
+    # float32 sums of 512 products: errors relative to the largest output (random Q6_K rows reach ~1000).
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-6 * expected.abs().max().item())
+    for row, alone in zip(got, rows, strict=True):
+        assert torch.equal(row, alone)
+
+
 @pytest.mark.parametrize("qtype", list(REPACKABLE))
 def test_packing_in_row_steps_matches_the_blocks(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(codes, "PACK_ROWS", 2 * codes.TILE)
