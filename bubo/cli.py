@@ -202,12 +202,27 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_speculation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--spec-type",
+        choices=("mtp", "ngram-simple", "none"),
+        default=None,
+        help="speculative decoding's drafter: the model's MTP block, or the tokens that followed the "
+        "last earlier occurrence of the newest n-gram (no draft model; for text that repeats its "
+        "context) (default: mtp for a model with an MTP block, else none)",
+    )
+    parser.add_argument(
         "--spec-draft",
         type=int,
         default=None,
         metavar="N",
-        help="speculative decoding: tokens the MTP block drafts per step (0 = off; "
-        "default: 1 for a model with an MTP block, else off)",
+        help="speculative decoding: tokens drafted per step (0 = off; default: 1 with mtp, 2 with "
+        "ngram-simple)",
+    )
+    parser.add_argument(
+        "--spec-ngram-simple-size-n",
+        type=int,
+        default=3,
+        metavar="N",
+        help="ngram-simple: how many of the newest tokens must have occurred before (default 3)",
     )
     parser.add_argument(
         "--mtp-weights",
@@ -235,10 +250,10 @@ def _prepare_process(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     _prepare_process(args)
+    from bubo.engine.drafters import drafter_for, prepare_drafting
     from bubo.engine.generate import GenerationResult, TextDelta, generate
     from bubo.engine.loaded_model import load_model
     from bubo.engine.sampler import SamplingParams
-    from bubo.engine.speculative import mtp_drafter
     from bubo.model.mtp_weights import load_mtp_weights
 
     if args.threads is not None:
@@ -269,7 +284,8 @@ def _generate(args: argparse.Namespace) -> int:
     )
     if args.mtp_weights is not None:
         load_mtp_weights(loaded.model, args.mtp_weights)
-    drafter = mtp_drafter(loaded.model, args.spec_draft)
+    drafter = drafter_for(loaded.model, args.spec_type, args.spec_draft, args.spec_ngram_simple_size_n)
+    prepare_drafting(loaded.model, drafter)
     load_seconds = time.perf_counter() - started
     prompt_ids = loaded.tokenizer.encode(args.prompt)
     events = generate(
@@ -333,6 +349,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--cache-snapshots, --cache-ram and --cache-snapshot-interval must be >= 0")
     if args.spec_draft is not None and args.spec_draft < 0:
         raise ValueError(f"--spec-draft must be >= 0 (0 = off), got {args.spec_draft}")
+    if args.spec_ngram_simple_size_n < 1:
+        raise ValueError(f"--spec-ngram-simple-size-n must be >= 1, got {args.spec_ngram_simple_size_n}")
     if args.n_predict == 0 or args.n_predict < -1:
         raise ValueError(f"--n-predict must be -1 or a positive integer, got {args.n_predict}")
     defaults = SamplingParams(
@@ -368,7 +386,9 @@ def _serve(args: argparse.Namespace) -> int:
             max_bytes=int(args.cache_ram * (1 << 20)),
             interval=args.cache_snapshot_interval,
         ),
+        spec_type=args.spec_type,
         spec_draft=args.spec_draft,
+        spec_ngram_size=args.spec_ngram_simple_size_n,
         mtp_weights=args.mtp_weights,
         mmproj=args.mmproj,
         allow_image_urls=args.allow_image_urls,

@@ -408,12 +408,12 @@ class CompiledDecodeStep:
             kernel = self._kernels[call, count] = graph.kernel_for(*args)
         return kernel(*args)
 
-    def warm_up(self) -> None:
-        """Compile every graph now (seconds to a minute on a cold inductor cache) by running one step
-        on a scratch cache, rather than on the first decoded token."""
-        cache = self.model.new_cache(max_len=2)
+    def warm_up(self, tokens: int = 1) -> None:
+        """Compile every graph for passes of `tokens` tokens now (seconds to a minute on a cold inductor
+        cache) by running one on a scratch cache, rather than on the first decoded token or verify pass."""
+        cache = self.model.new_cache(max_len=tokens + 1)
         with torch.inference_mode():
-            self(torch.zeros((), dtype=torch.long), cache)
+            self(torch.zeros(() if tokens == 1 else (tokens,), dtype=torch.long), cache)
 
 
 _steps: "weakref.WeakKeyDictionary[nn.Module, CompiledDecodeStep | None]" = weakref.WeakKeyDictionary()

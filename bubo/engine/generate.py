@@ -229,10 +229,12 @@ def generate(
     if cancelled is None or not cancelled():
         inputs = prompt_inputs(cached, len(prompt)) if prompt_inputs is not None else None
         images = {} if inputs is None else {"multimodal": inputs}
-        if speculative is None:
+        if speculative is None or not speculative.drafter.needs_hidden:
             logits = _prefill(model, cache, tokens, images, cancelled)
-            if logits is not None:
+            if logits is not None and speculative is None:
                 source = _plain_tokens(model, cache, chooser, logits)
+            elif logits is not None:
+                source = speculative.tokens(logits, prompt, limit)
         else:
             source = speculative.tokens(speculative.prefill(tokens, inputs), prompt, limit)
     # All of the uncached prompt, unless the prefill was cancelled part way.

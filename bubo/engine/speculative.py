@@ -1,9 +1,10 @@
 """Speculative decoding: a drafter proposes the next few tokens, the model checks them all in one
 forward pass, and the agreeing prefix is kept, plus one token of the model's own.
 
-The drafter here is the model's MTP block (bubo/model/mtp.py): from the main model's final hidden state
-at position t and token t+1 it predicts token t+2, and chained on its own hidden states it proposes N
-tokens. One round, with the cache holding L positions and `last` the newest token, not yet run:
+Two drafters: the model's MTP block (bubo/model/mtp.py, here): from the main model's final hidden
+state at position t and token t+1 it predicts token t+2, and chained on its own hidden states it
+proposes N tokens; and the context's own history (bubo/engine/ngram_drafter.py: what followed the last
+earlier occurrence of the newest n-gram), for any model. One round, with the cache holding L positions and `last` the newest token, not yet run:
 
     draft d_1..d_N;  one forward over [last, d_1..d_N] at positions L..L+N  ->  target rows p_0..p_N
     for i = 1..N: check d_i against p_{i-1}; on the first rejection, the replacement token ends the round
@@ -36,6 +37,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from bubo.engine.compiled_decode import decode_step_for
 from bubo.engine.kv_cache import CacheSnapshot, KVCache
 from bubo.engine.sampler import draw
 from bubo.engine.token_choice import TokenChooser
@@ -75,15 +77,18 @@ class Drafter(Protocol):
     """Proposes tokens for SpeculativeDecoder."""
 
     max_draft: int  # N: tokens proposed per round at most
+    needs_hidden: bool  # whether `propose` reads the model's hidden states (else it gets None)
 
     def start(self, max_len: int) -> None:
         """A new sequence of at most `max_len` positions begins."""
         ...
 
-    def propose(self, context: Sequence[int], hidden: torch.Tensor, n: int, draw_draft: DrawDraft) -> Draft:
+    def propose(
+        self, context: Sequence[int], hidden: torch.Tensor | None, n: int, draw_draft: DrawDraft
+    ) -> Draft:
         """Up to `n` tokens to follow `context` (prompt and generated tokens so far). `hidden` [1, k, H]
         holds the model's final hidden states of the k positions run since the last call; row j is
-        the state that `context[-k + j]` was chosen from."""
+        the state that `context[-k + j]` was chosen from (None for a drafter that doesn't need them)."""
         ...
 
 
@@ -112,6 +117,8 @@ class MTPDrafter:
     relative positions), plus the rows of the last round's chained guesses, dropped on the next call.
     """
 
+    needs_hidden = True
+
     def __init__(self, model: DraftModel, max_draft: int) -> None:
         if max_draft < 1:
             raise ValueError(f"an MTP drafter proposes at least 1 token per round, got {max_draft}")
@@ -126,10 +133,12 @@ class MTPDrafter:
         self._cache.reset()
         self._settled = 0
 
-    def propose(self, context: Sequence[int], hidden: torch.Tensor, n: int, draw_draft: DrawDraft) -> Draft:
+    def propose(
+        self, context: Sequence[int], hidden: torch.Tensor | None, n: int, draw_draft: DrawDraft
+    ) -> Draft:
         cache = self._cache
-        if cache is None:
-            raise RuntimeError("MTPDrafter.propose before start")
+        if cache is None or hidden is None:
+            raise RuntimeError("MTPDrafter.propose before start, or without hidden states")
         cache.truncate(self._settled)
         device = self.model.device
         k = hidden.shape[1]
@@ -210,8 +219,9 @@ class SpeculativeDecoder:
         self, logits: torch.Tensor, context: Sequence[int], limit: int | None
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """Tokens and the logits row each was chosen from, starting from the prompt's last `logits`;
-        `context` is the prompt, `limit` the most tokens the caller will take (None: no limit)."""
-        if self._hidden is None:
+        `context` is the prompt, `limit` the most tokens the caller will take (None: no limit). A drafter
+        that reads hidden states needs the prompt run by `prefill`; any other takes the cache as it is."""
+        if self._hidden is None and self.drafter.needs_hidden:
             raise RuntimeError("SpeculativeDecoder.tokens before prefill")
         context = list(context)
         hidden, cache = self._hidden, self.cache
@@ -230,7 +240,14 @@ class SpeculativeDecoder:
                 n -= 1
             draft = self.drafter.propose(context, hidden, max(n, 0), self.chooser.draw_draft)
             self.proposed += len(draft.tokens)
-            verified, rows, snapshots = self._verify(start, [context[-1], *draft.tokens])
+            step = None if self.drafter.needs_hidden else decode_step_for(self.model, cache)
+            if step is None:
+                verified, rows, snapshots = self._verify(start, [context[-1], *draft.tokens])
+            else:
+                # The compiled step runs the round's tokens in one pass (the plain decode step when
+                # nothing was drafted); it has no hidden states to give, and none are wanted.
+                checked = torch.tensor([context[-1], *draft.tokens], device=self.model.device)
+                verified, rows, snapshots = None, step(checked, cache), {}
             chosen = self._accept(draft, rows)
             kept = 0
             try:
@@ -240,7 +257,7 @@ class SpeculativeDecoder:
                     yield token, row
             finally:
                 self._roll_back(start + kept, snapshots)
-            hidden = verified[:, : len(chosen)]
+            hidden = None if verified is None else verified[:, : len(chosen)]
             emitted += len(chosen)
 
     def _verify(

@@ -22,16 +22,17 @@ import torch
 from bubo.engine.block_pool import BlockPool, KVPoolExhaustedError
 from bubo.engine.compute_threads import use_one_thread
 from bubo.engine.constraints import GrammarConstraint, ReasoningBudget, ReasoningTracker
+from bubo.engine.drafters import drafter_for, prepare_drafting
 from bubo.engine.generate import TokenConstraint
 from bubo.engine.grammar import GrammarError, GrammarMatcher, gbnf_grammar, json_schema_grammar, lark_grammar
 from bubo.engine.loaded_model import LoadedModel, load_model
+from bubo.engine.ngram_drafter import DEFAULT_NGRAM_SIZE
 from bubo.engine.prompt_cache import SnapshotPolicy
 from bubo.engine.prompt_images import PromptImage
 from bubo.engine.request import Finished, GenerationRequest, OutputEvent
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import DeviceLostError
 from bubo.engine.slot_pool import SlotPool
-from bubo.engine.speculative import mtp_drafter
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.mtp_weights import check_mtp_file, load_mtp_weights
@@ -113,9 +114,12 @@ class ServerSettings:
     kv_tokens: int | None = None
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none: no CORS
     shutdown_grace: float = 10.0  # seconds requests in flight get to finish after SIGTERM
-    # Speculative decoding with the MTP block: tokens drafted per round (0: off; None: on for a model
-    # with an MTP block, see bubo.engine.speculative.mtp_drafter), and the checkpoint to take it from.
+    # Speculative decoding (bubo.engine.drafters.drafter_for): the drafter (None: the MTP block when the
+    # model has one), tokens drafted per round (0: off; None: the drafter's default), the n-gram size of
+    # ngram-simple, and the checkpoint to take an MTP block from.
+    spec_type: str | None = None
     spec_draft: int | None = None
+    spec_ngram_size: int = DEFAULT_NGRAM_SIZE
     mtp_weights: Path | None = None
     # The vision tower (a projector GGUF, like llama.cpp's --mmproj, or a checkpoint's vision weights);
     # without one, image parts are refused. http(s) image URLs are fetched only when allowed.
@@ -176,9 +180,9 @@ class ServerState:
         self.context_length = self._n_ctx(config.context_length)
         if self.settings.mtp_weights is not None:
             check_mtp_file(config, self.settings.mtp_weights)
-        elif self.settings.spec_draft and not config.mtp_layers:
+        elif self._wants_mtp() and not config.mtp_layers:
             raise ValueError(
-                f"--spec-draft {self.settings.spec_draft}: this model has no MTP block to draft with "
+                f"{self._speculation_flags()}: this model has no MTP block to draft with "
                 "(give its checkpoint's with --mtp-weights PATH, or use --spec-draft 0)"
             )
         if self.settings.mmproj is not None:
@@ -236,9 +240,9 @@ class ServerState:
         self.template = template
         settings = self.settings
         # With several slots their decode steps run as one batch; a verify pass of several tokens can't
-        # join it, so speculation is on by default only with one slot.
+        # join it, so speculation is on by default (no --spec-type, no --spec-draft) only with one slot.
         spec_draft = settings.spec_draft
-        if spec_draft is None and settings.parallel > 1:
+        if spec_draft is None and settings.spec_type is None and settings.parallel > 1:
             spec_draft = 0
         self.slots = SlotPool(
             loaded.model,
@@ -247,9 +251,14 @@ class ServerState:
             settings.parallel,
             settings.snapshots,
             settings.kv_tokens,
-            new_drafter=lambda: mtp_drafter(loaded.model, spec_draft),
+            new_drafter=lambda: drafter_for(
+                loaded.model, settings.spec_type, spec_draft, settings.spec_ngram_size
+            ),
             vision=tower,
         )
+        if self.slots.batcher is None:
+            # (Batched slots' verify passes run eagerly, through the batcher: nothing to compile.)
+            prepare_drafting(loaded.model, self.slots.slots[0].drafter)
         # KV bytes per position as the pool stores them (its key and value types); without a pool (a
         # stand-in model) as the compute dtype would.
         pool = self.slots.pool
@@ -313,6 +322,19 @@ class ServerState:
                 param="model",
             )
         return name
+
+    def _wants_mtp(self) -> bool:
+        settings = self.settings
+        return settings.spec_draft != 0 and (
+            settings.spec_type == "mtp" or (settings.spec_type is None and settings.spec_draft is not None)
+        )
+
+    def _speculation_flags(self) -> str:
+        settings = self.settings
+        flags = [] if settings.spec_type is None else [f"--spec-type {settings.spec_type}"]
+        return " ".join(
+            flags + ([] if settings.spec_draft is None else [f"--spec-draft {settings.spec_draft}"])
+        )
 
     @property
     def n_ctx(self) -> int:

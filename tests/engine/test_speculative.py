@@ -69,6 +69,8 @@ class ScriptedDrafter:
     """Proposes from a known continuation of the prompt: `pick(position, expected)` says what to propose
     for the token at `position` whose plain-decoding value is `expected`."""
 
+    needs_hidden = True  # reads the hidden states' row count
+
     def __init__(self, expected: Sequence[int], pick: Callable[[int, int, int], int], max_draft: int) -> None:
         self.expected, self.pick, self.max_draft = list(expected), pick, max_draft
         self.calls: list[tuple[int, int, int]] = []  # (context length, hidden rows, n) per round

@@ -13,6 +13,7 @@ import pytest
 from safetensors.torch import save_file
 
 from bubo.engine.loaded_model import LoadedModel, load_model
+from bubo.engine.ngram_drafter import DEFAULT_NGRAM_DRAFT, NgramDrafter
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.speculative import DEFAULT_SPEC_DRAFT, MTPDrafter
 from bubo.model.mtp_weights import MTPWeightsError
@@ -139,10 +140,40 @@ def test_mtp_weights_attach_the_checkpoint_block(files: dict[str, Path]) -> None
         twice.preflight()
 
 
+def test_ngram_drafting_needs_no_mtp_block(files: dict[str, Path]) -> None:
+    for settings, draft in (({}, DEFAULT_NGRAM_DRAFT), ({"spec_draft": 4, "parallel": 2}, 4)):
+        state = ServerState(ServerSettings(model_path=files["without"], spec_type="ngram-simple", **settings))
+        state.preflight()
+        state.load()
+        assert state.slots is not None
+        for slot in state.slots.slots:
+            assert isinstance(slot.drafter, NgramDrafter) and slot.drafter.max_draft == draft
+        # One drafter a slot: each holds its own sequence's n-grams.
+        assert len({id(slot.drafter) for slot in state.slots.slots}) == len(state.slots.slots)
+
+
+def test_ngram_drafting_gives_the_same_answers(servers: list[LiveServer], model: LoadedModel) -> None:
+    plain = _serve(servers, model, spec_draft=0)
+    spec = _serve(servers, model, spec_type="ngram-simple", spec_draft=3, spec_ngram_size=1)
+    assert isinstance(spec.state.slots.slots[0].drafter, NgramDrafter)
+    for prompt in ("a b a b a b a b a b", PROMPT):
+        body = {"prompt": prompt, "n_predict": 16}
+        a = httpx.post(plain.url + "/completion", json=body, timeout=60).json()
+        b = httpx.post(spec.url + "/completion", json=body, timeout=60).json()
+        assert b["content"] == a["content"] and b["tokens_predicted"] == 16
+        assert 0 <= b["timings"]["draft_n_accepted"] <= b["timings"]["draft_n"]
+
+
 @pytest.mark.parametrize(
     ("model_file", "flags", "message"),
     [
         ("without", ["--spec-draft", "2"], "no MTP block to draft with"),
+        ("without", ["--spec-type", "mtp"], "--spec-type mtp: this model has no MTP block"),
+        (
+            "without",
+            ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "0"],
+            "size-n must be >= 1",
+        ),
         ("without", ["--spec-draft", "-1"], "--spec-draft must be >= 0"),
         ("without", ["--mtp-weights", "absent.safetensors"], "can't read absent.safetensors"),
         ("with_mtp", ["--mtp-weights", "shard"], "already holds an MTP block"),
