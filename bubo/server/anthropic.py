@@ -437,9 +437,13 @@ async def messages(request: web.Request) -> web.StreamResponse:
     if generation.reasoning and finished.reasoning_text:
         thinking = "" if omit else finished.reasoning_text
         content.append({"type": "thinking", "thinking": thinking, "signature": ""})
-    if finished.content_text:
-        content.append({"type": "text", "text": finished.content_text})
-    content += [_tool_use(call.id, call.name, json.loads(call.arguments)) for call in finished.tool_calls]
+    # Text and tool_use blocks in the order they were generated, as a stream sends them.
+    content += [
+        {"type": "text", "text": part}
+        if isinstance(part, str)
+        else _tool_use(part.id, part.name, json.loads(part.arguments))
+        for part in finished.answer_parts()
+    ]
     stop_reason, stop_sequence = _stop(finished)
     answer = {
         **_message(message_id, model, content),

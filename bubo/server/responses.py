@@ -410,20 +410,23 @@ def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, s
 def _output(finished: Finished) -> list[dict[str, Any]]:
     """The output items of a finished answer; a cut answer marks the item it was cut in incomplete.
 
-    Calls come after the message, which is left out when the answer is only calls (as OpenAI does).
+    Messages and calls come in the order they were generated, as a stream sends them; an answer of
+    only calls has no message (as OpenAI does), one of neither an empty message.
     """
     cut = finished.finish_reason == "length"
+    parts = finished.answer_parts() or [""]
     output = []
     if finished.reasoning_text:
-        status = "incomplete" if cut and not finished.content_text else "completed"
+        status = (
+            "incomplete" if cut and not finished.content_text and not finished.tool_calls else "completed"
+        )
         output.append(_reasoning_item(new_id("rs_"), finished.reasoning_text, status))
-    if finished.content_text or not finished.tool_calls:
-        status = "incomplete" if cut else "completed"
-        output.append(_message_item(new_id("msg_"), finished.content_text, status))
-    output += [
-        _function_call_item(new_id("fc_"), call.id, call.name, call.arguments, "completed")
-        for call in finished.tool_calls
-    ]
+    for i, part in enumerate(parts):
+        if isinstance(part, str):
+            status = "incomplete" if cut and i == len(parts) - 1 else "completed"
+            output.append(_message_item(new_id("msg_"), part, status))
+        else:
+            output.append(_function_call_item(new_id("fc_"), part.id, part.name, part.arguments, "completed"))
     return output
 
 
