@@ -230,6 +230,9 @@ def serve(settings: ServerSettings) -> int:
 
 async def _serve(settings: ServerSettings) -> int:
     state = ServerState(settings)
+    # The header and config again (the CLI checked them on a state of its own): /v1/models reports
+    # the context size from the first moment, not once the model has loaded.
+    state.preflight()
     runner = create_runner(state)
     await runner.setup()
     try:
