@@ -325,7 +325,6 @@ def _thinking(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
     """
     data = dict(body.data)
     thinking = body.object("thinking") or {}
-    budget = Body({"thinking.budget_tokens": thinking.get("budget_tokens")}).count("thinking.budget_tokens")
     if thinking.get("display") not in (None, "summarized", "omitted"):
         raise bad_field("thinking.display", "must be summarized or omitted")
     if thinking.get("type") == "between_tools":
@@ -337,8 +336,7 @@ def _thinking(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
             raise bad_field("output_config.effort", f"must be one of {', '.join(_EFFORTS)}; got {effort!r}")
         if thinking.get("type") != "disabled" and "reasoning_effort" not in body:
             data["reasoning_effort"] = effort
-    choice, kwargs = thinking_choice(Body(data))
-    return replace(choice, budget_tokens=budget), kwargs
+    return thinking_choice(Body(data))
 
 
 def _chat_request(body: Body) -> ChatRequest:

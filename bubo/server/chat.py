@@ -98,7 +98,8 @@ TEMPLATE_INPUTS = frozenset({"messages", "tools", "documents"})
 
 
 def thinking_choice(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
-    """Read `reasoning_effort`, `thinking` and `chat_template_kwargs`; 400 when they disagree.
+    """Read `reasoning_effort`, `thinking` (its `budget_tokens`, a positive integer, is the reasoning
+    budget) and `chat_template_kwargs`; 400 when they disagree.
 
     Returns the choice and the remaining template kwargs (enable_thinking / reasoning_effort are
     re-derived from the choice, so the template always sees one consistent answer).
@@ -107,7 +108,11 @@ def thinking_choice(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
     enabled: bool | None = None if effort is None else effort != "off"
 
     thinking = body.object("thinking")
+    budget = None
     if thinking is not None:
+        budget = Body({"thinking.budget_tokens": thinking.get("budget_tokens")}).count(
+            "thinking.budget_tokens"
+        )
         kind = thinking.get("type")
         if kind not in ("enabled", "disabled", "adaptive"):
             raise bad_field("thinking", f'type must be "enabled" or "disabled", got {kind!r}')
@@ -142,7 +147,7 @@ def thinking_choice(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
                 "chat_template_kwargs", f"reasoning_effort {level!r} contradicts the thinking setting"
             )
         effort, enabled = level, level != "off"
-    return ThinkingChoice(enabled, effort), kwargs
+    return ThinkingChoice(enabled, effort, budget), kwargs
 
 
 def generation_prompt(kwargs: dict[str, Any], body: Body | None = None) -> bool:
