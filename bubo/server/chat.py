@@ -6,13 +6,12 @@ from `reasoning_effort` / `thinking` / `chat_template_kwargs` (which must agree)
 with the model's template into the prompt text and tokens the engine runs.
 """
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from bubo.server.errors import ApiError, bad_field
-from bubo.server.fields import Body
+from bubo.server.fields import Body, json_text
 from bubo.server.image_input import ImagePart
 
 __all__ = [
@@ -323,10 +322,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise bad_field(f"{where}[{i}].function", "must be an object with a name")
         arguments = function.get("arguments", {})
         if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError:
-                raise bad_field(f"{where}[{i}].function.arguments", "is not valid JSON") from None
+            arguments = json_text(arguments, f"{where}[{i}].function.arguments") if arguments.strip() else {}
         out.append({**call, "function": {**function, "arguments": arguments}})
     return out
 

@@ -20,6 +20,7 @@ __all__ = [
     "MAX_STOP_BYTES",
     "MAX_STOP_STRINGS",
     "Body",
+    "json_text",
     "read_json",
     "reject_n",
     "sampling_params",
@@ -51,8 +52,28 @@ async def read_json(request: web.Request) -> "Body":
         kind = "empty" if data is None else f"a JSON {type(data).__name__}"
         raise ApiError(400, "parse_error", f"the request body must be a JSON object, got {kind}")
     if not _plain(data):
-        _refuse_values(data)
+        _refuse_values(data, _too_deep())
     return Body(data, size=len(raw))
+
+
+def json_text(text: str, field: str) -> Any:
+    """JSON that the body carries in a string (a tool call's arguments), held to read_json's rules: 400
+    invalid_value naming `field` (or the place inside it) when it is not JSON, nests deeper than
+    MAX_JSON_DEPTH, or holds a number or string that read_json refuses in the body itself."""
+    try:
+        value = _parse(text)
+    except json.JSONDecodeError:
+        raise bad_field(field, "is not valid JSON") from None
+    except RecursionError:
+        raise _nested_too_deep(field) from None
+    holder = {field: value}
+    if not _plain(holder):
+        _refuse_values(holder, _nested_too_deep(field))
+    return value
+
+
+def _nested_too_deep(field: str) -> ApiError:
+    return bad_field(field, f"nests deeper than {MAX_JSON_DEPTH} levels")
 
 
 class _LongInteger:
@@ -63,7 +84,7 @@ class _LongInteger:
         self.digits = digits
 
 
-def _parse(raw: bytes) -> Any:
+def _parse(raw: bytes | str) -> Any:
     try:
         return json.loads(raw)
     except ValueError as error:
@@ -125,16 +146,16 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def _refuse_values(data: dict[str, Any]) -> None:
-    """Walk the parsed body without recursion and raise for the first of: nesting past the limit,
-    a non-finite number (JSON has no NaN or Infinity, and 1e999 reads as infinity), an over-long
-    integer, a string with an unpaired UTF-16 surrogate."""
+def _refuse_values(data: dict[str, Any], too_deep: ApiError) -> None:
+    """Walk the parsed body without recursion and raise for the first of: nesting past the limit
+    (`too_deep`), a non-finite number (JSON has no NaN or Infinity, and 1e999 reads as infinity), an
+    over-long integer, a string with an unpaired UTF-16 surrogate."""
     pending: list[tuple[str, Any, int]] = [("", data, 1)]
     while pending:
         path, value, depth = pending.pop()
         if isinstance(value, dict | list):
             if depth > MAX_JSON_DEPTH:
-                raise _too_deep()
+                raise too_deep
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for key, item in items:
                 if isinstance(key, str):

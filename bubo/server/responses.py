@@ -24,7 +24,6 @@ schema still comes back as a function_call; only malformed markup or an unknown 
 message text.
 """
 
-import json
 import time
 from collections.abc import Mapping
 from contextlib import aclosing
@@ -58,7 +57,7 @@ from bubo.server.chat import (
     thinking_choice,
 )
 from bubo.server.errors import ApiError, bad_field
-from bubo.server.fields import Body, read_json, sampling_params
+from bubo.server.fields import Body, json_text, read_json, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState, new_id
@@ -105,10 +104,7 @@ def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
     arguments = item.get("arguments", "")
     if not isinstance(arguments, str):
         raise bad_field(f"{where}.arguments", "must be a JSON string")
-    try:
-        parsed = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
-        raise bad_field(f"{where}.arguments", "is not valid JSON") from None
+    parsed = json_text(arguments, f"{where}.arguments") if arguments.strip() else {}
     return {
         "id": _string(item, "call_id", where),
         "type": "function",

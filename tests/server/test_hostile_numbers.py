@@ -313,3 +313,35 @@ def test_numbers_inside_an_output_schema_size_nothing(
     if status == 400:
         error = response.json()["error"]
         assert (error["code"], error["param"]) == ("invalid_schema", "response_format")
+
+
+CALL_ARGUMENTS = [
+    '{"n": ' + LONG_INT + "}",
+    '{"n": ' + NAN + "}",
+    "[" * 5000 + "]" * 5000,
+    '{"city": "\\ud800"}',
+    '{"\\udfff": 1}',
+]
+
+
+@pytest.mark.parametrize("arguments", CALL_ARGUMENTS)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/apply-template"])
+def test_hostile_tool_call_arguments_are_refused_by_name(
+    client: httpx.Client, path: str, arguments: str
+) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    history.append({"role": "tool", "tool_call_id": "call_1", "content": "ok"})
+    response = client.post(path, json={"model": "bubo", "messages": history, "max_tokens": 2})
+    error = assert_refused(response, "chat", "messages[1].tool_calls[0].function.arguments")
+    assert error["code"] == "invalid_value"
+
+
+@pytest.mark.parametrize("arguments", CALL_ARGUMENTS)
+def test_hostile_function_call_item_arguments_are_refused_by_name(
+    client: httpx.Client, arguments: str
+) -> None:
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": arguments}
+    items = [{"role": "user", "content": "hi"}, call]
+    response = client.post("/v1/responses", json={"model": "bubo", "input": items, "max_output_tokens": 2})
+    assert assert_refused(response, "responses", "input[1].arguments")["code"] == "invalid_value"
