@@ -200,21 +200,24 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 
 
-def strict_schema(schema: Any) -> Any:
-    """`schema` as OpenAI's strict mode reads it: every object requires all of its properties and allows
-    no others unless it sets `additionalProperties` itself; nested objects (properties, items, anyOf,
-    $defs) too. A property that may be left out is spelled as a nullable type in strict mode."""
+def strict_schema(schema: Any, where: str) -> Any:
+    """`schema` (at `where` in the body) as OpenAI's strict mode reads it: every object requires all of
+    its properties and allows no others unless it sets `additionalProperties` itself; nested objects
+    (properties, items, anyOf, $defs) too. A property that may be left out is spelled as a nullable
+    type in strict mode. 400 invalid_schema when `properties` is not an object of schemas."""
     if not isinstance(schema, Mapping):
         return schema
     out = dict(schema)
+    if "properties" in out and not isinstance(out["properties"], Mapping):
+        raise bad_field(f"{where}.properties", "must be an object of schemas", code="invalid_schema")
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), Mapping):
-            out[key] = {name: strict_schema(sub) for name, sub in out[key].items()}
+            out[key] = {name: strict_schema(sub, f"{where}.{key}.{name}") for name, sub in out[key].items()}
     for key in _SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [strict_schema(sub) for sub in out[key]]
+            out[key] = [strict_schema(sub, f"{where}.{key}[{i}]") for i, sub in enumerate(out[key])]
     if "items" in out:
-        out["items"] = strict_schema(out["items"])
+        out["items"] = strict_schema(out["items"], f"{where}.items")
     types = out.get("type")
     if types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out:
         if "properties" in out:
@@ -254,7 +257,8 @@ def function_tools(raw: Any) -> list[dict[str, Any]] | None:
                 raise bad_field(f"{where}.strict", "must be true, false or null")
             function["strict"] = strict
             if strict:
-                function["parameters"] = strict_schema(function.get("parameters", {"type": "object"}))
+                parameters = function.get("parameters", {"type": "object"})
+                function["parameters"] = strict_schema(parameters, f"{where}.parameters")
         tools.append({"type": "function", "function": function})
     return tools or None
 
