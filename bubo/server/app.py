@@ -87,6 +87,21 @@ def _from_http(http: web.HTTPException, request: web.Request) -> ApiError:
 
 
 @web.middleware
+async def body_limit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A body whose Content-Length is over the limit is refused at once (aiohttp would read up to the
+    limit first, waiting as long as its sender takes)."""
+    declared = request.content_length
+    if declared is not None and declared > body_limit(request.app[STATE].settings):
+        raise web.HTTPRequestEntityTooLarge(body_limit(request.app[STATE].settings), declared)
+    return await handler(request)
+
+
+def body_limit(settings: ServerSettings) -> int:
+    """The largest request body taken, in bytes (--max-body-mb)."""
+    return int(settings.max_body_mb * (1 << 20))
+
+
+@web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """With --api-key, every route needs `Authorization: Bearer KEY` or `x-api-key: KEY`."""
     key = request.app[STATE].settings.api_key
@@ -164,11 +179,10 @@ def create_app(state: ServerState) -> web.Application:
     settings = state.settings
     if settings.debug_hooks and not is_loopback(settings.host):
         raise ValueError(f"debug hooks are only served on a loopback host, not {settings.host}")
-    client_max_size = int(settings.max_body_mb * (1 << 20))
-    middlewares = [errors_middleware, auth_middleware, device_middleware]
+    middlewares = [errors_middleware, body_limit_middleware, auth_middleware, device_middleware]
     if settings.cors_origins:
         middlewares.insert(0, cors_middleware)
-    app = web.Application(middlewares=middlewares, client_max_size=client_max_size)
+    app = web.Application(middlewares=middlewares, client_max_size=body_limit(settings))
     if settings.cors_origins:
         app.on_response_prepare.append(_cors_headers)
     app[STATE] = state

@@ -18,6 +18,7 @@ import torch
 from bubo.engine.grammar import GrammarMatcher
 from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.sampler import SamplingParams
+from bubo.server import fields
 from bubo.server import state as state_module
 from bubo.server.memory_guard import MemoryInfo, kv_bytes_per_position
 from bubo.server.state import INLINE_PROMPT_BYTES
@@ -65,6 +66,65 @@ def test_a_body_that_is_not_a_json_object_is_parse_error(tiny_server: LiveServer
         tiny_server.url + "/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}
     )
     assert_error(response, 400, "invalid_request_error", "parse_error")
+
+
+def test_a_json_null_body_says_null(tiny_server: LiveServer) -> None:
+    response = httpx.post(tiny_server.url + "/v1/chat/completions", content=b"null")
+    error = assert_error(response, 400, "invalid_request_error", "parse_error")["error"]
+    assert error["message"].endswith("got null")
+
+
+@pytest.mark.parametrize(
+    ("path", "anthropic"), [("/v1/chat/completions", False), ("/completion", False), ("/v1/messages", True)]
+)
+def test_a_corrupt_compressed_body_is_parse_error(
+    tiny_server: LiveServer, path: str, anthropic: bool
+) -> None:
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    response = httpx.post(tiny_server.url + path, content=b"notgzip", headers=headers)
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert body["error"]["code"] == "parse_error"
+    assert body.get("type") == ("error" if anthropic else None)
+
+
+def _raw_request(port: int, head: bytes, body: bytes = b"", wait: float = 30) -> bytes:
+    """What the server answers to `head` and `body` sent on a socket (the connection left open)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+        sock.sendall(head + body)
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < 10:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        return answer
+
+
+def test_a_declared_body_over_the_limit_is_413_before_it_arrives(tiny_llama: LoadedModel) -> None:
+    server = serve_loaded(tiny_llama, max_body_mb=0.01)
+    try:
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000\r\n\r\n"
+        )
+        started = time.monotonic()
+        answer = _raw_request(server.port, head, b'{"model":', wait=10)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert b"request_too_large" in answer and time.monotonic() - started < 5
+    finally:
+        server.stop()
+
+
+def test_a_body_that_stops_arriving_is_408(tiny_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fields, "BODY_STALL_SECONDS", 0.5)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n"
+    )
+    answer = _raw_request(tiny_server.port, head, b'{"model":', wait=10)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"request_timeout" in answer
 
 
 def test_a_body_over_the_limit_is_413(tiny_llama: LoadedModel) -> None:
