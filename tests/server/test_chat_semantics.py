@@ -344,6 +344,17 @@ def test_an_invalid_schema_is_400_naming_the_problem(tiny_server: LiveServer) ->
     )
 
 
+def test_a_schema_no_json_matches_is_400(tiny_server: LiveServer) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}
+    response = httpx.post(
+        tiny_server.url + "/v1/chat/completions",
+        json={"model": "bubo", "messages": ASK, "response_format": fmt},
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_schema", "response_format")
+
+
 _BAD_PARAMETERS = {"type": "object", "properties": {"city": 5}}
 
 
