@@ -382,6 +382,10 @@ def _logit_bias(body: Body, vocab_size: int) -> dict[int, float]:
             )
         else:
             bias[token] = float(amount)
+    if sum(amount == -math.inf for amount in bias.values()) == vocab_size:
+        raise bad_field(
+            "logit_bias", f"bans every token of the vocabulary ({vocab_size}): none is left to sample"
+        )
     return bias
 
 

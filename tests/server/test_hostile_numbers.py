@@ -345,3 +345,19 @@ def test_hostile_function_call_item_arguments_are_refused_by_name(
     items = [{"role": "user", "content": "hi"}, call]
     response = client.post("/v1/responses", json={"model": "bubo", "input": items, "max_output_tokens": 2})
     assert assert_refused(response, "responses", "input[1].arguments")["code"] == "invalid_value"
+
+
+@pytest.mark.parametrize("dialect", ["completions", "completion"])
+def test_a_logit_bias_that_bans_every_token_is_refused(
+    client: httpx.Client, server: LiveServer, dialect: str
+) -> None:
+    path, body, _ = DIALECTS[dialect]
+    size = server.state.require_ready().tokenizer.vocab_size
+    bias: Any = {str(i): False for i in range(size)}
+    if dialect == "completion":
+        bias = [[i, False] for i in range(size)]
+    error = assert_refused(client.post(path, json={**body, "logit_bias": bias}), dialect, "logit_bias")
+    assert error["code"] == "invalid_value"
+    # One token left is enough.
+    del bias["0" if dialect == "completions" else 0]
+    assert client.post(path, json={**body, "logit_bias": bias}).status_code == 200
