@@ -127,6 +127,28 @@ def test_a_body_that_stops_arriving_is_408(tiny_server: LiveServer, monkeypatch:
     assert b"request_timeout" in answer
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", CHAT),
+        ("/apply-template", CHAT),
+        ("/v1/messages/count_tokens", {"model": "bubo"}),
+        ("/v1/responses", {"model": "bubo", "input": []}),
+    ],
+)
+def test_a_conversation_too_large_for_the_template_limits_is_400(
+    tiny_server: LiveServer, path: str, body: dict
+) -> None:
+    """A message past the template sandbox's 16M-character limit is the request's size, not a
+    template failure (a 500)."""
+    huge = [{"role": "user", "content": "x" * 17_000_000}]
+    field = "input" if path == "/v1/responses" else "messages"
+    response = httpx.post(tiny_server.url + path, json={**body, field: huge}, timeout=120)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "too large" in error["message"]
+
+
 def test_a_body_over_the_limit_is_413(tiny_llama: LoadedModel) -> None:
     server = serve_loaded(tiny_llama, max_body_mb=0.01)
     try:
