@@ -13,6 +13,7 @@ import threading
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from bubo.server import anthropic, debug, health, llama, metrics, openai, responses
 from bubo.server.errors import ApiError, error_response
@@ -206,12 +207,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class _ProtocolLog(logging.LoggerAdapter):
+    """aiohttp's server log. A request aiohttp cannot parse (a bad Content-Length or chunk size, a
+    Content-Encoding it cannot decode) is the client's mistake, which aiohttp answers 400 itself before
+    any middleware runs: one warning line, not an ERROR with a traceback."""
+
+    def exception(self, msg: object, *args: object, exc_info: object = True, **kwargs: object) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            self.warning(f"{msg}: %s", *args, exc_info)
+        else:
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
 def create_runner(state: ServerState) -> web.AppRunner:
     """The runner `serve` uses: the app, its header limits, and the shutdown bound."""
     return web.AppRunner(
         create_app(state),
         handler_cancellation=True,
         access_log=None,
+        logger=_ProtocolLog(logging.getLogger("aiohttp.server")),
         max_headers=MAX_HEADERS,
         max_field_size=MAX_FIELD_SIZE,
         max_line_size=MAX_LINE_SIZE,

@@ -3,6 +3,7 @@ a lost device, and the session slot (queueing, cancellation on disconnect)."""
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -99,6 +100,30 @@ def _raw_request(port: int, head: bytes, body: bytes = b"", wait: float = 30) ->
                 break
             answer += chunk
         return answer
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        b"Content-Length: abc\r\n",
+        b"Content-Length: 5\r\nContent-Length: 6\r\n",
+        b"Transfer-Encoding: chunked\r\n",
+        b"Content-Encoding: br\r\nContent-Length: 2\r\n",
+    ],
+)
+def test_a_request_aiohttp_cannot_parse_is_one_warning(
+    tiny_server: LiveServer, caplog: pytest.LogCaptureFixture, headers: bytes
+) -> None:
+    """aiohttp answers these 400 itself, below the app (so in its own text/plain shape); the log gets
+    a warning line, not an ERROR with a traceback."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n"
+    body = b"zz\r\n{}\r\n0\r\n\r\n" if b"chunked" in headers else b"{}"
+    with caplog.at_level(logging.INFO, logger="aiohttp.server"):
+        answer = _raw_request(tiny_server.port, head, body, wait=10)
+        time.sleep(0.2)
+    assert answer.split(b"\r\n")[0].split(b" ")[1] == b"400", answer[:200]
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert records and all(r.levelno == logging.WARNING and r.exc_info is None for r in records)
 
 
 def test_a_declared_body_over_the_limit_is_413_before_it_arrives(tiny_llama: LoadedModel) -> None:
