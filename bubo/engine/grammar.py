@@ -127,6 +127,11 @@ class GrammarMatcher:
         self._matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer, n_vocab), grammar, log_level=0)
         if self._matcher.is_error():
             raise GrammarError(self._matcher.get_error())
+        # A grammar that no text can begin (each way to start needs itself: `root ::= root "a"`, the
+        # schema {"$ref": "#"}) fails at its first mask, and the answer would end at once, empty.
+        self._matcher.compute_logit_bias()
+        if self._matcher.is_error():
+            raise GrammarError("no text matches it: every way to begin it needs itself, without end")
 
     def allowed(self) -> torch.Tensor:
         """A bool [n_vocab] tensor, True for the tokens that may come next (the stop tokens once the

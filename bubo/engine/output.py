@@ -9,7 +9,7 @@ tag, so nothing is sent on one channel and then found to belong to another.
 from bubo.engine.generate import TextDelta, TokenLogprob
 from bubo.engine.request import OutputDelta, OutputEvent
 from bubo.templates.reasoning import Channel, ReasoningSplitter
-from bubo.templates.tool_calls import TextPiece, ToolCall, ToolCallParser
+from bubo.templates.tool_calls import TextPiece, ToolCall, ToolCallEnd, ToolCallParser
 
 __all__ = ["OutputStream"]
 
@@ -25,6 +25,9 @@ class OutputStream:
         self._tools = tool_parser
         self._reasoning: list[str] = []
         self._content: list[str] = []
+        self._content_length = 0
+        # How much answer text came before each completed call: where the calls sit in the answer.
+        self.tool_call_offsets: list[int] = []
         self.content_logprobs: list[TokenLogprob] = []
         self.reasoning_tokens = 0
         # Log probabilities waiting for a piece of text to ride on (text can be held back).
@@ -71,10 +74,19 @@ class OutputStream:
         return events
 
     def _parsed(self, tool_events: list) -> list[OutputEvent]:
-        return [self._text(e.text) if isinstance(e, TextPiece) else e for e in tool_events]
+        events: list[OutputEvent] = []
+        for event in tool_events:
+            if isinstance(event, TextPiece):
+                events.append(self._text(event.text))
+                continue
+            if isinstance(event, ToolCallEnd):
+                self.tool_call_offsets.append(self._content_length)
+            events.append(event)
+        return events
 
     def _text(self, text: str) -> OutputDelta:
         self._content.append(text)
+        self._content_length += len(text)
         self.content_logprobs += self._logprobs
         return self._delta("content", text)
 

@@ -120,6 +120,21 @@ class Finished:
     content_logprobs: tuple[TokenLogprob, ...] = ()
     tool_calls: tuple[ToolCall, ...] = ()
     slot_id: int = 0
+    # The length of content_text before each call: the calls' places in the answer.
+    tool_call_offsets: tuple[int, ...] = ()
+
+    def answer_parts(self) -> list[str | ToolCall]:
+        """The answer in the order it was generated: runs of text (never empty) and the calls."""
+        parts: list[str | ToolCall] = []
+        start = 0
+        for call, offset in zip(self.tool_calls, self.tool_call_offsets, strict=True):
+            if offset > start:
+                parts.append(self.content_text[start:offset])
+            parts.append(call)
+            start = offset
+        if start < len(self.content_text):
+            parts.append(self.content_text[start:])
+        return parts
 
     @property
     def finish_reason(self) -> str:

@@ -328,4 +328,5 @@ class SessionSlot:
             tuple(output.content_logprobs),
             output.tool_calls,
             self.id,
+            tuple(output.tool_call_offsets),
         )

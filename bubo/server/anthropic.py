@@ -325,7 +325,6 @@ def _thinking(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
     """
     data = dict(body.data)
     thinking = body.object("thinking") or {}
-    budget = Body({"thinking.budget_tokens": thinking.get("budget_tokens")}).count("thinking.budget_tokens")
     if thinking.get("display") not in (None, "summarized", "omitted"):
         raise bad_field("thinking.display", "must be summarized or omitted")
     if thinking.get("type") == "between_tools":
@@ -337,8 +336,7 @@ def _thinking(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
             raise bad_field("output_config.effort", f"must be one of {', '.join(_EFFORTS)}; got {effort!r}")
         if thinking.get("type") != "disabled" and "reasoning_effort" not in body:
             data["reasoning_effort"] = effort
-    choice, kwargs = thinking_choice(Body(data))
-    return replace(choice, budget_tokens=budget), kwargs
+    return thinking_choice(Body(data))
 
 
 def _chat_request(body: Body) -> ChatRequest:
@@ -437,9 +435,13 @@ async def messages(request: web.Request) -> web.StreamResponse:
     if generation.reasoning and finished.reasoning_text:
         thinking = "" if omit else finished.reasoning_text
         content.append({"type": "thinking", "thinking": thinking, "signature": ""})
-    if finished.content_text:
-        content.append({"type": "text", "text": finished.content_text})
-    content += [_tool_use(call.id, call.name, json.loads(call.arguments)) for call in finished.tool_calls]
+    # Text and tool_use blocks in the order they were generated, as a stream sends them.
+    content += [
+        {"type": "text", "text": part}
+        if isinstance(part, str)
+        else _tool_use(part.id, part.name, json.loads(part.arguments))
+        for part in finished.answer_parts()
+    ]
     stop_reason, stop_sequence = _stop(finished)
     answer = {
         **_message(message_id, model, content),

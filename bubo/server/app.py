@@ -13,6 +13,7 @@ import threading
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from bubo.server import anthropic, debug, health, llama, metrics, openai, responses
 from bubo.server.errors import ApiError, error_response
@@ -84,6 +85,21 @@ def _from_http(http: web.HTTPException, request: web.Request) -> ApiError:
             f"the request body is larger than the limit of {limit:g} MB (--max-body-mb)",
         )
     return ApiError(http.status, "http_error", http.reason or "HTTP error")
+
+
+@web.middleware
+async def body_limit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A body whose Content-Length is over the limit is refused at once (aiohttp would read up to the
+    limit first, waiting as long as its sender takes)."""
+    declared = request.content_length
+    if declared is not None and declared > body_limit(request.app[STATE].settings):
+        raise web.HTTPRequestEntityTooLarge(body_limit(request.app[STATE].settings), declared)
+    return await handler(request)
+
+
+def body_limit(settings: ServerSettings) -> int:
+    """The largest request body taken, in bytes (--max-body-mb)."""
+    return int(settings.max_body_mb * (1 << 20))
 
 
 @web.middleware
@@ -164,11 +180,10 @@ def create_app(state: ServerState) -> web.Application:
     settings = state.settings
     if settings.debug_hooks and not is_loopback(settings.host):
         raise ValueError(f"debug hooks are only served on a loopback host, not {settings.host}")
-    client_max_size = int(settings.max_body_mb * (1 << 20))
-    middlewares = [errors_middleware, auth_middleware, device_middleware]
+    middlewares = [errors_middleware, body_limit_middleware, auth_middleware, device_middleware]
     if settings.cors_origins:
         middlewares.insert(0, cors_middleware)
-    app = web.Application(middlewares=middlewares, client_max_size=client_max_size)
+    app = web.Application(middlewares=middlewares, client_max_size=body_limit(settings))
     if settings.cors_origins:
         app.on_response_prepare.append(_cors_headers)
     app[STATE] = state
@@ -192,12 +207,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class _ProtocolLog(logging.LoggerAdapter):
+    """aiohttp's server log. A request aiohttp cannot parse (a bad Content-Length or chunk size, a
+    Content-Encoding it cannot decode) is the client's mistake, which aiohttp answers 400 itself before
+    any middleware runs: one warning line, not an ERROR with a traceback."""
+
+    def exception(self, msg: object, *args: object, exc_info: object = True, **kwargs: object) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            self.warning(f"{msg}: %s", *args, exc_info)
+        else:
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
 def create_runner(state: ServerState) -> web.AppRunner:
     """The runner `serve` uses: the app, its header limits, and the shutdown bound."""
     return web.AppRunner(
         create_app(state),
         handler_cancellation=True,
         access_log=None,
+        logger=_ProtocolLog(logging.getLogger("aiohttp.server")),
         max_headers=MAX_HEADERS,
         max_field_size=MAX_FIELD_SIZE,
         max_line_size=MAX_LINE_SIZE,
@@ -230,6 +258,9 @@ def serve(settings: ServerSettings) -> int:
 
 async def _serve(settings: ServerSettings) -> int:
     state = ServerState(settings)
+    # The header and config again (the CLI checked them on a state of its own): /v1/models reports
+    # the context size from the first moment, not once the model has loaded.
+    state.preflight()
     runner = create_runner(state)
     await runner.setup()
     try:

@@ -6,13 +6,12 @@ from `reasoning_effort` / `thinking` / `chat_template_kwargs` (which must agree)
 with the model's template into the prompt text and tokens the engine runs.
 """
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from bubo.server.errors import ApiError, bad_field
-from bubo.server.fields import Body
+from bubo.server.fields import Body, json_text
 from bubo.server.image_input import ImagePart
 
 __all__ = [
@@ -98,7 +97,8 @@ TEMPLATE_INPUTS = frozenset({"messages", "tools", "documents"})
 
 
 def thinking_choice(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
-    """Read `reasoning_effort`, `thinking` and `chat_template_kwargs`; 400 when they disagree.
+    """Read `reasoning_effort`, `thinking` (its `budget_tokens`, a positive integer, is the reasoning
+    budget) and `chat_template_kwargs`; 400 when they disagree.
 
     Returns the choice and the remaining template kwargs (enable_thinking / reasoning_effort are
     re-derived from the choice, so the template always sees one consistent answer).
@@ -107,7 +107,11 @@ def thinking_choice(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
     enabled: bool | None = None if effort is None else effort != "off"
 
     thinking = body.object("thinking")
+    budget = None
     if thinking is not None:
+        budget = Body({"thinking.budget_tokens": thinking.get("budget_tokens")}).count(
+            "thinking.budget_tokens"
+        )
         kind = thinking.get("type")
         if kind not in ("enabled", "disabled", "adaptive"):
             raise bad_field("thinking", f'type must be "enabled" or "disabled", got {kind!r}')
@@ -142,7 +146,7 @@ def thinking_choice(body: Body) -> tuple[ThinkingChoice, dict[str, Any]]:
                 "chat_template_kwargs", f"reasoning_effort {level!r} contradicts the thinking setting"
             )
         effort, enabled = level, level != "off"
-    return ThinkingChoice(enabled, effort), kwargs
+    return ThinkingChoice(enabled, effort, budget), kwargs
 
 
 def generation_prompt(kwargs: dict[str, Any], body: Body | None = None) -> bool:
@@ -318,10 +322,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise bad_field(f"{where}[{i}].function", "must be an object with a name")
         arguments = function.get("arguments", {})
         if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError:
-                raise bad_field(f"{where}[{i}].function.arguments", "is not valid JSON") from None
+            arguments = json_text(arguments, f"{where}[{i}].function.arguments") if arguments.strip() else {}
         out.append({**call, "function": {**function, "arguments": arguments}})
     return out
 

@@ -1,6 +1,7 @@
 """Reading request bodies: JSON parsing, typed field access, and the fields every dialect shares
 (sampling, stop strings, token limits, the model name). Every failure is a 400 that names the field."""
 
+import asyncio
 import json
 import math
 import sys
@@ -14,12 +15,14 @@ from bubo.engine.sampler import SamplingParams
 from bubo.server.errors import ApiError, bad_field
 
 __all__ = [
+    "BODY_STALL_SECONDS",
     "MAX_COUNT",
     "MAX_JSON_DEPTH",
     "MAX_LOGIT_BIAS",
     "MAX_STOP_BYTES",
     "MAX_STOP_STRINGS",
     "Body",
+    "json_text",
     "read_json",
     "reject_n",
     "sampling_params",
@@ -34,25 +37,73 @@ MAX_COUNT = 2**31 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_BYTES = 1024
 MAX_LOGIT_BIAS = 100.0
+# How long a request body may stop arriving before the request is given up on.
+BODY_STALL_SECONDS = 60.0
 
 
 async def read_json(request: web.Request) -> "Body":
-    """The body as a JSON object; malformed JSON, JSON that is not an object, or nesting deeper than
-    MAX_JSON_DEPTH is 400 parse_error. NaN, Infinity, numbers past float range, integers past
-    Python's digit limit and unpaired surrogate escapes are 400 invalid_value naming where they are."""
-    raw = await request.read()
+    """The body as a JSON object; malformed JSON, JSON that is not an object, a body that cannot be
+    decoded (a corrupt Content-Encoding) or nesting deeper than MAX_JSON_DEPTH is 400 parse_error. NaN,
+    Infinity, numbers past float range, integers past Python's digit limit and unpaired surrogate
+    escapes are 400 invalid_value naming where they are. A body that stops arriving is 408."""
+    raw = await _read_body(request)
+    if not raw:
+        raise ApiError(400, "parse_error", "the request body must be a JSON object, got empty")
     try:
-        data = _parse(raw) if raw else None
+        data = _parse(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ApiError(400, "parse_error", f"the request body is not valid JSON: {error}") from None
     except RecursionError:
         raise _too_deep() from None
     if not isinstance(data, dict):
-        kind = "empty" if data is None else f"a JSON {type(data).__name__}"
+        kind = "null" if data is None else f"a JSON {type(data).__name__}"
         raise ApiError(400, "parse_error", f"the request body must be a JSON object, got {kind}")
     if not _plain(data):
-        _refuse_values(data)
+        _refuse_values(data, _too_deep())
     return Body(data, size=len(raw))
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """request.read(), given up on with 408 once no byte of the body has arrived for BODY_STALL_SECONDS
+    (a client that declares a body and never sends it would otherwise hold the request forever)."""
+    reading = asyncio.ensure_future(request.read())
+    received = request.content.total_bytes
+    try:
+        while not (await asyncio.wait({reading}, timeout=BODY_STALL_SECONDS))[0]:
+            if request.content.total_bytes == received:
+                raise ApiError(
+                    408,
+                    "request_timeout",
+                    f"the request body stopped arriving: nothing of it came for {BODY_STALL_SECONDS:g} s",
+                )
+            received = request.content.total_bytes
+    finally:
+        reading.cancel()
+    try:
+        return reading.result()
+    except web.RequestPayloadError as error:
+        # aiohttp could not decode what arrived: a corrupt gzip or deflate body, a broken chunk.
+        raise ApiError(400, "parse_error", f"the request body cannot be read: {error}") from None
+
+
+def json_text(text: str, field: str) -> Any:
+    """JSON that the body carries in a string (a tool call's arguments), held to read_json's rules: 400
+    invalid_value naming `field` (or the place inside it) when it is not JSON, nests deeper than
+    MAX_JSON_DEPTH, or holds a number or string that read_json refuses in the body itself."""
+    try:
+        value = _parse(text)
+    except json.JSONDecodeError:
+        raise bad_field(field, "is not valid JSON") from None
+    except RecursionError:
+        raise _nested_too_deep(field) from None
+    holder = {field: value}
+    if not _plain(holder):
+        _refuse_values(holder, _nested_too_deep(field))
+    return value
+
+
+def _nested_too_deep(field: str) -> ApiError:
+    return bad_field(field, f"nests deeper than {MAX_JSON_DEPTH} levels")
 
 
 class _LongInteger:
@@ -63,7 +114,7 @@ class _LongInteger:
         self.digits = digits
 
 
-def _parse(raw: bytes) -> Any:
+def _parse(raw: bytes | str) -> Any:
     try:
         return json.loads(raw)
     except ValueError as error:
@@ -125,16 +176,16 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def _refuse_values(data: dict[str, Any]) -> None:
-    """Walk the parsed body without recursion and raise for the first of: nesting past the limit,
-    a non-finite number (JSON has no NaN or Infinity, and 1e999 reads as infinity), an over-long
-    integer, a string with an unpaired UTF-16 surrogate."""
+def _refuse_values(data: dict[str, Any], too_deep: ApiError) -> None:
+    """Walk the parsed body without recursion and raise for the first of: nesting past the limit
+    (`too_deep`), a non-finite number (JSON has no NaN or Infinity, and 1e999 reads as infinity), an
+    over-long integer, a string with an unpaired UTF-16 surrogate."""
     pending: list[tuple[str, Any, int]] = [("", data, 1)]
     while pending:
         path, value, depth = pending.pop()
         if isinstance(value, dict | list):
             if depth > MAX_JSON_DEPTH:
-                raise _too_deep()
+                raise too_deep
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for key, item in items:
                 if isinstance(key, str):
@@ -331,6 +382,10 @@ def _logit_bias(body: Body, vocab_size: int) -> dict[int, float]:
             )
         else:
             bias[token] = float(amount)
+    if sum(amount == -math.inf for amount in bias.values()) == vocab_size:
+        raise bad_field(
+            "logit_bias", f"bans every token of the vocabulary ({vocab_size}): none is left to sample"
+        )
     return bias
 
 

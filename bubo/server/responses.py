@@ -24,7 +24,6 @@ schema still comes back as a function_call; only malformed markup or an unknown 
 message text.
 """
 
-import json
 import time
 from collections.abc import Mapping
 from contextlib import aclosing
@@ -58,7 +57,7 @@ from bubo.server.chat import (
     thinking_choice,
 )
 from bubo.server.errors import ApiError, bad_field
-from bubo.server.fields import Body, read_json, sampling_params
+from bubo.server.fields import Body, json_text, read_json, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState, new_id
@@ -105,10 +104,7 @@ def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
     arguments = item.get("arguments", "")
     if not isinstance(arguments, str):
         raise bad_field(f"{where}.arguments", "must be a JSON string")
-    try:
-        parsed = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
-        raise bad_field(f"{where}.arguments", "is not valid JSON") from None
+    parsed = json_text(arguments, f"{where}.arguments") if arguments.strip() else {}
     return {
         "id": _string(item, "call_id", where),
         "type": "function",
@@ -204,21 +200,24 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 
 
-def strict_schema(schema: Any) -> Any:
-    """`schema` as OpenAI's strict mode reads it: every object requires all of its properties and allows
-    no others unless it sets `additionalProperties` itself; nested objects (properties, items, anyOf,
-    $defs) too. A property that may be left out is spelled as a nullable type in strict mode."""
+def strict_schema(schema: Any, where: str) -> Any:
+    """`schema` (at `where` in the body) as OpenAI's strict mode reads it: every object requires all of
+    its properties and allows no others unless it sets `additionalProperties` itself; nested objects
+    (properties, items, anyOf, $defs) too. A property that may be left out is spelled as a nullable
+    type in strict mode. 400 invalid_schema when `properties` is not an object of schemas."""
     if not isinstance(schema, Mapping):
         return schema
     out = dict(schema)
+    if "properties" in out and not isinstance(out["properties"], Mapping):
+        raise bad_field(f"{where}.properties", "must be an object of schemas", code="invalid_schema")
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), Mapping):
-            out[key] = {name: strict_schema(sub) for name, sub in out[key].items()}
+            out[key] = {name: strict_schema(sub, f"{where}.{key}.{name}") for name, sub in out[key].items()}
     for key in _SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [strict_schema(sub) for sub in out[key]]
+            out[key] = [strict_schema(sub, f"{where}.{key}[{i}]") for i, sub in enumerate(out[key])]
     if "items" in out:
-        out["items"] = strict_schema(out["items"])
+        out["items"] = strict_schema(out["items"], f"{where}.items")
     types = out.get("type")
     if types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out:
         if "properties" in out:
@@ -258,7 +257,8 @@ def function_tools(raw: Any) -> list[dict[str, Any]] | None:
                 raise bad_field(f"{where}.strict", "must be true, false or null")
             function["strict"] = strict
             if strict:
-                function["parameters"] = strict_schema(function.get("parameters", {"type": "object"}))
+                parameters = function.get("parameters", {"type": "object"})
+                function["parameters"] = strict_schema(parameters, f"{where}.parameters")
         tools.append({"type": "function", "function": function})
     return tools or None
 
@@ -410,20 +410,23 @@ def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, s
 def _output(finished: Finished) -> list[dict[str, Any]]:
     """The output items of a finished answer; a cut answer marks the item it was cut in incomplete.
 
-    Calls come after the message, which is left out when the answer is only calls (as OpenAI does).
+    Messages and calls come in the order they were generated, as a stream sends them; an answer of
+    only calls has no message (as OpenAI does), one of neither an empty message.
     """
     cut = finished.finish_reason == "length"
+    parts = finished.answer_parts() or [""]
     output = []
     if finished.reasoning_text:
-        status = "incomplete" if cut and not finished.content_text else "completed"
+        status = (
+            "incomplete" if cut and not finished.content_text and not finished.tool_calls else "completed"
+        )
         output.append(_reasoning_item(new_id("rs_"), finished.reasoning_text, status))
-    if finished.content_text or not finished.tool_calls:
-        status = "incomplete" if cut else "completed"
-        output.append(_message_item(new_id("msg_"), finished.content_text, status))
-    output += [
-        _function_call_item(new_id("fc_"), call.id, call.name, call.arguments, "completed")
-        for call in finished.tool_calls
-    ]
+    for i, part in enumerate(parts):
+        if isinstance(part, str):
+            status = "incomplete" if cut and i == len(parts) - 1 else "completed"
+            output.append(_message_item(new_id("msg_"), part, status))
+        else:
+            output.append(_function_call_item(new_id("fc_"), part.id, part.name, part.arguments, "completed"))
     return output
 
 

@@ -50,7 +50,12 @@ from bubo.server.memory_guard import (
     vision_bytes,
 )
 from bubo.server.shutdown import StreamCutoff
-from bubo.templates.chat_template import ChatTemplate, ChatTemplateError, TemplateSandboxError
+from bubo.templates.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    ConversationTooLargeError,
+    TemplateSandboxError,
+)
 from bubo.templates.tool_calls import ToolCallParser, tool_call_format
 from bubo.templates.tool_grammar import tool_call_grammar
 from bubo.templates.tool_prompt import with_tools_in_messages
@@ -419,6 +424,8 @@ class ServerState:
                 add_generation_prompt=chat.add_generation_prompt and prefill is None,
                 **kwargs,
             )
+        except ConversationTooLargeError as error:
+            raise ApiError(400, "context_length_exceeded", str(error)) from None
         except TemplateSandboxError as error:
             # The model file's template is at fault, not the request.
             log.error("the chat template was stopped: %s", error)

@@ -29,7 +29,13 @@ from bubo.templates.template_sandbox import (
     render_with_limits,
 )
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "RenderLimits", "TemplateSandboxError"]
+__all__ = [
+    "ChatTemplate",
+    "ChatTemplateError",
+    "ConversationTooLargeError",
+    "RenderLimits",
+    "TemplateSandboxError",
+]
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 DEFAULT_LIMITS = RenderLimits()
@@ -42,6 +48,25 @@ class ChatTemplateError(ValueError):
 class TemplateSandboxError(ChatTemplateError):
     """The template tried something the sandbox forbids or broke a render limit: the model file is at
     fault, not the request."""
+
+
+class ConversationTooLargeError(ChatTemplateError):
+    """A render limit stopped the template on a conversation whose size explains it: the request is
+    too large, not the template broken."""
+
+
+# A conversation this much smaller than the render's size limit cannot reach it by its own size (nor,
+# with the template doing a sane amount of work per character, its time limit): a template stopped on
+# a smaller one is at fault itself.
+_TEMPLATE_AMPLIFICATION = 16
+# What a message costs a template beyond its text: its role, its layout, a pass of the loop.
+_MESSAGE_CHARS = 64
+
+
+def _conversation_chars(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+) -> int:
+    return sum(len(str(m.get("content") or "")) + _MESSAGE_CHARS for m in messages) + len(str(tools or ""))
 
 
 class _GenerationTag(Extension):
@@ -194,6 +219,10 @@ class ChatTemplate:
         try:
             return render_with_limits(lambda: self._template.generate(**variables), self.limits)
         except RenderLimitError as error:
+            if _conversation_chars(messages, tools) * _TEMPLATE_AMPLIFICATION >= self.limits.max_chars:
+                raise ConversationTooLargeError(
+                    f"the conversation is too large to render ({error}); shorten it"
+                ) from None
             raise TemplateSandboxError(str(error)) from None
         except SecurityError as error:
             raise TemplateSandboxError(

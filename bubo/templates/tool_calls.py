@@ -24,8 +24,9 @@ Two call formats are in use by the templates bubo ships with:
 
 Several blocks in a row are parallel calls. Text that could still be the start of an opening tag is held
 back until the next piece decides it, and a call is buffered whole until its closing tag: only a
-complete, valid call becomes tool-call events, while anything malformed goes back out as the exact text
-the model wrote. Whitespace around calls is the templates' layout, not answer text, so it is dropped.
+complete, valid call becomes tool-call events, anything malformed goes back out as the exact text the
+model wrote, and a call the output ends inside (cut by the token limit) is dropped. Whitespace around
+calls is the templates' layout, not answer text, so it is dropped.
 """
 
 import json
@@ -170,10 +171,18 @@ class ToolCallParser:
 
     def flush(self) -> list[ToolEvent]:
         out: list[ToolEvent] = []
-        # An unterminated call was never a call: it goes out as the text the model wrote.
-        self._text(out, (self._call or "") + self._held)
-        self._call, self._held = None, ""
-        if not self._after_call:
+        call, self._call = self._call, None
+        if call is not None and self._closing_tag() in call:
+            # Its closing tag is there, inside a value the scan skipped (a `</parameter>` left out): a
+            # malformed call, which goes out as the text the model wrote.
+            self._text(out, call)
+            call = None
+        # A call still open at the end (the token limit cut it, or the model stopped inside it) is
+        # dropped, with a partial opening tag and the whitespace laid out before it: it is no call, and
+        # its markup is not answer text.
+        unfinished = call is not None or bool(self._held)
+        self._held = ""
+        if not unfinished and not self._after_call:
             self._text(out, self._space, final=True)
         self._space = ""
         return out
@@ -214,12 +223,19 @@ class ToolCallParser:
         if not body.startswith(_FUNCTION):
             return _FUNCTION.startswith(body)
         # A function name is one line of plain text; prose like "<function=x means…" is not a call.
-        name = body[len(_FUNCTION) :].partition(">")[0]
-        return "<" not in name and "\n" not in name
+        name, closed, rest = body[len(_FUNCTION) :].partition(">")
+        if "<" in name or "\n" in name:
+            return False
+        # Only parameters or the closing tag follow the name ("<function=f> tag" is prose).
+        rest = rest.lstrip()
+        return not closed or any(tag.startswith(rest[: len(tag)]) for tag in (_PARAMETER, _FUNCTION_CLOSE))
+
+    def _closing_tag(self) -> str:
+        return _FUNCTION_CLOSE if self._bare else _CLOSE
 
     def _find_end(self, raw: str) -> int | None:
         """End of the call's closing tag in `raw`, skipping JSON strings and XML parameter values."""
-        close = _FUNCTION_CLOSE if self._bare else _CLOSE
+        close = self._closing_tag()
         skip_open = '"' if self.fmt == "json" else _PARAMETER
         while True:
             at_close = raw.find(close, self._scan)

@@ -97,6 +97,75 @@ def test_streamed_tool_calls_arrive_name_first_then_argument_fragments(
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
 
 
+def _sse(text: str) -> list[dict]:
+    """The JSON payloads of an SSE body (named events or not), without the final [DONE]."""
+    return [
+        json.loads(line[len("data: ") :])
+        for line in text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+
+
+def test_a_call_cut_by_the_token_limit_leaks_no_markup(serve, long_llama: LoadedModel) -> None:
+    """A second call cut short by max_tokens is dropped in every dialect, streamed or not: its markup
+    reaches no answer text, and what remains keeps the order it was generated in."""
+    done = "Let me check.\n" + JSON_CALL
+    cut = '\n<tool_call>\n{"name": "get_'
+    limit = len(long_llama.tokenizer.encode(done + cut, add_bos=False, parse_special=False))
+    server = serve(long_llama, done + "\n" + JSON_CALL, defaults=SamplingParams(temperature=0.0))
+    tools = [WEATHER]
+    chat = {"model": "bubo", "messages": ASK, "tools": tools, "max_tokens": limit}
+    flat_tools = [{"type": "function", **WEATHER["function"]}]
+    responses = {"model": "bubo", "input": "Weather?", "tools": flat_tools, "max_output_tokens": limit}
+    anthropic_tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    messages = {"model": "bubo", "messages": ASK, "tools": [anthropic_tool], "max_tokens": limit}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        reply = http.post("/v1/chat/completions", json=chat).json()["choices"][0]
+        assert reply["message"]["content"] == "Let me check."
+        assert len(reply["message"]["tool_calls"]) == 1 and reply["finish_reason"] == "length"
+        chunks = _sse(http.post("/v1/chat/completions", json={**chat, "stream": True}).text)
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert "".join(d.get("content") or "" for d in deltas) == "Let me check."
+        assert {call["index"] for d in deltas for call in d.get("tool_calls", [])} == {0}
+
+        output = http.post("/v1/responses", json=responses).json()["output"]
+        assert [item["type"] for item in output] == ["message", "function_call"]
+        assert output[0]["content"][0]["text"] == "Let me check."
+        events = _sse(http.post("/v1/responses", json={**responses, "stream": True}).text)
+        texts = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+        assert "".join(texts) == "Let me check."
+
+        message = http.post("/v1/messages", json=messages).json()
+        assert [b["type"] for b in message["content"]] == ["text", "tool_use"]
+        assert message["content"][0]["text"] == "Let me check." and message["stop_reason"] == "max_tokens"
+        events = _sse(http.post("/v1/messages", json={**messages, "stream": True}).text)
+        starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+        assert starts == ["text", "tool_use"]
+        texts = [
+            e["delta"]["text"] for e in events if e["type"] == "content_block_delta" and "text" in e["delta"]
+        ]
+        assert "".join(texts) == "Let me check."
+
+
+def test_text_after_a_call_keeps_its_place_streamed_or_not(serve, long_llama: LoadedModel) -> None:
+    server = serve(long_llama, JSON_CALL + "\nDone.", defaults=SamplingParams(temperature=0.0))
+    flat_tools = [{"type": "function", **WEATHER["function"]}]
+    responses = {"model": "bubo", "input": "Weather?", "tools": flat_tools}
+    anthropic_tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    messages = {"model": "bubo", "messages": ASK, "tools": [anthropic_tool], "max_tokens": 200}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        message = http.post("/v1/messages", json=messages).json()
+        assert [b["type"] for b in message["content"]] == ["tool_use", "text"]
+        events = _sse(http.post("/v1/messages", json={**messages, "stream": True}).text)
+        starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+        assert starts == ["tool_use", "text"]
+        output = http.post("/v1/responses", json=responses).json()["output"]
+        assert [item["type"] for item in output] == ["function_call", "message"]
+        events = _sse(http.post("/v1/responses", json={**responses, "stream": True}).text)
+        done = [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"]
+        assert done == ["function_call", "message"]
+
+
 def test_parallel_tool_calls_false_keeps_one_call(serve, long_llama: LoadedModel) -> None:
     client = client_for(serve(long_llama, JSON_CALL + "\n" + JSON_CALL))
     reply = client.chat.completions.create(
@@ -111,7 +180,6 @@ def test_parallel_tool_calls_false_keeps_one_call(serve, long_llama: LoadedModel
     [
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
         '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>',
-        '<tool_call>\n{"name": "get_weather"',
     ],
 )
 def test_a_malformed_call_is_returned_as_text(serve, long_llama: LoadedModel, bad: str) -> None:
@@ -120,6 +188,14 @@ def test_a_malformed_call_is_returned_as_text(serve, long_llama: LoadedModel, ba
     assert reply.choices[0].finish_reason == "stop"
     assert reply.choices[0].message.tool_calls is None
     assert reply.choices[0].message.content == bad
+
+
+def test_a_call_the_model_ends_inside_is_dropped(serve, long_llama: LoadedModel) -> None:
+    client = client_for(serve(long_llama, 'Checking.\n<tool_call>\n{"name": "get_weather"'))
+    reply = client.chat.completions.create(model="bubo", messages=ASK, tools=[WEATHER])
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].message.content == "Checking."
 
 
 def test_xml_parameter_calls_are_typed_by_the_schema(serve, qwen35_template_llama: LoadedModel) -> None:
@@ -266,6 +342,17 @@ def test_an_invalid_schema_is_400_naming_the_problem(tiny_server: LiveServer) ->
         and error["param"] == "response_format"
         and "objekt" in error["message"]
     )
+
+
+def test_a_schema_no_json_matches_is_400(tiny_server: LiveServer) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}
+    response = httpx.post(
+        tiny_server.url + "/v1/chat/completions",
+        json={"model": "bubo", "messages": ASK, "response_format": fmt},
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_schema", "response_format")
 
 
 _BAD_PARAMETERS = {"type": "object", "properties": {"city": 5}}

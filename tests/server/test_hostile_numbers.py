@@ -213,6 +213,9 @@ def test_a_hostile_value_is_a_400_naming_its_field(
         ("messages", "thinking.budget_tokens", INF, "thinking.budget_tokens"),
         ("count_tokens", "thinking.budget_tokens", -5, "thinking.budget_tokens"),
         ("count_tokens", "thinking.budget_tokens", 2**64, "thinking.budget_tokens"),
+        ("chat", "thinking.budget_tokens", "x", "thinking.budget_tokens"),
+        ("chat", "thinking.budget_tokens", 0, "thinking.budget_tokens"),
+        ("responses", "thinking.budget_tokens", 1.5, "thinking.budget_tokens"),
         ("chat", "messages.0.content", NAN, "messages[0].content"),
         ("messages", "messages.0.content", LONG_INT, "messages[0].content"),
         ("responses", "metadata.note", INF, "metadata.note"),
@@ -310,3 +313,51 @@ def test_numbers_inside_an_output_schema_size_nothing(
     if status == 400:
         error = response.json()["error"]
         assert (error["code"], error["param"]) == ("invalid_schema", "response_format")
+
+
+CALL_ARGUMENTS = [
+    '{"n": ' + LONG_INT + "}",
+    '{"n": ' + NAN + "}",
+    "[" * 5000 + "]" * 5000,
+    '{"city": "\\ud800"}',
+    '{"\\udfff": 1}',
+]
+
+
+@pytest.mark.parametrize("arguments", CALL_ARGUMENTS)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/apply-template"])
+def test_hostile_tool_call_arguments_are_refused_by_name(
+    client: httpx.Client, path: str, arguments: str
+) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    history.append({"role": "tool", "tool_call_id": "call_1", "content": "ok"})
+    response = client.post(path, json={"model": "bubo", "messages": history, "max_tokens": 2})
+    error = assert_refused(response, "chat", "messages[1].tool_calls[0].function.arguments")
+    assert error["code"] == "invalid_value"
+
+
+@pytest.mark.parametrize("arguments", CALL_ARGUMENTS)
+def test_hostile_function_call_item_arguments_are_refused_by_name(
+    client: httpx.Client, arguments: str
+) -> None:
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": arguments}
+    items = [{"role": "user", "content": "hi"}, call]
+    response = client.post("/v1/responses", json={"model": "bubo", "input": items, "max_output_tokens": 2})
+    assert assert_refused(response, "responses", "input[1].arguments")["code"] == "invalid_value"
+
+
+@pytest.mark.parametrize("dialect", ["completions", "completion"])
+def test_a_logit_bias_that_bans_every_token_is_refused(
+    client: httpx.Client, server: LiveServer, dialect: str
+) -> None:
+    path, body, _ = DIALECTS[dialect]
+    size = server.state.require_ready().tokenizer.vocab_size
+    bias: Any = {str(i): False for i in range(size)}
+    if dialect == "completion":
+        bias = [[i, False] for i in range(size)]
+    error = assert_refused(client.post(path, json={**body, "logit_bias": bias}), dialect, "logit_bias")
+    assert error["code"] == "invalid_value"
+    # One token left is enough.
+    del bias["0" if dialect == "completions" else 0]
+    assert client.post(path, json={**body, "logit_bias": bias}).status_code == 200

@@ -386,6 +386,9 @@ def test_completion_follows_a_json_schema(tiny_server: LiveServer) -> None:
     [
         ({"grammar": "root ::= ("}, "invalid_grammar", "grammar"),
         ({"json_schema": {"type": "nope"}}, "invalid_schema", "json_schema"),
+        # No text matches these: each way to begin them needs themselves.
+        ({"grammar": 'root ::= root "a"'}, "invalid_grammar", "grammar"),
+        ({"json_schema": {"$ref": "#"}}, "invalid_schema", "json_schema"),
         ({"json_schema": {"type": "object"}, "grammar": 'root ::= "a"'}, "conflicting_fields", "grammar"),
     ],
 )

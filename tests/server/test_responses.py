@@ -275,6 +275,27 @@ def test_max_output_tokens_minus_one_keeps_the_default(plain_server: LiveServer)
             "unsupported_tool",
             "tools[0].type",
         ),
+        *(
+            (
+                {
+                    "model": "bubo",
+                    "input": "hi",
+                    "tools": [{"type": "function", "name": "f", "strict": True, "parameters": parameters}],
+                },
+                400,
+                "invalid_schema",
+                param,
+            )
+            for parameters, param in [
+                ({"type": "object", "properties": None}, "tools[0].parameters.properties"),
+                ({"type": "object", "properties": 5}, "tools[0].parameters.properties"),
+                (
+                    {"type": "object", "properties": {"a": {"type": "object", "properties": [1]}}},
+                    "tools[0].parameters.properties.a.properties",
+                ),
+                ({"anyOf": [{"properties": "x"}]}, "tools[0].parameters.anyOf[0].properties"),
+            ]
+        ),
         ({"model": "bubo", "input": [{"type": "computer_call"}]}, 400, "invalid_value", "input[0].type"),
         (
             {
@@ -543,7 +564,7 @@ def test_strict_schema_requires_every_property_of_every_object() -> None:
         },
         "$defs": {"unit": {"anyOf": [{"type": "object", "properties": {"u": {}}}, {"type": "string"}]}},
     }
-    strict = strict_schema(schema)
+    strict = strict_schema(schema, "parameters")
     assert strict["required"] == ["place", "days", "extra"] and strict["additionalProperties"] is False
     assert strict["properties"]["place"]["required"] == ["city"]
     assert strict["properties"]["days"]["items"]["required"] == ["n"]
@@ -700,7 +721,7 @@ def test_strict_rule_for_a_forced_call(call_server: LiveServer, strict: Any) -> 
     arguments = json.loads(call["arguments"])
     if strict is True:
         assert arguments["city"] == "Paris" and arguments["unit"] in ("c", "f")
-        jsonschema.validate(arguments, strict_schema(WEATHER))
+        jsonschema.validate(arguments, strict_schema(WEATHER, "parameters"))
     else:
         assert arguments == {"city": "Paris"}
     assert response["tool_choice"] == {"type": "function", "name": "get_weather"}

@@ -4,6 +4,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -139,3 +140,29 @@ def test_a_port_in_use_is_one_line(tiny_llama_path: Path) -> None:
     assert (
         result.stderr.strip().splitlines()[-1].startswith(f"bubo: error: cannot listen on 127.0.0.1:{port}")
     )
+
+
+def test_models_reports_the_context_size_while_the_model_loads(tiny_llama_path: Path) -> None:
+    port = free_port()
+    # `bubo serve`, its model load never ending.
+    program = (
+        "import sys, threading; from bubo.server.state import ServerState; "
+        "ServerState.load = lambda self: threading.Event().wait(); "
+        "from bubo.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    args = ["serve", "--model", str(tiny_llama_path), "--port", str(port), "--ctx-size", "100"]
+    process = subprocess.Popen([sys.executable, "-c", program, *args], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                models = httpx.get(url + "/v1/models")
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert httpx.get(url + "/ready").status_code == 503
+        for entry in models.json()["data"]:
+            assert entry["context_length"] == entry["max_model_len"] == entry["meta"]["n_ctx"] == 100
+    finally:
+        process.kill()
+        process.wait(30)

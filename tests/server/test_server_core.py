@@ -3,6 +3,7 @@ a lost device, and the session slot (queueing, cancellation on disconnect)."""
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -18,6 +19,7 @@ import torch
 from bubo.engine.grammar import GrammarMatcher
 from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.sampler import SamplingParams
+from bubo.server import fields
 from bubo.server import state as state_module
 from bubo.server.memory_guard import MemoryInfo, kv_bytes_per_position
 from bubo.server.state import INLINE_PROMPT_BYTES
@@ -65,6 +67,111 @@ def test_a_body_that_is_not_a_json_object_is_parse_error(tiny_server: LiveServer
         tiny_server.url + "/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}
     )
     assert_error(response, 400, "invalid_request_error", "parse_error")
+
+
+def test_a_json_null_body_says_null(tiny_server: LiveServer) -> None:
+    response = httpx.post(tiny_server.url + "/v1/chat/completions", content=b"null")
+    error = assert_error(response, 400, "invalid_request_error", "parse_error")["error"]
+    assert error["message"].endswith("got null")
+
+
+@pytest.mark.parametrize(
+    ("path", "anthropic"), [("/v1/chat/completions", False), ("/completion", False), ("/v1/messages", True)]
+)
+def test_a_corrupt_compressed_body_is_parse_error(
+    tiny_server: LiveServer, path: str, anthropic: bool
+) -> None:
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    response = httpx.post(tiny_server.url + path, content=b"notgzip", headers=headers)
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert body["error"]["code"] == "parse_error"
+    assert body.get("type") == ("error" if anthropic else None)
+
+
+def _raw_request(port: int, head: bytes, body: bytes = b"", wait: float = 30) -> bytes:
+    """What the server answers to `head` and `body` sent on a socket (the connection left open)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+        sock.sendall(head + body)
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < 10:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        return answer
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        b"Content-Length: abc\r\n",
+        b"Content-Length: 5\r\nContent-Length: 6\r\n",
+        b"Transfer-Encoding: chunked\r\n",
+        b"Content-Encoding: br\r\nContent-Length: 2\r\n",
+    ],
+)
+def test_a_request_aiohttp_cannot_parse_is_one_warning(
+    tiny_server: LiveServer, caplog: pytest.LogCaptureFixture, headers: bytes
+) -> None:
+    """aiohttp answers these 400 itself, below the app (so in its own text/plain shape); the log gets
+    a warning line, not an ERROR with a traceback."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n"
+    body = b"zz\r\n{}\r\n0\r\n\r\n" if b"chunked" in headers else b"{}"
+    with caplog.at_level(logging.INFO, logger="aiohttp.server"):
+        answer = _raw_request(tiny_server.port, head, body, wait=10)
+        time.sleep(0.2)
+    assert answer.split(b"\r\n")[0].split(b" ")[1] == b"400", answer[:200]
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert records and all(r.levelno == logging.WARNING and r.exc_info is None for r in records)
+
+
+def test_a_declared_body_over_the_limit_is_413_before_it_arrives(tiny_llama: LoadedModel) -> None:
+    server = serve_loaded(tiny_llama, max_body_mb=0.01)
+    try:
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000\r\n\r\n"
+        )
+        started = time.monotonic()
+        answer = _raw_request(server.port, head, b'{"model":', wait=10)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert b"request_too_large" in answer and time.monotonic() - started < 5
+    finally:
+        server.stop()
+
+
+def test_a_body_that_stops_arriving_is_408(tiny_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fields, "BODY_STALL_SECONDS", 0.5)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n"
+    )
+    answer = _raw_request(tiny_server.port, head, b'{"model":', wait=10)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"request_timeout" in answer
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", CHAT),
+        ("/apply-template", CHAT),
+        ("/v1/messages/count_tokens", {"model": "bubo"}),
+        ("/v1/responses", {"model": "bubo", "input": []}),
+    ],
+)
+def test_a_conversation_too_large_for_the_template_limits_is_400(
+    tiny_server: LiveServer, path: str, body: dict
+) -> None:
+    """A message past the template sandbox's 16M-character limit is the request's size, not a
+    template failure (a 500)."""
+    huge = [{"role": "user", "content": "x" * 17_000_000}]
+    field = "input" if path == "/v1/responses" else "messages"
+    response = httpx.post(tiny_server.url + path, json={**body, field: huge}, timeout=120)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "too large" in error["message"]
 
 
 def test_a_body_over_the_limit_is_413(tiny_llama: LoadedModel) -> None:

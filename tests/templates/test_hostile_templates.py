@@ -7,7 +7,13 @@ import time
 
 import pytest
 
-from bubo.templates.chat_template import ChatTemplate, ChatTemplateError, RenderLimits, TemplateSandboxError
+from bubo.templates.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    ConversationTooLargeError,
+    RenderLimits,
+    TemplateSandboxError,
+)
 
 HELLO = [{"role": "user", "content": "hello"}]
 FAST = RenderLimits(seconds=0.5)
@@ -143,3 +149,18 @@ def test_a_template_own_error_is_the_conversation_s_fault_not_the_sandbox_s() ->
     with pytest.raises(ChatTemplateError, match="roles must alternate") as caught:
         template.render(HELLO)
     assert not isinstance(caught.value, TemplateSandboxError)
+
+
+def test_a_conversation_that_is_itself_too_large_is_the_requests_fault() -> None:
+    """A render limit reached by the size of the conversation alone is not the template's failure."""
+    template = ChatTemplate.fallback()
+    small = ChatTemplate(template.source, limits=RenderLimits(max_chars=10_000))
+    with pytest.raises(ConversationTooLargeError, match="shorten it"):
+        small.render([{"role": "user", "content": "x" * 12_000}])
+    hurried = ChatTemplate(template.source, limits=RenderLimits(seconds=0.01))
+    with pytest.raises(ConversationTooLargeError):
+        hurried.render([{"role": "user", "content": "hi"}] * 200_000)
+    # A template that blows up a small conversation is still the template's fault.
+    runaway = ChatTemplate("{{ messages[0].content * 10**9 }}", limits=RenderLimits(max_chars=10_000))
+    with pytest.raises(TemplateSandboxError):
+        runaway.render(HELLO)

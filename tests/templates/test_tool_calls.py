@@ -150,7 +150,6 @@ def test_every_chunking_gives_the_same_events(fmt: ToolCallFormat, output: str, 
 
 
 MALFORMED = [
-    ("json", 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
     ("json", '<tool_call>\n{"name": "get_weather", "arguments": {city: Paris}}\n</tool_call>'),
     ("json", '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call> ok'),
     ("json", '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>'),
@@ -158,14 +157,14 @@ MALFORMED = [
     ("json", '<tool_call>\n{"name": "get_weather", "arguments": "not json"}\n</tool_call>'),
     ("json", '<tool_call>\n{"name": "get_weather", "arguments": {"days": NaN}}\n</tool_call>'),
     ("json", "Use a <tool_call> tag, then close it with </tool_call>, like so."),
-    ("json", "Tags: <tool_call>, <tool_call>{oops</tool_call> and <tool_"),
+    ("json", "Tags: <tool_call>, <tool_call>{oops</tool_call> and more"),
     ("xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>"),
     ("xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>"),
     ("xml", "<tool_call>\n<function=nope>\n</function>\n</tool_call>"),
     ("xml", "<tool_call>\n<function=>\n</function>\n</tool_call>"),
     ("xml", "<tool_call>\n<function=get_weather>\nstray\n</function>\n</tool_call>"),
     ("xml", "In XML the <function=name> tag opens a call and <tool_call> wraps it"),
-    ("xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>"),
+    ("xml", "Call <function=get_weather> with the city.\n</function>"),
 ]
 
 
@@ -173,6 +172,30 @@ MALFORMED = [
 def test_malformed_calls_come_back_as_the_exact_text(fmt: ToolCallFormat, output: str) -> None:
     for pieces in [[output], list(output)]:
         assert parse(pieces, fmt, TOOLS) == [TextPiece(output)]
+
+
+UNFINISHED = [
+    ("json", 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "Hi"),
+    ("json", '<tool_call>\n{"name": "get_', ""),
+    ("json", "Tags: <tool_call>, and <tool_", "Tags: <tool_call>, and"),
+    ("xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>", ""),
+    ("xml", "Checking.\n<function=get_weather>\n<parameter=ci", "Checking."),
+]
+
+
+@pytest.mark.parametrize(("fmt", "output", "answer"), UNFINISHED)
+def test_a_call_the_output_ends_inside_is_dropped(fmt: ToolCallFormat, output: str, answer: str) -> None:
+    # The token limit cuts a call short: its markup is no answer text, and it is no call.
+    for pieces in chunkings(output):
+        assert text(parse(pieces, fmt, TOOLS)) == answer, pieces
+
+
+def test_an_unfinished_call_after_a_complete_one_is_dropped() -> None:
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    for pieces in chunkings(f'{first}\n<tool_call>\n{{"name":'):
+        events = parse(pieces, "json", TOOLS)
+        assert calls(events) == [("get_weather", {"city": "Oslo"})]
+        assert text(events) == ""
 
 
 def test_a_malformed_call_does_not_hide_a_good_one_after_it() -> None:
