@@ -4,7 +4,8 @@ idea), on a task that repeats its prompt and one that doesn't. Greedy, so every 
 engine must produce the same tokens; the script checks that Bubo's do.
 
 Each configuration runs in turn, `--repeats` times interleaved, and the medians (and best) are printed:
-on a shared 2-core machine only figures taken side by side mean anything.
+on a shared 2-core machine only figures taken side by side mean anything. First it times what a round
+costs: the compiled step's pass over 1 (a plain step) .. max draft + 1 tokens at 500 cached positions.
 
     python benchmarks/bench_prompt_lookup.py
     python benchmarks/bench_prompt_lookup.py --drafts 1 2 3 --tokens 128 --repeats 5 --no-llama-cpp
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
 from bubo.default_model import default_model_path  # noqa: E402
+from bubo.engine.compiled_decode import decode_step_for  # noqa: E402
 from bubo.engine.drafters import prepare_drafting  # noqa: E402
 from bubo.engine.generate import GenerationResult, generate  # noqa: E402
 from bubo.engine.loaded_model import load_model  # noqa: E402
@@ -71,12 +73,37 @@ def bubo_runs(
 
         return once
 
+    print_pass_times(loaded.model, max(drafts) + 1)
     runs: dict[str, dict[str, Run]] = {}
     for task, text in TASKS.items():
         prompt = loaded.tokenizer.encode(chat(text), parse_special=True)
         runs[task] = {"bubo": run(prompt, 0)}
         runs[task].update({f"bubo ngram d={d}": run(prompt, d) for d in drafts})
     return runs
+
+
+def print_pass_times(model: torch.nn.Module, most: int, cached: int = 500, repeats: int = 15) -> None:
+    """Milliseconds a compiled pass over 1 .. `most` tokens takes after `cached` positions (medians and
+    best of `repeats`, the counts interleaved)."""
+    cache = model.new_cache(max_len=cached + most)
+    with torch.inference_mode():
+        model(torch.arange(cached)[None] % model.config.vocab_size, cache, last_only=True)
+        step = decode_step_for(model, cache)
+        if step is None:
+            print("no compiled step for this model: verify passes run the eager forward")
+            return
+        times: dict[int, list[float]] = {count: [] for count in range(1, most + 1)}
+        for _ in range(repeats):
+            for count, values in times.items():
+                started = time.perf_counter()
+                step(torch.arange(count) if count > 1 else torch.tensor(0), cache)
+                values.append((time.perf_counter() - started) * 1000)
+                cache.truncate(cached)
+    print(f"compiled pass after {cached} positions, ms (median / best of {repeats}):")
+    for count, values in times.items():
+        print(
+            f"  {count} token{'s' if count > 1 else ''}: {statistics.median(values):6.2f} / {min(values):6.2f}"
+        )
 
 
 def llama_cpp_runs(path: Path, drafts: list[int], tokens: int, threads: int) -> dict[str, dict[str, Run]]:

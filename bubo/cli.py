@@ -393,9 +393,10 @@ def _serve(args: argparse.Namespace) -> int:
         mmproj=args.mmproj,
         allow_image_urls=args.allow_image_urls,
     )
-    ServerState(settings).preflight()
+    state = ServerState(settings)
+    state.preflight()
     logging.basicConfig(level=logging.INFO, format="bubo: %(levelname)s %(name)s: %(message)s")
-    return serve(settings)
+    return serve(state)
 
 
 def _cache_dtypes(args: argparse.Namespace) -> tuple[torch.dtype, torch.dtype]:

@@ -12,9 +12,11 @@ generation that ends leaves the batcher, and the remaining calls run.
 One compute thread runs every pass, and the slots' threads keep their own torch ops to one thread: on
 the CPU a second OpenMP team slows every parallel region (bubo/engine/compute_threads.py). There, where
 the compiled decode step covers the model (bubo/engine/compiled_decode.py), the single-token steps of
-up to MATVEC_ROWS sequences run through it one sequence after another instead: a batched pass of that
-few rows multiplies them one row at a time anyway, and dispatches its glue op by op (~25 ms a pass on
-the default model, against ~8 ms for a whole compiled step).
+up to MATVEC_ROWS sequences run through it as the rows of one pass (`CompiledDecodeStep.batch`: each
+matvec expands the weights' codes once for all rows, each row attends over its own cache) rather than
+as an eager batched pass, which dispatches its glue op by op (~25 ms a pass on the default model,
+against ~10 ms for a whole compiled step). The passes of 2 .. min(slots, MATVEC_ROWS) rows are compiled
+when the batcher is made (`prepare`).
 """
 
 import threading
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from bubo.engine.compiled_decode import CompiledDecodeStep, decode_step_for
+from bubo.engine.compiled_decode import CompiledDecodeStep, decode_step_for, prepare_decode_step
 from bubo.engine.kv_cache import CacheBatch, KVCache
 from bubo.model.quantized_linear import MATVEC_ROWS
 
@@ -117,8 +119,8 @@ class DecodeBatcher:
         if steps or len(batch) < 2 or not getattr(self.model, "supports_cache_batch", False):
             batch = []
         try:
-            for call, step in steps.items():
-                self._run_step(call, step)
+            if steps:
+                self._run_steps(steps)
             if batch:
                 self._run_batch(batch)
             for call in calls:
@@ -145,13 +147,41 @@ class DecodeBatcher:
             steps[call] = step
         return steps
 
-    def _run_step(self, call: _Call, step: CompiledDecodeStep) -> None:
+    def prepare(self, rows: int) -> None:
+        """Compile the compiled step's passes of 2 .. `rows` rows (where the step covers the model), so
+        that the first batches of a first burst of requests don't wait for them. On the compute thread,
+        as every pass: torch's CPU work on another thread would leave it an OpenMP team of its own."""
+
+        def warm_up() -> None:
+            step = prepare_decode_step(self.model)
+            if step is not None:
+                for count in range(2, min(rows, MATVEC_ROWS) + 1):
+                    step.warm_up(count)
+
+        self._compute.submit(warm_up).result()
+
+    def _run_steps(self, steps: dict[_Call, CompiledDecodeStep]) -> None:
+        """The single-token calls through the model's compiled step: one call alone, several as the rows
+        of one pass."""
+        calls = list(steps)
+        step = steps[calls[0]]
         try:
             with torch.inference_mode():
-                call.result = step(call.tokens.view(()), call.cache).view(1, 1, -1)
-        except BaseException as error:  # handed to the thread that made the call
-            call.error = error
-        call.done = True
+                if len(calls) == 1:
+                    logits = step(calls[0].tokens.view(()), calls[0].cache)[None]
+                else:
+                    logits = step.batch(
+                        torch.cat([c.tokens.view(1) for c in calls]), [c.cache for c in calls]
+                    )
+                    self.steps += 1
+                    self.rows += len(calls)
+            for call, row in zip(calls, logits, strict=True):
+                call.result = row.view(1, 1, -1)
+        except BaseException as error:  # handed to the threads that made the calls
+            for call in calls:
+                call.error = error
+        for call in calls:
+            call.done = True
 
     def _run_one(self, call: _Call) -> None:
         run = self.model if call.method == "forward" else self.model.hidden

@@ -323,13 +323,50 @@ def _write_and_view(pool: torch.Tensor, run: int, start: int, new: torch.Tensor)
     )
 
 
+def _attend(
+    slot: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sequences: list[tuple[KVCache, int, int | None]],
+) -> torch.Tensor:
+    """Layer `slot`'s attention for a pass's rows: each sequence's new keys and values (k, v [kv_heads,
+    rows, D]) written into its cache, and its queries (q [1, heads, rows, D]) attending over it."""
+    if len(sequences) == 1:
+        ((cache, _, run),) = sequences
+        return decode_attention(q, *_store(cache, slot, run, k, v))
+    outputs, row = [], 0
+    for cache, rows, run in sequences:
+        mine = slice(row, row + rows)
+        keys, values = _store(cache, slot, run, k[:, mine], v[:, mine])
+        # A copy in a lone sequence's layout: the attention kernel compiled for it serves every row.
+        outputs.append(decode_attention(q[:, :, mine].contiguous(), keys, values))
+        row += rows
+    return torch.cat(outputs, dim=2)
+
+
+def _store(
+    cache: KVCache, slot: int, run: int | None, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [kv_heads, rows, D] written at the cache's next positions of layer `slot`; its keys and
+    values up to them."""
+    if run is None:
+        return cache.update(slot, k[None], v[None])
+    start = cache.length
+    return (
+        _write_and_view(cache.pool.keys[slot], run, start, k),
+        _write_and_view(cache.pool.values[slot], run, start, v),
+    )
+
+
 class CompiledDecodeStep:
     """`step(token, cache)` -> float32 logits [vocab] of the next position, as `model(token.view(1, 1),
     cache)[0, -1]` computes them, for a single-sequence KVCache (the cache advances by one).
     `step(tokens, cache)` with tokens [T] (a few: a speculative round's verify pass) runs them at the
     cache's next T positions in one pass -> logits [T, vocab], each position attending to those before
     it: the weights are expanded once for all T rows (bubo/kernels/codes.py's block_dots), the graphs are
-    compiled once per T."""
+    compiled once per T. `step.batch(tokens, caches)` runs the next token of several sequences as the
+    rows of one pass (continuous batching's decode steps, bubo/engine/batcher.py)."""
 
     def __init__(self, model: Decoder) -> None:
         if model.device.type != "cpu" or model.dtype != torch.float32:
@@ -357,22 +394,37 @@ class CompiledDecodeStep:
         self._kernels: dict[tuple[int, int], Callable[..., Any]] = {}
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        model, start, count = self.model, cache.length, tokens.numel()
-        positions = torch.arange(start + cache.rope_delta, start + cache.rope_delta + count)
+        start, count = cache.length, tokens.numel()
+        positions = torch.arange(start, start + count) + cache.rope_delta
+        logits = self._forward(
+            tokens.view(count), positions, [(cache, count, cache.single_run(start + count))]
+        )
+        cache.advance(count)
+        return logits if tokens.dim() else logits[0]
+
+    def batch(self, tokens: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor:
+        """The next token of each of several sequences (tokens [B], one single-sequence KVCache each; every
+        cache advances by one) -> logits [B, vocab]: the sequences are the rows of one pass, so every
+        matvec expands the weights' codes once for all of them, and each row attends over its own cache."""
+        positions = torch.tensor([cache.length + cache.rope_delta for cache in caches])
+        sequences = [(cache, 1, cache.single_run(cache.length + 1)) for cache in caches]
+        logits = self._forward(tokens.view(-1), positions, sequences)
+        for cache in caches:
+            cache.advance(1)
+        return logits
+
+    def _forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, sequences: list[tuple[KVCache, int, int | None]]
+    ) -> torch.Tensor:
+        """Logits [rows, vocab] of `tokens` [rows] at `positions`; `sequences` are the caches the rows belong
+        to, in row order: (cache, its rows, the pool position of its blocks' one run or None)."""
+        model, count = self.model, tokens.shape[0]
         cos, sin = model.rotary(positions, model.dtype)
-        x = model.embedding(tokens.view(count))
+        x = model.embedding(tokens)
         q, k, v = self._run(0, count, self._enter, x, cos, sin, *self.layers[0])
         last = len(self.layers) - 1
-        run = cache.single_run(start + count)
         for i, slot in enumerate(self.layer_slots):
-            if run is None:
-                keys, values = cache.update(slot, k[None], v[None])
-            else:
-                keys, values = (
-                    _write_and_view(cache.pool.keys[slot], run, start, k),
-                    _write_and_view(cache.pool.values[slot], run, start, v),
-                )
-            attended = decode_attention(q, keys, values)
+            attended = _attend(slot, q, k, v, sequences)
             if i < last:
                 x, q, k, v = self._run(
                     i + 1,
@@ -396,8 +448,7 @@ class CompiledDecodeStep:
                     self._norm_weight,
                     *self.head_tensors,
                 )
-        cache.advance(count)
-        return logits if tokens.dim() else logits[0]
+        return logits
 
     def _run(self, call: int, count: int, graph: StaticKernel, *args: torch.Tensor) -> Any:
         """The step's `call`-th graph on `args` for `count` tokens: every step of that many passes the

@@ -68,6 +68,7 @@ class SlotPool:
             self.pool.reclaim = self.reclaim
         if parallel > 1:
             self.batcher = DecodeBatcher(model)
+            self.batcher.prepare(parallel)
         self.slots = [
             SessionSlot(
                 model,

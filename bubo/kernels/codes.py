@@ -166,9 +166,10 @@ def block_dots(x: torch.Tensor, words: torch.Tensor, bits: int) -> list[torch.Te
     One reduction over blocks whose body expands a block's codes, so that inductor emits a single loop
     per tile with nothing stored between the words and the result. The products of one field position
     form a chain (one FMA per word) scaled once by its placement factor. With several rows (a verify
-    pass's few tokens) the codes are expanded once for all of them, the instructions a matvec is bound
-    by (bubo/kernels/q4_matvec.py): default model, 2 threads, 3072x576 Q4_1 at 2 / 4 / 8 rows 100 / 258 /
-    391 µs a row at a time against 69 / 148 / 222 µs together."""
+    pass's few tokens, batched slots) the codes are expanded once for all of them, and that expansion is
+    what a matvec's time goes to (the Q4 matvec takes as long with its weights in cache as streamed):
+    3072x576 Q4_1, 2 threads, 2 / 4 / 8 rows 100 / 258 / 391 µs a row at a time against 69 / 148 / 222
+    µs together (best of 30, another process running)."""
     n_blocks, n_words = words.shape[1], words.shape[2]
     rows = x.view(-1, n_blocks, n_words, 32 // bits)
     positions: list[list[torch.Tensor]] = [[] for _ in range(rows.shape[0])]

@@ -209,11 +209,13 @@ def is_loopback(host: str) -> bool:
 
 class _ProtocolLog(logging.LoggerAdapter):
     """aiohttp's server log. A request aiohttp cannot parse (a bad Content-Length or chunk size, a
-    Content-Encoding it cannot decode) is the client's mistake, which aiohttp answers 400 itself before
+    Content-Encoding it cannot decode or a body that fails to decode) is the client's mistake, which aiohttp answers 400 itself before
     any middleware runs: one warning line, not an ERROR with a traceback."""
 
     def exception(self, msg: object, *args: object, exc_info: object = True, **kwargs: object) -> None:
-        if isinstance(exc_info, HttpProcessingError):
+        # A body it could not decode (a corrupt gzip) is raised again when aiohttp drains the rest of it
+        # after the app's 400, as a RequestPayloadError.
+        if isinstance(exc_info, HttpProcessingError | web.RequestPayloadError):
             self.warning(f"{msg}: %s", *args, exc_info)
         else:
             super().exception(msg, *args, exc_info=exc_info, **kwargs)
@@ -243,9 +245,10 @@ def exposure_warning(settings: ServerSettings) -> str | None:
     )
 
 
-def serve(settings: ServerSettings) -> int:
-    """Open the port, load the model behind it, serve until interrupted. Returns the exit code."""
-    code = asyncio.run(_serve(settings))
+def serve(state: ServerState) -> int:
+    """Open the port, load the model behind it, serve until interrupted; `state` has passed its
+    preflight (so /v1/models reports the context size from the first moment). Returns the exit code."""
+    code = asyncio.run(_serve(state))
     if any(thread.name == _LOAD_THREAD and thread.is_alive() for thread in threading.enumerate()):
         # Stopped while the model was still loading: the loading thread may be inside native code (the
         # kernel compiler, a read of the map), where the interpreter's teardown can abort the process.
@@ -256,11 +259,8 @@ def serve(settings: ServerSettings) -> int:
     return code
 
 
-async def _serve(settings: ServerSettings) -> int:
-    state = ServerState(settings)
-    # The header and config again (the CLI checked them on a state of its own): /v1/models reports
-    # the context size from the first moment, not once the model has loaded.
-    state.preflight()
+async def _serve(state: ServerState) -> int:
+    settings = state.settings
     runner = create_runner(state)
     await runner.setup()
     try:

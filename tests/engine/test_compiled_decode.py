@@ -145,6 +145,32 @@ def test_several_tokens_in_one_step_match_the_eager_pass(
         assert (got - expected).abs().max().item() <= LOGIT_TOLERANCE
 
 
+def test_several_sequences_in_one_step_match_their_own_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`batch`: the next token of several sequences as the rows of one pass, each at its own position
+    over its own cache (one of them over scattered blocks), gives each the logits of its own step."""
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    model = _model("qwen3-qk-norm", tmp_path / "qwen3.gguf", quantize={"blk.*": Q.Q4_0})
+    step = CompiledDecodeStep(model)
+    pool = model.new_block_pool(64, block_size=2)
+    held = [pool.take() for _ in range(pool.num_blocks)]
+    pool.release(held[1::2])
+    prompts = ([3, 17, 42], [8, 1, 5, 66, 9, 12, 30], [7])
+    caches = [model.new_cache(max_len=16) for _ in prompts[:2]] + [model.new_cache(max_len=16, pool=pool)]
+    alone = [model.new_cache(max_len=16) for _ in prompts]
+    with torch.inference_mode():
+        for prompt, a, b in zip(prompts, caches, alone, strict=True):
+            model(torch.tensor([prompt]), a, last_only=True)
+            model(torch.tensor([prompt]), b, last_only=True)
+        for tokens in ([4, 5, 6], [70, 2, 11]):
+            got = step.batch(torch.tensor(tokens), caches)
+            expected = torch.stack([step(torch.tensor(t), c) for t, c in zip(tokens, alone, strict=True)])
+            assert got.shape == expected.shape
+            assert (got - expected).abs().max().item() <= LOGIT_TOLERANCE
+    assert [c.length for c in caches] == [c.length for c in alone] == [len(p) + 2 for p in prompts]
+
+
 def test_hybrid_models_decode_eagerly(tmp_path: Path) -> None:
     reference = tiny_hybrid("qwen35", ["linear_attention", "full_attention"])
     randomize_(reference, seed=1)
@@ -184,15 +210,21 @@ def test_default_model_logits_match_the_eager_step(smollm2: LoadedModel) -> None
 
 @pytest.fixture
 def step_calls(monkeypatch: pytest.MonkeyPatch) -> list[KVCache]:
-    """The cache of every compiled decode step run while the test runs, in order."""
-    calls: list[KVCache] = []
-    call = CompiledDecodeStep.__call__
+    """The cache of every compiled decode step run while the test runs, in order (a batch's caches
+    together, as one entry)."""
+    calls: list = []
+    call, batch = CompiledDecodeStep.__call__, CompiledDecodeStep.batch
 
     def counted(self: CompiledDecodeStep, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
         calls.append(cache)
         return call(self, token, cache)
 
+    def counted_batch(self: CompiledDecodeStep, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        calls.append(tuple(caches))
+        return batch(self, tokens, caches)
+
     monkeypatch.setattr(CompiledDecodeStep, "__call__", counted)
+    monkeypatch.setattr(CompiledDecodeStep, "batch", counted_batch)
     return calls
 
 
@@ -225,9 +257,9 @@ def test_short_prompts_prefill_through_the_compiled_step(
 def test_parallel_slots_decode_through_the_compiled_step(
     smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch, step_calls: list[KVCache]
 ) -> None:
-    """With several slots (`--parallel`) the decode steps still run compiled, one sequence after another
-    (a batched eager pass of so few rows costs more), and every stream gets the tokens it gets alone;
-    with compiling off they run as one batched pass."""
+    """With several slots (`--parallel`) the decode steps run compiled, the sequences' tokens as the rows
+    of one pass, and every stream gets the tokens it gets alone; with compiling off they run as one
+    batched eager pass."""
     prompts = [
         " and".join(["The capital of France is Paris"] * 3),
         " and".join(["A good recipe for bread starts with flour"] * 3),
@@ -236,6 +268,7 @@ def test_parallel_slots_decode_through_the_compiled_step(
 
     async def serve(parallel: int, texts: list[str]) -> tuple[list[list[int]], SlotPool]:
         pool = SlotPool(smollm2.model, smollm2.tokenizer, 256, parallel=parallel)
+        step_calls.clear()  # the batcher's warm-up passes (`prepare`)
 
         async def one(text: str) -> list[int]:
             ids = smollm2.tokenizer.encode(text)
@@ -247,11 +280,14 @@ def test_parallel_slots_decode_through_the_compiled_step(
         return list(await asyncio.gather(*(one(t) for t in texts))), pool
 
     alone = [asyncio.run(serve(1, [text]))[0][0] for text in prompts]
-    step_calls.clear()
     together, pool = asyncio.run(serve(2, prompts))
     assert together == alone
-    assert len(step_calls) == 2 * (params.max_tokens - 1)  # every decode step of both streams, compiled
-    assert pool.batcher is not None and pool.batcher.steps == 0
+    # Every decode step of both streams, compiled; mostly together (one runs alone while the other's
+    # prompt is computed).
+    batches = [c for c in step_calls if isinstance(c, tuple)]
+    assert sum(len(c) if isinstance(c, tuple) else 1 for c in step_calls) == 2 * (params.max_tokens - 1)
+    assert len(batches) >= params.max_tokens // 2 and all(len(c) == 2 for c in batches)
+    assert pool.batcher is not None and pool.batcher.steps == len(batches)
     monkeypatch.setenv("BUBO_COMPILE_DECODE", "0")
     batched, pool = asyncio.run(serve(2, prompts))
     assert pool.batcher is not None and pool.batcher.steps > 0

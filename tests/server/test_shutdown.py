@@ -37,13 +37,15 @@ import bubo.server.state as state_module
 from bubo.engine.loaded_model import load_model
 from bubo.engine.sampler import SamplingParams
 from bubo.server.app import serve
-from bubo.server.state import ServerSettings
+from bubo.server.state import ServerSettings, ServerState
 from tests.server.live_server import scripted
 
 path, port, words, delay, grace = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
 state_module.load_model = lambda p, **kw: scripted(load_model(p, **kw), "go " * words, delay=delay)
 settings = ServerSettings(Path(path), port=port, shutdown_grace=grace, defaults=SamplingParams(temperature=0.0))
-sys.exit(serve(settings))
+state = ServerState(settings)
+state.preflight()
+sys.exit(serve(state))
 """
 
 
