@@ -1,5 +1,5 @@
-"""A decode step (one token of one sequence, or a verify pass's few) compiled by inductor on the CPU, in place
-of the eager model's.
+"""A decode step compiled by inductor on the CPU, in place of the eager model's: one token of one sequence,
+a verify pass's few tokens of one sequence, or one token each of a few batched sequences.
 
 The eager decoder runs some 25 small ops a layer between its compiled matvecs (norms, rotary, residual
 adds, the SwiGLU product): each an op dispatch and an OpenMP parallel region, about a third of a
@@ -342,6 +342,8 @@ def _attend(
         # A copy in a lone sequence's layout: the attention kernel compiled for it serves every row.
         outputs.append(decode_attention(q[:, :, mine].contiguous(), keys, values))
         row += rows
+    # Contiguous, as decode_attention's own result is: the graphs that take it are looked up by row
+    # count alone (CompiledDecodeStep._run), so a verify pass and a batch of as many rows share them.
     return torch.cat(outputs, dim=2)
 
 
