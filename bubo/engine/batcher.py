@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from bubo.engine.compiled_decode import CompiledDecodeStep, decode_step_for, prepare_decode_step
+from bubo.engine.compiled_decode import CompiledDecodeStep, decode_step_for, prepare_passes
 from bubo.engine.kv_cache import CacheBatch, KVCache
 from bubo.model.quantized_linear import MATVEC_ROWS
 
@@ -152,13 +152,7 @@ class DecodeBatcher:
         that the first batches of a first burst of requests don't wait for them. On the compute thread,
         as every pass: torch's CPU work on another thread would leave it an OpenMP team of its own."""
 
-        def warm_up() -> None:
-            step = prepare_decode_step(self.model)
-            if step is not None:
-                for count in range(2, min(rows, MATVEC_ROWS) + 1):
-                    step.warm_up(count)
-
-        self._compute.submit(warm_up).result()
+        self._compute.submit(prepare_passes, self.model, min(rows, MATVEC_ROWS)).result()
 
     def _run_steps(self, steps: dict[_Call, CompiledDecodeStep]) -> None:
         """The single-token calls through the model's compiled step: one call alone, several as the rows

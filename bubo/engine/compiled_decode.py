@@ -51,7 +51,13 @@ from bubo.model.decoder import Decoder, DecoderLayer
 from bubo.model.layers import MLP, RMSNorm, apply_rotary, rms_norm
 from bubo.model.quantized_linear import MIN_PACKED_WEIGHTS, Packed, QuantizedLinear, has_packed_weights
 
-__all__ = ["CompiledDecodeStep", "compile_decode_enabled", "decode_step_for", "prepare_decode_step"]
+__all__ = [
+    "CompiledDecodeStep",
+    "compile_decode_enabled",
+    "decode_step_for",
+    "prepare_decode_step",
+    "prepare_passes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -500,3 +506,13 @@ def prepare_decode_step(model: nn.Module) -> CompiledDecodeStep | None:
             step = None
         _steps[model] = step
     return _steps[model]
+
+
+def prepare_passes(model: nn.Module, rows: int) -> None:
+    """`prepare_decode_step`, with its passes of 2 .. `rows` tokens compiled too (a verify pass's tokens,
+    a batch's sequences), so that a first request doesn't wait for them; nothing where the step doesn't
+    cover the model. Run it on the thread that will run the passes (bubo/engine/compute_threads.py)."""
+    step = prepare_decode_step(model)
+    if step is not None:
+        for count in range(2, rows + 1):
+            step.warm_up(count)

@@ -4,11 +4,11 @@ the model's MTP block (bubo/engine/speculative.py) or the context's own n-grams
 
 from torch import nn
 
-from bubo.engine.compiled_decode import prepare_decode_step
+from bubo.engine.compiled_decode import prepare_passes
 from bubo.engine.ngram_drafter import DEFAULT_NGRAM_DRAFT, DEFAULT_NGRAM_SIZE, NgramDrafter
 from bubo.engine.speculative import DEFAULT_SPEC_DRAFT, Drafter, DraftModel, mtp_drafter
 
-__all__ = ["SPEC_TYPES", "drafter_for", "prepare_drafting"]
+__all__ = ["SPEC_TYPES", "check_mtp_block", "drafter_for", "prepare_drafting"]
 
 # llama-server's names for the two kinds (`--spec-type`), and "none".
 SPEC_TYPES = ("mtp", "ngram-simple", "none")
@@ -39,13 +39,23 @@ def drafter_for(
     return mtp_drafter(model, spec_draft)
 
 
+def check_mtp_block(spec_type: str | None, spec_draft: int | None, has_block: bool) -> None:
+    """ValueError, naming the flags, when they ask the MTP block to draft (`--spec-type mtp`, or a
+    `--spec-draft` count without a type) and the model has none: checked from the file's config before
+    the model loads."""
+    wants_block = spec_draft != 0 and (spec_type == "mtp" or (spec_type is None and spec_draft is not None))
+    if wants_block and not has_block:
+        flags = [f"--spec-type {spec_type}"] if spec_type is not None else []
+        flags += [f"--spec-draft {spec_draft}"] if spec_draft is not None else []
+        raise ValueError(
+            f"{' '.join(flags)}: this model has no MTP block to draft with "
+            "(give its checkpoint's with --mtp-weights PATH, or use --spec-draft 0)"
+        )
+
+
 def prepare_drafting(model: nn.Module, drafter: Drafter | None) -> None:
     """Compile the compiled step's passes of 2 .. max_draft + 1 tokens, where `drafter`'s rounds are
     verified through it (a drafter without hidden states, on a model the step covers), so that the
     first rounds of a first request don't wait for them."""
-    if drafter is None or drafter.needs_hidden:
-        return
-    step = prepare_decode_step(model)
-    if step is not None:
-        for tokens in range(2, drafter.max_draft + 2):
-            step.warm_up(tokens)
+    if drafter is not None and not drafter.needs_hidden:
+        prepare_passes(model, drafter.max_draft + 1)

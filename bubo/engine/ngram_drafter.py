@@ -22,7 +22,7 @@ from bubo.engine.speculative import Draft, DrawDraft
 __all__ = ["DEFAULT_NGRAM_DRAFT", "DEFAULT_NGRAM_SIZE", "NgramDrafter"]
 
 # Tokens drafted per round, and the n-gram that must match, by default (`--spec-draft`,
-# `--spec-ngram-simple-size-n`): see benchmarks/bench_speculative.py's figures in the README.
+# `--spec-ngram-simple-size-n`): see benchmarks/bench_prompt_lookup.py's figures in the README.
 DEFAULT_NGRAM_DRAFT = 2
 DEFAULT_NGRAM_SIZE = 3
 

@@ -22,7 +22,7 @@ import torch
 from bubo.engine.block_pool import BlockPool, KVPoolExhaustedError
 from bubo.engine.compute_threads import use_one_thread
 from bubo.engine.constraints import GrammarConstraint, ReasoningBudget, ReasoningTracker
-from bubo.engine.drafters import drafter_for, prepare_drafting
+from bubo.engine.drafters import check_mtp_block, drafter_for, prepare_drafting
 from bubo.engine.generate import TokenConstraint
 from bubo.engine.grammar import GrammarError, GrammarMatcher, gbnf_grammar, json_schema_grammar, lark_grammar
 from bubo.engine.loaded_model import LoadedModel, load_model
@@ -185,11 +185,8 @@ class ServerState:
         self.context_length = self._n_ctx(config.context_length)
         if self.settings.mtp_weights is not None:
             check_mtp_file(config, self.settings.mtp_weights)
-        elif self._wants_mtp() and not config.mtp_layers:
-            raise ValueError(
-                f"{self._speculation_flags()}: this model has no MTP block to draft with "
-                "(give its checkpoint's with --mtp-weights PATH, or use --spec-draft 0)"
-            )
+        else:
+            check_mtp_block(self.settings.spec_type, self.settings.spec_draft, bool(config.mtp_layers))
         if self.settings.mmproj is not None:
             check_mmproj(self.settings.mmproj)
 
@@ -327,19 +324,6 @@ class ServerState:
                 param="model",
             )
         return name
-
-    def _wants_mtp(self) -> bool:
-        settings = self.settings
-        return settings.spec_draft != 0 and (
-            settings.spec_type == "mtp" or (settings.spec_type is None and settings.spec_draft is not None)
-        )
-
-    def _speculation_flags(self) -> str:
-        settings = self.settings
-        flags = [] if settings.spec_type is None else [f"--spec-type {settings.spec_type}"]
-        return " ".join(
-            flags + ([] if settings.spec_draft is None else [f"--spec-draft {settings.spec_draft}"])
-        )
 
     @property
     def n_ctx(self) -> int:
