@@ -7,7 +7,13 @@ The default model's Q4_K_M (SmolLM2-135M, hidden 576) is mostly Q5_0 because 576
 for the embedding and half the layers' attn_v / ffn_down). Random weights: for speed and memory
 figures only, its text is noise.
 
+`--moe` writes a qwen3moe file instead, at Qwen3-30B-A3B's widths (hidden 2048, 32 query heads over 4
+KV heads of 128, 8 of its experts of width 768 routed per token, an untied output head) with fewer
+layers and experts (`--layers`, default 6; `--experts`, default 32): a decoded token does the work of
+that many of Qwen3-30B-A3B's 48 layers, while the file stays small enough to make and hold here.
+
     python benchmarks/make_kquant_model.py /tmp/r1024-q4km.gguf      # needs llama-cpp-python (README)
+    python benchmarks/make_kquant_model.py --moe /tmp/moe-q4km.gguf
     python benchmarks/run.py --model /tmp/r1024-q4km.gguf --engines bubo,llama.cpp
 """
 
@@ -22,6 +28,8 @@ import numpy as np
 from bubo.default_model import default_model_path
 
 HIDDEN, MLP, LAYERS, HEADS, KV_HEADS = 1024, 3072, 24, 16, 8
+# Qwen3-30B-A3B's widths (its config.json), for --moe.
+MOE_HIDDEN, MOE_HEADS, MOE_KV_HEADS, MOE_HEAD_DIM, MOE_EXPERT_WIDTH, MOE_USED = 2048, 32, 4, 128, 768, 8
 
 
 def _copy_tokenizer(source: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
@@ -81,6 +89,57 @@ def write_f16_model(path: Path, seed: int = 0) -> None:
     writer.close()
 
 
+def write_f16_moe_model(path: Path, layers: int, experts: int, seed: int = 0) -> None:
+    """The random F16 qwen3moe described above, with the default model's tokenizer and chat template."""
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_context_length(8192)
+    writer.add_embedding_length(MOE_HIDDEN)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(6144)
+    writer.add_head_count(MOE_HEADS)
+    writer.add_head_count_kv(MOE_KV_HEADS)
+    writer.add_key_length(MOE_HEAD_DIM)
+    writer.add_value_length(MOE_HEAD_DIM)
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(MOE_USED)
+    writer.add_expert_feed_forward_length(MOE_EXPERT_WIDTH)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    _copy_tokenizer(gguf.GGUFReader(default_model_path()), writer)
+    rng = np.random.default_rng(seed)
+
+    def matrix(name: str, *shape: int) -> None:
+        weights = rng.standard_normal(shape, dtype=np.float32) * 0.02
+        writer.add_tensor(name, weights.astype(np.float16))
+
+    vocab = len(gguf.GGUFReader(default_model_path()).fields["tokenizer.ggml.tokens"].data)
+    matrix("token_embd.weight", vocab, MOE_HIDDEN)
+    matrix("output.weight", vocab, MOE_HIDDEN)
+    writer.add_tensor("output_norm.weight", np.ones(MOE_HIDDEN, np.float32))
+    q_width, kv_width = MOE_HEADS * MOE_HEAD_DIM, MOE_KV_HEADS * MOE_HEAD_DIM
+    for i in range(layers):
+        p = f"blk.{i}."
+        for norm, width in (("attn_norm", MOE_HIDDEN), ("ffn_norm", MOE_HIDDEN)):
+            writer.add_tensor(p + norm + ".weight", np.ones(width, np.float32))
+        for norm in ("attn_q_norm", "attn_k_norm"):
+            writer.add_tensor(p + norm + ".weight", np.ones(MOE_HEAD_DIM, np.float32))
+        matrix(p + "attn_q.weight", q_width, MOE_HIDDEN)
+        matrix(p + "attn_k.weight", kv_width, MOE_HIDDEN)
+        matrix(p + "attn_v.weight", kv_width, MOE_HIDDEN)
+        matrix(p + "attn_output.weight", MOE_HIDDEN, q_width)
+        # The router stays float32, as llama.cpp's quantizer leaves ffn_gate_inp.
+        router = rng.standard_normal((experts, MOE_HIDDEN), dtype=np.float32) * 0.02
+        writer.add_tensor(p + "ffn_gate_inp.weight", router)
+        matrix(p + "ffn_gate_exps.weight", experts, MOE_EXPERT_WIDTH, MOE_HIDDEN)
+        matrix(p + "ffn_up_exps.weight", experts, MOE_EXPERT_WIDTH, MOE_HIDDEN)
+        matrix(p + "ffn_down_exps.weight", experts, MOE_HIDDEN, MOE_EXPERT_WIDTH)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def quantize_q4_k_m(source: Path, target: Path) -> None:
     """llama.cpp's own Q4_K_M recipe (llama_model_quantize), as `llama-quantize` applies it."""
     import llama_cpp
@@ -96,10 +155,16 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("output", type=Path, help="the Q4_K_M file to write")
+    parser.add_argument("--moe", action="store_true", help="a qwen3moe file at Qwen3-30B-A3B's widths")
+    parser.add_argument("--layers", type=int, default=6, help="--moe: layers (default 6)")
+    parser.add_argument("--experts", type=int, default=32, help="--moe: experts a layer (default 32)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         f16 = Path(scratch) / "f16.gguf"
-        write_f16_model(f16)
+        if args.moe:
+            write_f16_moe_model(f16, args.layers, args.experts)
+        else:
+            write_f16_model(f16)
         quantize_q4_k_m(f16, args.output)
     print(f"wrote {args.output} ({args.output.stat().st_size / 1e6:.0f} MB)")
     return 0

@@ -89,10 +89,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def weight_bytes(model: Path) -> int:
-    """Bytes of tensor data in the file: what one decoded token reads (every weight, once)."""
+    """Bytes of weights one decoded token reads: every tensor of the file once, except that a mixture of
+    experts' stacks count only the routed share (expert_used_count of expert_count), and the embedding
+    table nothing when a separate output head is there (a token reads one row of it)."""
     from bubo.gguf.reader import GGUFFile
 
-    return sum(t.raw.numel() for t in GGUFFile(model).tensors.values())
+    f = GGUFFile(model)
+    try:
+        arch = f.metadata.get("general.architecture")
+        experts = f.metadata.get(f"{arch}.expert_count") or 0
+        routed = (f.metadata.get(f"{arch}.expert_used_count") or 0) / experts if experts else 1.0
+        total = 0.0
+        for name, t in f.tensors.items():
+            if name == "token_embd.weight" and "output.weight" in f.tensors:
+                continue
+            total += t.raw.numel() * (routed if "_exps." in name else 1.0)
+        return int(total)
+    finally:
+        f.close()
 
 
 def memory_bandwidth(torch_threads: int, megabytes: int) -> float:

@@ -41,15 +41,19 @@ from torch._inductor.inductor_prims import force_stride_order
 
 from bubo.engine.kv_cache import KVCache
 from bubo.gguf.config import RopeStyle
-from bubo.kernels.codes import word_bits
 from bubo.kernels.compiled import StaticKernel
 from bubo.kernels.decode_attention import decode_attention
-from bubo.kernels.q4_matvec import PackedQ4, q4_matvec_bits
-from bubo.kernels.q8_matvec import PackedQ8Offset, q8_matvec_bits, q8_offset_matvec_bits
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DecoderLayer
 from bubo.model.layers import MLP, RMSNorm, apply_rotary, rms_norm
-from bubo.model.quantized_linear import MIN_PACKED_WEIGHTS, Packed, QuantizedLinear, has_packed_weights
+from bubo.model.quantized_linear import (
+    MIN_PACKED_WEIGHTS,
+    Packed,
+    QuantizedLinear,
+    has_packed_weights,
+    packed_graph_inputs,
+    packed_graph_matvec,
+)
 
 __all__ = [
     "CompiledDecodeStep",
@@ -89,14 +93,10 @@ class _Projection:
         # Store the input once: left as an expression, inductor would inline it (a norm, SiLU's exp)
         # into the matvec's loop, to be recomputed for every tile of output rows.
         x = force_stride_order(x, x.stride())
-        if self.kind == "q4":
-            y = q4_matvec_bits(x, *tensors[:2], out_features)
-        elif self.kind == "q8":
-            y = q8_matvec_bits(x, tensors[0], out_features)
-        elif self.kind == "q8_offset":
-            y = q8_offset_matvec_bits(x, *tensors[:2], out_features)
-        else:
+        if self.kind == "dense":
             y = F.linear(x, tensors[0])
+        else:
+            y = packed_graph_matvec(self.kind, x, tensors[: _TENSORS[self.kind]], out_features)
         if self.has_bias:
             y = y + tensors[-1]
         return list(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [y]
@@ -129,10 +129,7 @@ def _projections(*linears: nn.Module) -> list[tuple[_Projection, Tensors]]:
 
 
 def _packed(packed: Packed, biases: list, sizes: tuple[int, ...]) -> tuple[_Projection, Tensors]:
-    if isinstance(packed, PackedQ4 | PackedQ8Offset):
-        kind = "q4" if isinstance(packed, PackedQ4) else "q8_offset"
-        return _with_bias(kind, (word_bits(packed.words), packed.scale_offset), biases, sizes)
-    return _with_bias("q8", (word_bits(packed.words),), biases, sizes)
+    return _with_bias(*packed_graph_inputs(packed), biases, sizes)
 
 
 def _with_bias(

@@ -29,7 +29,7 @@ from bubo.model.deltanet import DeltaNetState, GatedDeltaNet
 from bubo.model.hyper_connections import HyperConnection, StreamMixer, expand_streams
 from bubo.model.indexed_attention import IndexedAttention, QSAIndexer
 from bubo.model.layers import MLP, RMSNorm, RotaryEmbedding
-from bubo.model.moe import Experts, SparseMoE
+from bubo.model.moe import Experts, QuantizedExpertMatrices, SparseMoE
 from bubo.model.mtp import MultiTokenPredictor
 from bubo.model.multimodal_inputs import MultimodalInputs
 from bubo.model.ngram_embedding import NGramEmbedding, NGramHash, PLELayer
@@ -453,7 +453,7 @@ class Decoder(nn.Module):
         self.rotary = RotaryEmbedding(config, device=weights.device, mrope_sections=config.mrope_sections)
         self.mtp = build_mtp(config, weights) if config.mtp_layers else None
         for module in self.modules():
-            if isinstance(module, QuantizedLinear):
+            if isinstance(module, QuantizedLinear | QuantizedExpertMatrices):
                 module.warm_up(self.dtype)
             elif isinstance(module, Attention):
                 # A last_only prefill (Attention.project's queries_from) runs k and v without q.

@@ -119,7 +119,10 @@ class GGUFWeights:
         t = self._get(name, shape)
         if t.ggml_type in FLOAT_TYPES:
             return ExpertMatrices(self.tensor(name, shape))
-        return QuantizedExpertMatrices(self._raw(t), t.ggml_type, in_features=shape[2])
+        stack = QuantizedExpertMatrices(self._raw(t), t.ggml_type, in_features=shape[2])
+        if stack.packed is not None and stack.raw.data_ptr() == t.raw.data_ptr():
+            release_pages(t.raw)  # as for a packed linear above
+        return stack
 
     def table(self, name: str, dim: int) -> tuple[torch.Tensor, GGMLQuantizationType | None]:
         t = self.file.tensors.get(name)

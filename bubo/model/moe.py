@@ -18,19 +18,41 @@ gate (Qwen3_5MoeSparseMoeBlock / Qwen3NextSparseMoeBlock; llama.cpp's ffn_*_shex
     y += sigmoid(g · x) * down_s(silu(gate_s(x)) * up_s(x))      g: ffn_gate_inp_shexp [1, hidden]
 
 On CUDA, quantized experts (with triton installed, BUBO_TRITON not 0) go through the fused Triton
-kernel of bubo/kernels/triton_moe.py instead of the per-expert loop below.
+kernel of bubo/kernels/triton_moe.py instead of the per-expert loop below. On the CPU, a stack of a type
+the compiled matvecs read is repacked at load as one matrix of experts x rows rows (bubo/kernels/), and
+an expert's product runs on its slice of whole tiles: a decoded token's few rows as matvecs on the codes,
+a prefill's many through unpacked chunks, as a dense QuantizedLinear's do. A decoded token's expert is
+one compiled graph (`_routed_expert_kernel`: its three matvecs and the SwiGLU between them, weighted and
+added to the sum) instead of a dozen eager ops. Dequantizing each routed expert whole for every token
+made decode ~13x slower than llama.cpp's on Qwen3-30B-A3B's widths (benchmarks/make_kquant_model.py
+--moe).
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
+from torch._inductor.inductor_prims import force_stride_order
 
-from bubo.gguf.quants import dequantize
+from bubo.gguf.quants import block_size, dequantize, type_size
+from bubo.kernels.codes import TILE, slice_tiled
+from bubo.kernels.compiled import StaticKernel
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
-from bubo.model.quantized_linear import gemm_operand, scratch_buffer
+from bubo.model import quantized_linear
+from bubo.model.quantized_linear import (
+    Packed,
+    gemm_operand,
+    pack_for_cpu,
+    packed_graph_inputs,
+    packed_graph_matvec,
+    packed_product,
+    scratch_buffer,
+    warm_up_packed,
+)
 
-__all__ = ["ExpertMatrices", "Experts", "QuantizedExpertMatrices", "SparseMoE"]
+__all__ = ["ExpertMatrices", "Experts", "QuantizedExpertMatrices", "SparseMoE", "pack_experts"]
 
 
 class ExpertMatrices(nn.Module):
@@ -49,15 +71,24 @@ class ExpertMatrices(nn.Module):
 
 class QuantizedExpertMatrices(nn.Module):
     """Expert weights kept as ggml blocks (uint8 [num_experts, out_features, row_bytes]); `linear(x, e)`
-    dequantizes expert e alone into the thread's scratch buffer (see quantized_linear) and applies it."""
+    multiplies by expert e alone: on its slice of the repacked stack (`pack_experts`) where there is one,
+    else dequantized into the thread's scratch buffer (see quantized_linear)."""
 
     def __init__(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType, in_features: int) -> None:
         super().__init__()
         self.register_buffer("raw", raw)
         self.ggml_type = ggml_type
         self.in_features = in_features
+        self.packed = pack_experts(raw, ggml_type)
+
+    def warm_up(self, dtype: torch.dtype) -> None:
+        """Compile the packed products' kernels now rather than on the first request (once per shape)."""
+        if self.packed is not None:
+            warm_up_packed(self._expert(0), dtype)
 
     def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_product(x, self._expert(expert))
         rows = self.raw.shape[1]
         operand = gemm_operand(x)
         buffer = scratch_buffer(rows * self.in_features, operand.dtype, self.raw.device)
@@ -66,9 +97,30 @@ class QuantizedExpertMatrices(nn.Module):
         )
         return F.linear(operand, weight).to(x.dtype)
 
+    def graph_inputs(self, expert: int) -> tuple[str, tuple[torch.Tensor, ...]]:
+        """Expert e's packed matrix as a compiled graph takes it (quantized_linear.packed_graph_inputs)."""
+        return packed_graph_inputs(self._expert(expert))
+
+    def _expert(self, expert: int) -> Packed:
+        assert self.packed is not None
+        rows = self.raw.shape[1]
+        return slice_tiled(self.packed, expert * rows, (expert + 1) * rows)
+
     def extra_repr(self) -> str:
         experts, rows, _ = self.raw.shape
         return f"experts={experts}, out_features={rows}, in_features={self.in_features}, type={self.ggml_type.name}"
+
+
+def pack_experts(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed | None:
+    """An expert stack uint8 [experts, rows, row_bytes] repacked for the CPU's compiled matvecs as one
+    matrix of experts x rows rows, or None: where `pack_for_cpu` takes the type, each expert's rows fill
+    whole tiles (so that an expert is a slice of the tiles), and an expert alone is a matrix large enough
+    to pack (quantized_linear.MIN_PACKED_WEIGHTS: every shape compiles its own kernels)."""
+    experts, rows, row_bytes = raw.shape
+    weights = rows * row_bytes // type_size(ggml_type) * block_size(ggml_type)
+    if rows % TILE or weights < quantized_linear.MIN_PACKED_WEIGHTS:
+        return None
+    return pack_for_cpu(raw.reshape(experts * rows, row_bytes), ggml_type)
 
 
 # What a `WeightSource` hands out for one expert stack: float or quantized, the same `linear`.
@@ -131,6 +183,9 @@ class SparseMoE(nn.Module):
         ) and triton_enabled(x.device)
 
     def _expert_loop(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        stacks = (self.gate, self.up, self.down)
+        if x.shape[0] == 1 and x.dtype == torch.float32 and all(packed_stack(s) for s in stacks):
+            return self._one_token(x, weights, chosen)
         out = torch.zeros_like(x)
         # Tokens grouped by expert, so each active expert's weights are used (and, quantized,
         # dequantized) once for all its tokens. unique() is sorted: experts are summed in the
@@ -142,5 +197,46 @@ class SparseMoE(nn.Module):
             out.index_add_(0, tokens, y * weights[tokens, slot, None])
         return out
 
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """A decoded token's routed experts (packed stacks, float32), one compiled graph each, summed in
+        the loop's order (ascending expert ids)."""
+        experts, order = chosen[0].sort()
+        weights = weights[0, order]
+        out = torch.zeros_like(x)
+        for j, expert in enumerate(experts.tolist()):
+            inputs = [s.graph_inputs(expert) for s in (self.gate, self.up, self.down)]  # type: ignore[union-attr]
+            kernel = _routed_expert_kernel(tuple((kind, len(ts)) for kind, ts in inputs), tuple(x.shape))
+            out = kernel(x, out, weights[j], *(t for _, ts in inputs for t in ts))
+        return out
+
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+
+
+def packed_stack(experts: Experts) -> bool:
+    """Whether `experts` were repacked for the CPU's compiled matvecs (`pack_experts`)."""
+    return isinstance(experts, QuantizedExpertMatrices) and experts.packed is not None
+
+
+@functools.cache
+def _routed_expert_kernel(formats: tuple[tuple[str, int], ...], shape: tuple[int, ...]) -> StaticKernel:
+    """sum + weight * down(silu(gate(x)) * up(x)) for one token x [1, hidden] and one expert, compiled as
+    one graph: `formats` gives each of gate, up, down's packed kind and how many tensors it takes."""
+
+    def routed_expert(
+        x: torch.Tensor, total: torch.Tensor, weight: torch.Tensor, *tensors: torch.Tensor
+    ) -> torch.Tensor:
+        matrices, start = [], 0
+        for kind, count in formats:
+            matrices.append((kind, tensors[start : start + count]))
+            start += count
+        (gate_kind, gate), (up_kind, up), (down_kind, down) = matrices
+        width = gate[0].shape[0] * TILE  # whole tiles: pack_experts takes only stacks whose rows fill them
+        h = F.silu(packed_graph_matvec(gate_kind, x, gate, width)) * packed_graph_matvec(
+            up_kind, x, up, width
+        )
+        # Stored once: left as an expression, inductor would recompute SiLU in the down matvec's loop.
+        h = force_stride_order(h, h.stride())
+        return total + weight * packed_graph_matvec(down_kind, h, down, shape[-1])
+
+    return StaticKernel(routed_expert, fused=True)  # type: ignore[arg-type]

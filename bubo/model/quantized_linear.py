@@ -24,9 +24,9 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from bubo.gguf.quants import block_size, dequantize, type_size
-from bubo.kernels.codes import TILE, concat_tiled, slice_tiled
-from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4
-from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset, pack_q8
+from bubo.kernels.codes import TILE, concat_tiled, slice_tiled, word_bits
+from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4, q4_matvec_bits
+from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset, pack_q8, q8_matvec_bits, q8_offset_matvec_bits
 from bubo.kernels.repack import REPACKABLE, repack
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
 
@@ -40,6 +40,8 @@ __all__ = [
     "has_packed_weights",
     "native_bf16",
     "pack_for_cpu",
+    "packed_graph_inputs",
+    "packed_graph_matvec",
     "packed_product",
     "project_rows",
     "scratch_buffer",
@@ -206,6 +208,28 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
         stop = min(start + columns, packed.out_features)
         out[:, start:stop] = operand @ packed.unpack(start, stop, operand.dtype)
     return out
+
+
+def packed_graph_inputs(packed: Packed) -> tuple[str, tuple[torch.Tensor, ...]]:
+    """How a compiled graph takes `packed` as inputs: its kind ("q4", "q8" or "q8_offset") and its tensors,
+    the words as their float32 bits (codes.word_bits), then the per-block fields where they lie apart."""
+    if isinstance(packed, PackedQ4):
+        return "q4", (word_bits(packed.words), packed.scale_offset)
+    if isinstance(packed, PackedQ8Offset):
+        return "q8_offset", (word_bits(packed.words), packed.scale_offset)
+    return "q8", (word_bits(packed.words),)
+
+
+def packed_graph_matvec(
+    kind: str, x: torch.Tensor, tensors: tuple[torch.Tensor, ...], out_features: int
+) -> torch.Tensor:
+    """x [in] or [rows, in] times the packed weight that `packed_graph_inputs` gave as (kind, tensors):
+    inside a compiled graph's function, the matvec traces into the graph."""
+    if kind == "q4":
+        return q4_matvec_bits(x, *tensors, out_features)
+    if kind == "q8_offset":
+        return q8_offset_matvec_bits(x, *tensors, out_features)
+    return q8_matvec_bits(x, *tensors, out_features)
 
 
 def warm_up_packed(packed: Packed, dtype: torch.dtype) -> None:

@@ -21,6 +21,7 @@ import bubo.model.moe
 import bubo.model.quantized_linear
 from bubo.gguf.config import MlpKind, config_from_gguf
 from bubo.gguf.reader import GGUFError, GGUFFile
+from bubo.kernels.codes import TILE
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
 from bubo.model.moe import ExpertMatrices, QuantizedExpertMatrices, SparseMoE
@@ -192,3 +193,44 @@ def test_runs_on_cuda(tmp_path: Path) -> None:
         expected = reference(tokens).logits
         got = model(tokens.cuda(), model.new_cache(batch=BATCH, max_len=PREFILL + DECODE)).cpu()
     assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+def test_packed_experts_match_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expert stacks repacked for the CPU's compiled matvecs (here at the tiny model's widths): a prefill's
+    many rows through unpacked chunks, a batch of two decoding through per-row matvecs, and one sequence's
+    decoded token through one compiled graph per routed expert."""
+    monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    graphs: list[tuple] = []
+    kernel_for = bubo.model.moe._routed_expert_kernel
+
+    def counting(*key: Any) -> Any:
+        graphs.append(key)
+        return kernel_for(*key)
+
+    monkeypatch.setattr(bubo.model.moe, "_routed_expert_kernel", counting)
+    reference = _reference()
+    _, model = _load(write_gguf(reference, tmp_path / "moe-q.gguf", quantize=_EXPERTS_Q))
+    for layer in model.layers:
+        assert all(s.packed is not None for s in (layer.mlp.gate, layer.mlp.up, layer.mlp.down))
+    _check_against_reference(reference, model, "qwen3moe packed experts, batch of 2")
+    assert not graphs
+    tokens = _tokens(reference.config.vocab_size)[:1]
+    d_prefill, d_decode = prefill_and_decode_deltas(reference, model, tokens, PREFILL)
+    print(
+        f"qwen3moe packed experts, one sequence: max|Δlogit| prefill {d_prefill:.2e}, decode {d_decode:.2e}"
+    )
+    assert d_prefill <= TOLERANCE
+    assert d_decode <= TOLERANCE
+    # Every decoded token: top-2 experts in each of 3 layers.
+    assert len(graphs) == DECODE * 3 * 2
+
+
+def test_experts_are_packed_only_in_whole_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    raw = torch.zeros(4, TILE + 4, 18, dtype=torch.uint8)  # Q4_0 rows of 32 weights, not whole tiles
+    assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is None
+    raw = torch.zeros(4, 2 * TILE, 18, dtype=torch.uint8)
+    assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is not None
+    monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 2 * TILE * 32 + 1)
+    # An expert below the threshold stays unpacked however many experts there are.
+    assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is None
