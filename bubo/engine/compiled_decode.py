@@ -20,12 +20,14 @@ segments compute its float32 math op for op, and tests/engine/test_compiled_deco
 
 Covered: dense transformer layers (llama, qwen2, qwen3: biases, q/k norms) in float32 whose projections
 are repacked blocks (`QuantizedLinear.packed`: Q4_0/Q4_1/Q4_K as PackedQ4, Q8_0/Q5_0/Q6_K as
-PackedQ8, Q5_K as PackedQ8Offset) or float weights. Anything else (a hybrid's DeltaNet
-or gated attention, a mixture of experts, qwen4exp, another compute dtype, a weight format the matvecs
-don't read) keeps the eager step: `decode_step_for` says None and logs why once.
+PackedQ8, Q5_K as PackedQ8Offset) or float weights, and qwen3moe's mixture-of-experts layers whose
+expert stacks are repacked (bubo/model/moe.py): such a layer's graph ends at the router's top-k; each
+routed expert runs as a compiled graph of its own (`SparseMoE.one_token`), and a second graph adds
+their sum and goes on to the next attention. Anything else (a hybrid's DeltaNet or gated attention, a
+shared expert, qwen4exp, another compute dtype, a weight format the matvecs don't read) keeps the
+eager step: `decode_step_for` says None and logs why once.
 """
 
-import itertools
 import logging
 import os
 import time
@@ -46,6 +48,7 @@ from bubo.kernels.decode_attention import decode_attention
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DecoderLayer
 from bubo.model.layers import MLP, RMSNorm, apply_rotary, rms_norm
+from bubo.model.moe import SparseMoE, packed_stack
 from bubo.model.quantized_linear import (
     MIN_PACKED_WEIGHTS,
     Packed,
@@ -163,8 +166,11 @@ class _LayerPlan:
     qk_norm: bool
     qkv: tuple[_Projection, ...]
     o: tuple[_Projection, ...]
-    gate_up: tuple[_Projection, ...]
+    gate_up: tuple[_Projection, ...]  # empty in a mixture-of-experts layer,
     down: tuple[_Projection, ...]
+    router: tuple[_Projection, ...]  # which routes to experts instead
+    top_k: int
+    norm_topk_prob: bool
 
 
 @dataclass(frozen=True)
@@ -177,15 +183,15 @@ class _LayerTensors:
     ffn_norm: torch.Tensor
     gate_up: tuple[Tensors, ...]
     down: tuple[Tensors, ...]
+    router: tuple[Tensors, ...]
 
     def flat(self) -> list[torch.Tensor]:
         """Every tensor in a fixed order (`_unflatten` reads it back)."""
         norms = [self.attn_norm, self.ffn_norm]
         if self.q_norm is not None and self.k_norm is not None:
             norms += [self.q_norm, self.k_norm]
-        return norms + [
-            t for group in (self.qkv, self.o, self.gate_up, self.down) for ts in group for t in ts
-        ]
+        groups = (self.qkv, self.o, self.gate_up, self.down, self.router)
+        return norms + [t for group in groups for ts in group for t in ts]
 
 
 def _unflatten(plan: _LayerPlan, flat: Sequence[torch.Tensor]) -> _LayerTensors:
@@ -204,15 +210,20 @@ def _unflatten(plan: _LayerPlan, flat: Sequence[torch.Tensor]) -> _LayerTensors:
         return tuple(out)
 
     qkv, o, gate_up, down = take(plan.qkv), take(plan.o), take(plan.gate_up), take(plan.down)
-    return _LayerTensors(attn_norm, q_norm, k_norm, qkv, o, ffn_norm, gate_up, down)
+    return _LayerTensors(attn_norm, q_norm, k_norm, qkv, o, ffn_norm, gate_up, down, take(plan.router))
 
 
 def _plan_layer(layer: nn.Module) -> tuple[_LayerPlan, _LayerTensors]:
     if not isinstance(layer, DecoderLayer) or type(layer.attention) is not Attention:
         raise UnsupportedModelError(f"a {type(layer).__name__} with a {type(layer.attention).__name__}")
     attention, mlp = layer.attention, layer.mlp
-    if attention.output_gate or not isinstance(mlp, MLP):
-        raise UnsupportedModelError("gated attention or a mixture of experts")
+    if attention.output_gate:
+        raise UnsupportedModelError("gated attention")
+    if isinstance(mlp, SparseMoE):
+        if mlp.shared_expert is not None or not all(packed_stack(s) for s in (mlp.gate, mlp.up, mlp.down)):
+            raise UnsupportedModelError("a mixture of experts with a shared expert, or experts not repacked")
+    elif not isinstance(mlp, MLP):
+        raise UnsupportedModelError(f"a {type(mlp).__name__} feed-forward")
     norms = (layer.attn_norm, layer.ffn_norm, attention.q_norm, attention.k_norm)
     if not all(n is None or type(n) is RMSNorm for n in norms):
         raise UnsupportedModelError("a norm other than RMSNorm")
@@ -220,8 +231,10 @@ def _plan_layer(layer: nn.Module) -> tuple[_LayerPlan, _LayerTensors]:
         raise UnsupportedModelError("norms with different eps")
     qkv = _projections(attention.q_proj, attention.k_proj, attention.v_proj)
     o = _projections(attention.o_proj)
-    gate_up = _projections(mlp.gate, mlp.up)
-    down = _projections(mlp.down)
+    routed = isinstance(mlp, SparseMoE)
+    gate_up = [] if routed else _projections(mlp.gate, mlp.up)
+    down = [] if routed else _projections(mlp.down)
+    router = _projections(mlp.router) if routed else []
     plan = _LayerPlan(
         num_heads=attention.num_heads,
         num_kv_heads=attention.num_kv_heads,
@@ -233,6 +246,9 @@ def _plan_layer(layer: nn.Module) -> tuple[_LayerPlan, _LayerTensors]:
         o=tuple(p for p, _ in o),
         gate_up=tuple(p for p, _ in gate_up),
         down=tuple(p for p, _ in down),
+        router=tuple(p for p, _ in router),
+        top_k=mlp.top_k if routed else 0,
+        norm_topk_prob=routed and mlp.norm_topk_prob,
     )
     tensors = _LayerTensors(
         attn_norm=layer.attn_norm.weight,
@@ -243,6 +259,7 @@ def _plan_layer(layer: nn.Module) -> tuple[_LayerPlan, _LayerTensors]:
         ffn_norm=layer.ffn_norm.weight,
         gate_up=tuple(t for _, t in gate_up),
         down=tuple(t for _, t in down),
+        router=tuple(t for _, t in router),
     )
     return plan, tensors
 
@@ -274,6 +291,19 @@ def _leave(plan: _LayerPlan, w: _LayerTensors, x: torch.Tensor, attended: torch.
     return x + down
 
 
+def _route(plan: _LayerPlan, w: _LayerTensors, x: torch.Tensor, attended: torch.Tensor) -> Tensors:
+    """A mixture-of-experts layer after attention, up to its experts (SparseMoE.forward's routing): x after
+    the attention's residual, the experts' normed input, and each row's top-k weights and experts."""
+    (o,) = _project(attended.transpose(1, 2).reshape(x.shape[0], -1), plan.o, w.o)
+    x = x + o
+    h = rms_norm(x, w.ffn_norm, plan.eps)
+    (scores,) = _project(h, plan.router, w.router)
+    weights, chosen = F.softmax(scores.float(), dim=-1).topk(plan.top_k, dim=-1)
+    if plan.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return x, h, weights, chosen
+
+
 # Layers whose projections differ in format (a Q4_K_M file's ffn_down is Q4_K in some layers and Q6_K
 # in others) run different graphs, one per pair of neighbouring formats: a bound on the compiles.
 MAX_BETWEEN_GRAPHS = 8
@@ -287,15 +317,49 @@ def _enter_graph(plan: _LayerPlan) -> StaticKernel:
 
 
 def _between_graph(plan: _LayerPlan, following: _LayerPlan, count: int) -> StaticKernel:
-    """The graph from one layer's attention (`plan`, `count` tensors) to the next one's (`following`)."""
+    """The graph from one layer's attention (`plan`, `count` tensors) to the next one's (`following`): its
+    inputs are x, the attention's output, the layer's tensors, the rotary's cos and sin, then the next
+    layer's tensors."""
 
-    def between(
-        x: torch.Tensor, attended: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *layers: torch.Tensor
-    ) -> Tensors:
-        x = _leave(plan, _unflatten(plan, layers[:count]), x, attended)
-        return (x, *_enter(following, _unflatten(following, layers[count:]), x, cos, sin))
+    def between(x: torch.Tensor, attended: torch.Tensor, *tensors: torch.Tensor) -> Tensors:
+        x = _leave(plan, _unflatten(plan, tensors[:count]), x, attended)
+        cos, sin, following_layer = tensors[count], tensors[count + 1], tensors[count + 2 :]
+        return (x, *_enter(following, _unflatten(following, following_layer), x, cos, sin))
 
     return StaticKernel(between, fused=True)  # type: ignore[arg-type]
+
+
+def _route_graph(plan: _LayerPlan) -> StaticKernel:
+    """The graph from a mixture-of-experts layer's attention to its routing (`_route`)."""
+
+    def route(x: torch.Tensor, attended: torch.Tensor, *layer: torch.Tensor) -> Tensors:
+        return _route(plan, _unflatten(plan, layer), x, attended)
+
+    return StaticKernel(route, fused=True)  # type: ignore[arg-type]
+
+
+def _resume_graph(following: _LayerPlan) -> StaticKernel:
+    """The graph from a mixture of experts' output (added to x) to the next layer's attention."""
+
+    def resume(
+        x: torch.Tensor, experts: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *layer: torch.Tensor
+    ) -> Tensors:
+        x = x + experts
+        return (x, *_enter(following, _unflatten(following, layer), x, cos, sin))
+
+    return StaticKernel(resume, fused=True)  # type: ignore[arg-type]
+
+
+def _resume_finish_graph(head: _Projection, eps: float) -> StaticKernel:
+    """The graph from the last layer's mixture of experts to the logits."""
+
+    def finish(
+        x: torch.Tensor, experts: torch.Tensor, norm: torch.Tensor, *head_tensors: torch.Tensor
+    ) -> torch.Tensor:
+        (logits,) = head(rms_norm(x + experts, norm, eps), head_tensors)
+        return logits.float()
+
+    return StaticKernel(finish, fused=True)
 
 
 def _finish_graph(plan: _LayerPlan, count: int, head: _Projection, eps: float) -> StaticKernel:
@@ -308,6 +372,21 @@ def _finish_graph(plan: _LayerPlan, count: int, head: _Projection, eps: float) -
         return logits.float()
 
     return StaticKernel(finish, fused=True)
+
+
+def _boundary_graph(key: tuple, head: _Projection, eps: float) -> StaticKernel:
+    """The graph a CompiledDecodeStep key names: ("leave", plan, following plan or None, the layer's tensor
+    count) after a dense layer's attention; ("route", plan) after a mixture-of-experts layer's; ("resume",
+    following plan or None) after its experts. None for the following plan: the head comes next."""
+    kind, *rest = key
+    if kind == "route":
+        return _route_graph(rest[0])
+    if kind == "resume":
+        return _resume_finish_graph(head, eps) if rest[0] is None else _resume_graph(rest[0])
+    plan, following, count = rest
+    return (
+        _finish_graph(plan, count, head, eps) if following is None else _between_graph(plan, following, count)
+    )
 
 
 def _write_and_view(pool: torch.Tensor, run: int, start: int, new: torch.Tensor) -> torch.Tensor:
@@ -385,17 +464,30 @@ class CompiledDecodeStep:
         plans = [plan for plan, _ in planned]
         (head_plan, self.head_tensors) = _projections(model.output)[0]
         self._norm_weight = model.norm.weight
+        # A mixture-of-experts layer's experts run between two graphs (its routing, then the rest up to
+        # the next attention): which ones a token takes is known only once the router has run.
+        self.experts = [layer.mlp if isinstance(layer.mlp, SparseMoE) else None for layer in model.layers]
         # The graphs are compiled on their first call (or `warm_up`), once per distinct set of shapes.
         self._enter = _enter_graph(plans[0])
-        between: dict[tuple[_LayerPlan, _LayerPlan], StaticKernel] = {}
-        self._between: list[StaticKernel] = []
-        for i, (plan, following) in enumerate(itertools.pairwise(plans)):
-            if (plan, following) not in between:
-                between[plan, following] = _between_graph(plan, following, len(self.layers[i]))
-            self._between.append(between[plan, following])
-        if len(between) > MAX_BETWEEN_GRAPHS:
-            raise UnsupportedModelError(f"{len(between)} kinds of layer boundary, each a graph to compile")
-        self._finish = _finish_graph(plans[-1], len(self.layers[-1]), head_plan, model.norm.eps)
+        graphs: dict[tuple, StaticKernel] = {}
+        # After layer i's attention: the graph to the next attention (or the logits), or to the routing;
+        # after its experts (None for a dense layer): the graph to the next attention or the logits.
+        self._after: list[StaticKernel] = []
+        self._resume: list[StaticKernel | None] = []
+        for i, plan in enumerate(plans):
+            following = plans[i + 1] if i + 1 < len(plans) else None
+            keys: list[tuple | None] = (
+                [("leave", plan, following, len(self.layers[i])), None]
+                if self.experts[i] is None
+                else [("route", plan), ("resume", following)]
+            )
+            for key in keys:
+                if key is not None and key not in graphs:
+                    graphs[key] = _boundary_graph(key, head_plan, model.norm.eps)
+            self._after.append(graphs[keys[0]])
+            self._resume.append(None if keys[1] is None else graphs[keys[1]])
+        if len(graphs) > MAX_BETWEEN_GRAPHS:
+            raise UnsupportedModelError(f"{len(graphs)} kinds of layer boundary, each a graph to compile")
         self._kernels: dict[tuple[int, int], Callable[..., Any]] = {}
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -430,30 +522,28 @@ class CompiledDecodeStep:
         last = len(self.layers) - 1
         for i, slot in enumerate(self.layer_slots):
             attended = _attend(slot, q, k, v, sequences)
-            if i < last:
-                x, q, k, v = self._run(
-                    i + 1,
-                    count,
-                    self._between[i],
-                    x,
-                    attended,
-                    cos,
-                    sin,
-                    *self.layers[i],
-                    *self.layers[i + 1],
-                )
+            # What the graph after this layer reads besides its own inputs: the next layer's rotary and
+            # tensors, or the final norm and the head.
+            following = (
+                [cos, sin, *self.layers[i + 1]] if i < last else [self._norm_weight, *self.head_tensors]
+            )
+            experts = self.experts[i]
+            if experts is None:
+                out = self._run(i + 1, count, self._after[i], x, attended, *self.layers[i], *following)
             else:
-                logits = self._run(
-                    i + 1,
-                    count,
-                    self._finish,
-                    x,
-                    attended,
-                    *self.layers[i],
-                    self._norm_weight,
-                    *self.head_tensors,
+                x, h, weights, chosen = self._run(i + 1, count, self._after[i], x, attended, *self.layers[i])
+                routed = torch.cat(
+                    [
+                        experts.one_token(h[r : r + 1], weights[r : r + 1], chosen[r : r + 1])
+                        for r in range(count)
+                    ]
                 )
-        return logits
+                resume = self._resume[i]
+                assert resume is not None
+                out = self._run(-(i + 1), count, resume, x, routed, *following)
+            if i < last:
+                x, q, k, v = out
+        return out
 
     def _run(self, call: int, count: int, graph: StaticKernel, *args: torch.Tensor) -> Any:
         """The step's `call`-th graph on `args` for `count` tokens: every step of that many passes the

@@ -185,7 +185,7 @@ class SparseMoE(nn.Module):
     def _expert_loop(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         stacks = (self.gate, self.up, self.down)
         if x.shape[0] == 1 and x.dtype == torch.float32 and all(packed_stack(s) for s in stacks):
-            return self._one_token(x, weights, chosen)
+            return self.one_token(x, weights, chosen)
         out = torch.zeros_like(x)
         # Tokens grouped by expert, so each active expert's weights are used (and, quantized,
         # dequantized) once for all its tokens. unique() is sorted: experts are summed in the
@@ -197,9 +197,10 @@ class SparseMoE(nn.Module):
             out.index_add_(0, tokens, y * weights[tokens, slot, None])
         return out
 
-    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """A decoded token's routed experts (packed stacks, float32), one compiled graph each, summed in
-        the loop's order (ascending expert ids)."""
+    def one_token(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """One token's routed experts (x [1, hidden] float32, packed stacks; its top-k `weights` and
+        `chosen` experts [1, top_k]), one compiled graph each, summed in the loop's order (ascending expert
+        ids). The compiled decode step calls it between its graphs (bubo/engine/compiled_decode.py)."""
         experts, order = chosen[0].sort()
         weights = weights[0, order]
         out = torch.zeros_like(x)

@@ -292,3 +292,35 @@ def test_parallel_slots_decode_through_the_compiled_step(
     batched, pool = asyncio.run(serve(2, prompts))
     assert pool.batcher is not None and pool.batcher.steps > 0
     assert [ids[:4] for ids in batched] == [ids[:4] for ids in alone]
+
+
+def _moe_model(path: Path) -> Decoder:
+    from tests.model.test_moe import _EXPERTS_Q, _reference
+
+    file = GGUFFile(write_gguf(_reference(), path, quantize=_EXPERTS_Q))
+    return load_decoder(file, config_from_gguf(file), dtype=torch.float32)
+
+
+def test_mixture_of_experts_matches_the_eager_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """qwen3moe with packed expert stacks: each layer's routing is a graph, its routed experts run between
+    that graph and the next (one compiled graph each), a token at a time and a verify pass's rows."""
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    model = _moe_model(tmp_path / "moe.gguf")
+    step = CompiledDecodeStep(model)
+    assert all(e is not None for e in step.experts)
+    _compare(model, step)
+    prompt = torch.tensor([[3, 17, 42, 7, 99]])
+    eager_cache, compiled_cache = model.new_cache(max_len=32), model.new_cache(max_len=32)
+    with torch.inference_mode():
+        model(prompt, eager_cache, last_only=True)
+        model(prompt, compiled_cache, last_only=True)
+        for tokens in ([5, 61, 2, 88], [9, 4]):
+            expected = model(torch.tensor([tokens]), eager_cache)[0]
+            got = step(torch.tensor(tokens), compiled_cache)
+            assert (got - expected).abs().max().item() <= LOGIT_TOLERANCE
+
+
+def test_experts_not_repacked_decode_eagerly(tmp_path: Path) -> None:
+    """The tiny model's experts are below the packing threshold: dequantized per call, no compiled step."""
+    with pytest.raises(UnsupportedModelError, match="mixture of experts"):
+        CompiledDecodeStep(_moe_model(tmp_path / "moe.gguf"))
