@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from bench_generate import _print_table, _spawn  # noqa: E402
+from bench_generate import _print_table, run_engine  # noqa: E402
 
 ENGINES = ("bubo", "transformers")
 # A ~140 MB file: big enough that the matmuls, not Python overhead, dominate a step.
@@ -171,6 +171,7 @@ def main() -> int:
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--cache-type", choices=("bf16", "f16", "f32"), default="f16", help="bubo's KV cache")
     parser.add_argument(
         "--bandwidth-gbs",
         default="4800,25",
@@ -187,7 +188,7 @@ def main() -> int:
             for _ in range(args.repeats):
                 for engine in ENGINES:
                     if engine not in skipped:
-                        outcome = _spawn(engine, args)
+                        outcome = run_engine(engine, args)
                         if "skipped" in outcome:
                             skipped[engine] = outcome["skipped"]
                         else:

@@ -62,8 +62,10 @@ def load_model(
             model.cache_dtypes = cache_dtypes
         if prepare_decode_step(model) is not None:
             drop_trace_caches()
-        elif model.device.type == "cpu" and model.cache_dtypes != (dtype, dtype):
-            _warm_up_narrow_cache_reads(model)
+        elif model.device.type == "cpu" and (
+            model.cache_dtypes != (dtype, dtype) or has_packed_weights(model)
+        ):
+            _warm_up_eager_step(model)
             drop_trace_caches()
         _report_cpu_precision(model, dtype)
     except BaseException:
@@ -72,9 +74,10 @@ def load_model(
     return LoadedModel(Path(path), file, config, model, tokenizer)
 
 
-def _warm_up_narrow_cache_reads(model: Decoder) -> None:
-    """Decode one token on a scratch cache, so that the kernel the eager step reads a narrower cache with
-    (Attention.attend: bubo/kernels/decode_attention.py) compiles now rather than on a first request."""
+def _warm_up_eager_step(model: Decoder) -> None:
+    """Decode one token on a scratch cache, so that what the eager step compiles on first use does so now
+    rather than on a first request: the kernel it reads a narrower cache with (Attention.attend:
+    bubo/kernels/decode_attention.py), a mixture of experts' one-token graph (SparseMoE.one_token)."""
     with torch.inference_mode():
         model(torch.zeros(1, 1, dtype=torch.long, device=model.device), model.new_cache(max_len=2))
 

@@ -29,6 +29,7 @@ made decode ~13x slower than llama.cpp's on Qwen3-30B-A3B's widths (benchmarks/m
 """
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,15 @@ from bubo.model.quantized_linear import (
     warm_up_packed,
 )
 
-__all__ = ["ExpertMatrices", "Experts", "QuantizedExpertMatrices", "SparseMoE", "pack_experts"]
+__all__ = [
+    "ExpertMatrices",
+    "Experts",
+    "QuantizedExpertMatrices",
+    "SparseMoE",
+    "pack_experts",
+    "pack_experts_enabled",
+    "packed_stack",
+]
 
 
 class ExpertMatrices(nn.Module):
@@ -111,14 +120,23 @@ class QuantizedExpertMatrices(nn.Module):
         return f"experts={experts}, out_features={rows}, in_features={self.in_features}, type={self.ggml_type.name}"
 
 
+def pack_experts_enabled() -> bool:
+    """Whether CPU expert stacks are repacked (on unless BUBO_PACK_EXPERTS is 0). The packed layouts take
+    more memory than the file's blocks (Q4_K 6 bits a weight against 4.5, Q6_K 10 against 6.56: a
+    Qwen3-30B-A3B Q4_K_M's experts would grow from ~17 to ~24 GB); 0 keeps the file's bytes, mapped and
+    dequantized per routed expert, which decodes several times slower."""
+    return os.environ.get("BUBO_PACK_EXPERTS", "1") != "0"
+
+
 def pack_experts(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed | None:
     """An expert stack uint8 [experts, rows, row_bytes] repacked for the CPU's compiled matvecs as one
     matrix of experts x rows rows, or None: where `pack_for_cpu` takes the type, each expert's rows fill
     whole tiles (so that an expert is a slice of the tiles), and an expert alone is a matrix large enough
-    to pack (quantized_linear.MIN_PACKED_WEIGHTS: every shape compiles its own kernels)."""
+    to pack (quantized_linear.MIN_PACKED_WEIGHTS: every shape compiles its own kernels), unless
+    BUBO_PACK_EXPERTS=0 (`pack_experts_enabled`)."""
     experts, rows, row_bytes = raw.shape
     weights = rows * row_bytes // type_size(ggml_type) * block_size(ggml_type)
-    if rows % TILE or weights < quantized_linear.MIN_PACKED_WEIGHTS:
+    if rows % TILE or weights < quantized_linear.MIN_PACKED_WEIGHTS or not pack_experts_enabled():
         return None
     return pack_for_cpu(raw.reshape(experts * rows, row_bytes), ggml_type)
 

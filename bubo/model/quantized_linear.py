@@ -103,8 +103,9 @@ def pack_for_cpu(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed |
 
 
 def has_packed_weights(model: nn.Module) -> bool:
-    """Whether any of `model`'s quantized matrices were repacked for the CPU's compiled matvecs."""
-    return any(isinstance(m, QuantizedLinear) and m.packed is not None for m in model.modules())
+    """Whether any of `model`'s quantized matrices (a QuantizedLinear, or an expert stack: bubo/model/moe.py)
+    were repacked for the CPU's compiled matvecs."""
+    return any(getattr(m, "packed", None) is not None for m in model.modules())
 
 
 def scratch_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
