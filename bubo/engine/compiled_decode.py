@@ -48,7 +48,7 @@ from bubo.kernels.decode_attention import decode_attention
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DecoderLayer
 from bubo.model.layers import MLP, RMSNorm, apply_rotary, rms_norm
-from bubo.model.moe import SparseMoE, packed_stack
+from bubo.model.moe import SparseMoE
 from bubo.model.quantized_linear import (
     MIN_PACKED_WEIGHTS,
     Packed,
@@ -220,7 +220,7 @@ def _plan_layer(layer: nn.Module) -> tuple[_LayerPlan, _LayerTensors]:
     if attention.output_gate:
         raise UnsupportedModelError("gated attention")
     if isinstance(mlp, SparseMoE):
-        if mlp.shared_expert is not None or not all(packed_stack(s) for s in (mlp.gate, mlp.up, mlp.down)):
+        if mlp.shared_expert is not None or not mlp.packed_experts:
             raise UnsupportedModelError("a mixture of experts with a shared expert, or experts not repacked")
     elif not isinstance(mlp, MLP):
         raise UnsupportedModelError(f"a {type(mlp).__name__} feed-forward")

@@ -453,7 +453,7 @@ class Decoder(nn.Module):
         self.rotary = RotaryEmbedding(config, device=weights.device, mrope_sections=config.mrope_sections)
         self.mtp = build_mtp(config, weights) if config.mtp_layers else None
         for module in self.modules():
-            if isinstance(module, QuantizedLinear | QuantizedExpertMatrices):
+            if isinstance(module, QuantizedLinear | QuantizedExpertMatrices | SparseMoE):
                 module.warm_up(self.dtype)
             elif isinstance(module, Attention):
                 # A last_only prefill (Attention.project's queries_from) runs k and v without q.

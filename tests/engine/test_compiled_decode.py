@@ -295,9 +295,9 @@ def test_parallel_slots_decode_through_the_compiled_step(
 
 
 def _moe_model(path: Path) -> Decoder:
-    from tests.model.test_moe import _EXPERTS_Q, _reference
+    from tests.model.test_moe import PACKED_EXPERTS_Q, _reference
 
-    file = GGUFFile(write_gguf(_reference(), path, quantize=_EXPERTS_Q))
+    file = GGUFFile(write_gguf(_reference(), path, quantize=PACKED_EXPERTS_Q))
     return load_decoder(file, config_from_gguf(file), dtype=torch.float32)
 
 

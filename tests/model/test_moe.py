@@ -81,6 +81,14 @@ _EXPERTS_Q = {
 }
 
 
+# As a Q4_K_M file has them: gate and up in one type (merged into one packed matrix), down in another.
+PACKED_EXPERTS_Q = {
+    "blk.*.ffn_gate_exps.weight": Q.Q4_1,
+    "blk.*.ffn_up_exps.weight": Q.Q4_1,
+    "blk.*.ffn_down_exps.weight": Q.Q8_0,
+}
+
+
 def test_every_layer_is_a_sparse_moe(tmp_path: Path) -> None:
     _, model = _load(write_gguf(_reference(), tmp_path / "moe.gguf"))
     assert model.config.mlp_kind == MlpKind.SPARSE_MOE
@@ -209,9 +217,11 @@ def test_packed_experts_match_transformers(tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setattr(bubo.model.moe, "_routed_expert_kernel", counting)
     reference = _reference()
-    _, model = _load(write_gguf(reference, tmp_path / "moe-q.gguf", quantize=_EXPERTS_Q))
+    _, model = _load(write_gguf(reference, tmp_path / "moe-q.gguf", quantize=PACKED_EXPERTS_Q))
     for layer in model.layers:
-        assert all(s.packed is not None for s in (layer.mlp.gate, layer.mlp.up, layer.mlp.down))
+        # gate and up merged into one packed matrix (their own copies dropped), down packed alone.
+        assert layer.mlp.packed_experts and layer.mlp.gate_up is not None
+        assert layer.mlp.gate.packed is None and layer.mlp.up.packed is None
     _check_against_reference(reference, model, "qwen3moe packed experts, batch of 2")
     assert not graphs
     tokens = _tokens(reference.config.vocab_size)[:1]
@@ -237,3 +247,16 @@ def test_experts_are_packed_only_in_whole_tiles(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 2 * TILE * 32 + 1)
     # An expert below the threshold stays unpacked however many experts there are.
     assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is None
+
+
+def test_gate_and_up_of_different_types_stay_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gate Q4_0 and up Q8_0 can't share a packed matrix: each stack keeps its own, the tokens run through
+    the loop (no one-token graph), and the logits still match."""
+    monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    reference = _reference()
+    _, model = _load(write_gguf(reference, tmp_path / "moe-q.gguf", quantize=_EXPERTS_Q))
+    moe = model.layers[0].mlp
+    assert moe.gate_up is None and not moe.packed_experts
+    assert all(s.packed is not None for s in (moe.gate, moe.up, moe.down))
+    d_prefill, d_decode = prefill_and_decode_deltas(reference, model, _tokens(300)[:1, :24], 16)
+    assert d_prefill <= TOLERANCE and d_decode <= TOLERANCE
