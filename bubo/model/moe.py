@@ -173,6 +173,8 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate_up = merge_gate_up(gate, up)
+        self._expert_inputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._formats: tuple[tuple[str, int], ...] = ()
 
     @property
     def packed_experts(self) -> bool:
@@ -232,15 +234,30 @@ class SparseMoE(nn.Module):
         """One token's routed experts (x [1, hidden] float32, `packed_experts`; its top-k `weights` and
         `chosen` experts [1, top_k]), one compiled graph each, summed in the loop's order (ascending expert
         ids). The compiled decode step calls it between its graphs (bubo/engine/compiled_decode.py)."""
-        assert isinstance(self.down, QuantizedExpertMatrices)
         experts, order = chosen[0].sort()
         weights = weights[0, order]
         out = torch.zeros_like(x)
+        kernel = None
         for j, expert in enumerate(experts.tolist()):
-            inputs = [packed_graph_inputs(self._gate_up_of(expert)), self.down.graph_inputs(expert)]
-            kernel = _routed_expert_kernel(tuple((kind, len(ts)) for kind, ts in inputs), tuple(x.shape))
-            out = kernel(x, out, weights[j], *(t for _, ts in inputs for t in ts))
+            inputs = self._graph_inputs(expert)
+            if kernel is None:
+                # Every expert's tensors have the same layouts: the compiled graph is looked up once.
+                kernel = _routed_expert_kernel(self._formats, tuple(x.shape)).kernel_for(
+                    x, out, weights[j], *inputs
+                )
+            out = kernel(x, out, weights[j], *inputs)
         return out
+
+    def _graph_inputs(self, expert: int) -> tuple[torch.Tensor, ...]:
+        """Expert e's merged gate|up and down tensors as the one-token graph takes them, made on first use
+        and kept (slicing them out per token cost ~15 µs an expert, a tenth of its matvecs)."""
+        inputs = self._expert_inputs.get(expert)
+        if inputs is None:
+            assert isinstance(self.down, QuantizedExpertMatrices)
+            parts = [packed_graph_inputs(self._gate_up_of(expert)), self.down.graph_inputs(expert)]
+            self._formats = tuple((kind, len(ts)) for kind, ts in parts)
+            inputs = self._expert_inputs[expert] = tuple(t for _, ts in parts for t in ts)
+        return inputs
 
     def _swiglu(self, h: torch.Tensor, expert: int) -> torch.Tensor:
         """silu(gate_e(h)) * up_e(h) for the rows h routed to `expert`."""
