@@ -26,10 +26,11 @@ import math
 import mmap
 import os
 import sys
+from pathlib import Path
 
 import torch
 
-__all__ = ["configure_cpu_process", "drop_trace_caches", "lazy_zeros", "trim_heap"]
+__all__ = ["configure_cpu_process", "drop_trace_caches", "lazy_zeros", "meminfo", "trim_heap"]
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -63,6 +64,21 @@ def configure_cpu_process() -> None:
         # A None entry makes `import triton` fail, so inductor takes triton as absent. Not with
         # TRITON_INTERPRET set: that runs the Triton kernels on the CPU (the test suite does).
         sys.modules["triton"] = None  # type: ignore[assignment]
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo's fields in bytes (MemAvailable, MemTotal, ...); empty where there is none."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return out
 
 
 def trim_heap() -> None:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from bubo.gguf.config import ModelConfig
+from bubo.process_memory import meminfo as process_meminfo
 from bubo.server.errors import ApiError
 
 __all__ = [
@@ -58,26 +59,12 @@ class SystemMemoryProbe:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             return MemoryInfo(available=free, total=total)
-        meminfo = _meminfo()
+        meminfo = process_meminfo()
         return MemoryInfo(
             available=meminfo.get("MemAvailable", meminfo.get("MemFree", 0)),
             total=meminfo.get("MemTotal", 0),
             under_pressure=_pressure_full_avg10() > _PRESSURE_FULL_AVG10,
         )
-
-
-def _meminfo() -> dict[str, int]:
-    try:
-        lines = Path("/proc/meminfo").read_text().splitlines()
-    except OSError:
-        return {}
-    out = {}
-    for line in lines:
-        name, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    return out
 
 
 def _pressure_full_avg10() -> float:

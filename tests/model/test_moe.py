@@ -260,3 +260,23 @@ def test_gate_and_up_of_different_types_stay_apart(tmp_path: Path, monkeypatch: 
     assert all(s.packed is not None for s in (moe.gate, moe.up, moe.down))
     d_prefill, d_decode = prefill_and_decode_deltas(reference, model, _tokens(300)[:1, :24], 16)
     assert d_prefill <= TOLERANCE and d_decode <= TOLERANCE
+
+
+def test_experts_stay_unpacked_when_memory_is_short(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Repacking a stack that would leave less than PACKING_RESERVE available keeps the file's blocks
+    (the model loads and runs, slower) and says so once, rather than running the machine out of memory."""
+    monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    monkeypatch.setattr(bubo.model.moe, "_said_short_of_memory", False)
+    raw = torch.zeros(4, 2 * TILE, 18, dtype=torch.uint8)
+    reserve = bubo.model.moe.PACKING_RESERVE
+    monkeypatch.setattr(bubo.model.moe, "meminfo", lambda: {"MemAvailable": reserve + 2 * raw.numel()})
+    assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is not None
+    monkeypatch.setattr(bubo.model.moe, "meminfo", lambda: {"MemAvailable": reserve + raw.numel()})
+    with caplog.at_level("WARNING", logger="bubo.model.moe"):
+        assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is None
+        assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is None
+    assert len([r for r in caplog.records if "file's blocks" in r.getMessage()]) == 1
+    monkeypatch.setattr(bubo.model.moe, "meminfo", dict)  # no /proc/meminfo: nothing to go by
+    assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is not None
