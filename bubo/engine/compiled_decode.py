@@ -48,7 +48,7 @@ from bubo.kernels.decode_attention import decode_attention
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DecoderLayer
 from bubo.model.layers import MLP, RMSNorm, apply_rotary, rms_norm
-from bubo.model.moe import SparseMoE
+from bubo.model.moe import SparseMoE, top_k_routing
 from bubo.model.quantized_linear import (
     MIN_PACKED_WEIGHTS,
     Packed,
@@ -281,11 +281,18 @@ def _enter(
     return q, k[0], v[0]
 
 
+def _attention_residual(
+    plan: _LayerPlan, w: _LayerTensors, x: torch.Tensor, attended: torch.Tensor
+) -> torch.Tensor:
+    """x plus o_proj of the heads' outputs [1, heads, tokens, D]: a layer's state after its attention."""
+    (o,) = _project(attended.transpose(1, 2).reshape(x.shape[0], -1), plan.o, w.o)
+    return x + o
+
+
 def _leave(plan: _LayerPlan, w: _LayerTensors, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
     """The rest of DecoderLayer after attention: o_proj of the heads' outputs [1, heads, tokens, D], the
     residual, the MLP and its residual -> x [tokens, hidden]."""
-    (o,) = _project(attended.transpose(1, 2).reshape(x.shape[0], -1), plan.o, w.o)
-    x = x + o
+    x = _attention_residual(plan, w, x, attended)
     gate, up = _project(rms_norm(x, w.ffn_norm, plan.eps), plan.gate_up, w.gate_up)
     (down,) = _project(F.silu(gate) * up, plan.down, w.down)
     return x + down
@@ -294,14 +301,18 @@ def _leave(plan: _LayerPlan, w: _LayerTensors, x: torch.Tensor, attended: torch.
 def _route(plan: _LayerPlan, w: _LayerTensors, x: torch.Tensor, attended: torch.Tensor) -> Tensors:
     """A mixture-of-experts layer after attention, up to its experts (SparseMoE.forward's routing): x after
     the attention's residual, the experts' normed input, and each row's top-k weights and experts."""
-    (o,) = _project(attended.transpose(1, 2).reshape(x.shape[0], -1), plan.o, w.o)
-    x = x + o
+    x = _attention_residual(plan, w, x, attended)
     h = rms_norm(x, w.ffn_norm, plan.eps)
     (scores,) = _project(h, plan.router, w.router)
-    weights, chosen = F.softmax(scores.float(), dim=-1).topk(plan.top_k, dim=-1)
-    if plan.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return x, h, weights, chosen
+    return (x, h, *top_k_routing(scores, plan.top_k, plan.norm_topk_prob))
+
+
+def _logits(
+    head: _Projection, x: torch.Tensor, norm: torch.Tensor, head_tensors: Tensors, eps: float
+) -> torch.Tensor:
+    """The final norm and the output head on the last layer's x: float32 logits [tokens, vocab]."""
+    (logits,) = head(rms_norm(x, norm, eps), head_tensors)
+    return logits.float()
 
 
 # Layers whose projections differ in format (a Q4_K_M file's ffn_down is Q4_K in some layers and Q6_K
@@ -356,8 +367,7 @@ def _resume_finish_graph(head: _Projection, eps: float) -> StaticKernel:
     def finish(
         x: torch.Tensor, experts: torch.Tensor, norm: torch.Tensor, *head_tensors: torch.Tensor
     ) -> torch.Tensor:
-        (logits,) = head(rms_norm(x + experts, norm, eps), head_tensors)
-        return logits.float()
+        return _logits(head, x + experts, norm, head_tensors, eps)
 
     return StaticKernel(finish, fused=True)
 
@@ -368,8 +378,7 @@ def _finish_graph(plan: _LayerPlan, count: int, head: _Projection, eps: float) -
 
     def finish(x: torch.Tensor, attended: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         x = _leave(plan, _unflatten(plan, tensors[:count]), x, attended)
-        (logits,) = head(rms_norm(x, tensors[count], eps), tensors[count + 1 :])
-        return logits.float()
+        return _logits(head, x, tensors[count], tensors[count + 1 :], eps)
 
     return StaticKernel(finish, fused=True)
 
@@ -470,22 +479,24 @@ class CompiledDecodeStep:
         # The graphs are compiled on their first call (or `warm_up`), once per distinct set of shapes.
         self._enter = _enter_graph(plans[0])
         graphs: dict[tuple, StaticKernel] = {}
+
+        def graph(key: tuple) -> StaticKernel:
+            if key not in graphs:
+                graphs[key] = _boundary_graph(key, head_plan, model.norm.eps)
+            return graphs[key]
+
         # After layer i's attention: the graph to the next attention (or the logits), or to the routing;
         # after its experts (None for a dense layer): the graph to the next attention or the logits.
         self._after: list[StaticKernel] = []
         self._resume: list[StaticKernel | None] = []
         for i, plan in enumerate(plans):
             following = plans[i + 1] if i + 1 < len(plans) else None
-            keys: list[tuple | None] = (
-                [("leave", plan, following, len(self.layers[i])), None]
-                if self.experts[i] is None
-                else [("route", plan), ("resume", following)]
-            )
-            for key in keys:
-                if key is not None and key not in graphs:
-                    graphs[key] = _boundary_graph(key, head_plan, model.norm.eps)
-            self._after.append(graphs[keys[0]])
-            self._resume.append(None if keys[1] is None else graphs[keys[1]])
+            if self.experts[i] is None:
+                self._after.append(graph(("leave", plan, following, len(self.layers[i]))))
+                self._resume.append(None)
+            else:
+                self._after.append(graph(("route", plan)))
+                self._resume.append(graph(("resume", following)))
         if len(graphs) > MAX_BETWEEN_GRAPHS:
             raise UnsupportedModelError(f"{len(graphs)} kinds of layer boundary, each a graph to compile")
         self._kernels: dict[tuple[int, int], Callable[..., Any]] = {}

@@ -226,6 +226,9 @@ class SpeculativeDecoder:
             raise RuntimeError("SpeculativeDecoder.tokens before prefill")
         context = list(context)
         hidden, cache = self._hidden, self.cache
+        # A drafter without hidden states has its rounds checked by the compiled step where it covers the
+        # model and cache (one pass over the round's tokens; the plain decode step when nothing was drafted).
+        step = None if self.drafter.needs_hidden else decode_step_for(self.model, cache)
         token = self.chooser.pick(logits)
         context.append(token)
         emitted = 1
@@ -241,12 +244,10 @@ class SpeculativeDecoder:
                 n -= 1
             draft = self.drafter.propose(context, hidden, max(n, 0), self.chooser.draw_draft)
             self.proposed += len(draft.tokens)
-            step = None if self.drafter.needs_hidden else decode_step_for(self.model, cache)
             if step is None:
                 verified, rows, snapshots = self._verify(start, [context[-1], *draft.tokens])
             else:
-                # The compiled step runs the round's tokens in one pass (the plain decode step when
-                # nothing was drafted); it has no hidden states to give, and none are wanted.
+                # No hidden states come back from the compiled step, and none are wanted.
                 checked = torch.tensor([context[-1], *draft.tokens], device=self.model.device)
                 verified, rows, snapshots = None, step(checked, cache), {}
             chosen = self._accept(draft, rows)

@@ -59,6 +59,14 @@ def release_pages(view: torch.Tensor) -> None:
         ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
 
 
+def _release_if_packed(module: QuantizedLinear | QuantizedExpertMatrices, t: GGUFTensor) -> None:
+    """Drop the map's pages of `t` once `module` holds a repacked copy of its blocks read through the map:
+    that copy serves every product from now on, and the pages would stay in RSS (the weights twice)
+    until memory ran short."""
+    if module.packed is not None and module.raw.data_ptr() == t.raw.data_ptr():
+        release_pages(t.raw)
+
+
 class GGUFWeights:
     """The `WeightSource` for a GGUF file: checks names and shapes, holds quantized weights as blocks.
 
@@ -103,10 +111,7 @@ class GGUFWeights:
                 layer.bias = nn.Parameter(b, requires_grad=False)
             return layer
         layer = QuantizedLinear(self._raw(t).view(shape[0], -1), t.ggml_type, in_features=shape[1], bias=b)
-        if layer.packed is not None and layer.raw.data_ptr() == t.raw.data_ptr():
-            # The repacked copy serves every product from now on; packing read the blocks through the
-            # map, and those pages would stay in RSS (the weights twice) until memory ran short.
-            release_pages(t.raw)
+        _release_if_packed(layer, t)
         return layer
 
     def embedding(self, name: str, shape: tuple[int, int]) -> nn.Module:
@@ -120,8 +125,7 @@ class GGUFWeights:
         if t.ggml_type in FLOAT_TYPES:
             return ExpertMatrices(self.tensor(name, shape))
         stack = QuantizedExpertMatrices(self._raw(t), t.ggml_type, in_features=shape[2])
-        if stack.packed is not None and stack.raw.data_ptr() == t.raw.data_ptr():
-            release_pages(t.raw)  # as for a packed linear above
+        _release_if_packed(stack, t)
         return stack
 
     def table(self, name: str, dim: int) -> tuple[torch.Tensor, GGMLQuantizationType | None]:

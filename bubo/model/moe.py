@@ -65,6 +65,7 @@ __all__ = [
     "pack_experts",
     "pack_experts_enabled",
     "packed_stack",
+    "top_k_routing",
 ]
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,10 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.gate_up = merge_gate_up(gate, up)
         self._expert_inputs: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._formats: tuple[tuple[str, int], ...] = ()
+        # The one-token graph's formats (each matrix's packed kind and tensor count), alike for every expert.
+        self._formats = (
+            tuple((kind, len(ts)) for kind, ts in self._expert_parts(0)) if self.packed_experts else ()
+        )
 
     @property
     def packed_experts(self) -> bool:
@@ -223,12 +227,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        # float32 softmax whatever the compute dtype, as Qwen3MoeTopKRouter: in half precision
-        # close router scores would round together and change which experts are picked.
-        probs = F.softmax(self.router(x).float(), dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [tokens, top_k] each
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen = top_k_routing(self.router(x), self.top_k, self.norm_topk_prob)
         weights = weights.to(x.dtype)
 
         if self._fused(x):
@@ -286,11 +285,15 @@ class SparseMoE(nn.Module):
         and kept (slicing them out per token cost ~15 µs an expert, a tenth of its matvecs)."""
         inputs = self._expert_inputs.get(expert)
         if inputs is None:
-            assert isinstance(self.down, QuantizedExpertMatrices)
-            parts = [packed_graph_inputs(self._gate_up_of(expert)), self.down.graph_inputs(expert)]
-            self._formats = tuple((kind, len(ts)) for kind, ts in parts)
-            inputs = self._expert_inputs[expert] = tuple(t for _, ts in parts for t in ts)
+            inputs = self._expert_inputs[expert] = tuple(
+                t for _, ts in self._expert_parts(expert) for t in ts
+            )
         return inputs
+
+    def _expert_parts(self, expert: int) -> list[tuple[str, tuple[torch.Tensor, ...]]]:
+        """Expert e's merged gate|up and down as (packed kind, tensors) (quantized_linear.packed_graph_inputs)."""
+        assert isinstance(self.down, QuantizedExpertMatrices)
+        return [packed_graph_inputs(self._gate_up_of(expert)), self.down.graph_inputs(expert)]
 
     def _swiglu(self, h: torch.Tensor, expert: int) -> torch.Tensor:
         """silu(gate_e(h)) * up_e(h) for the rows h routed to `expert`."""
@@ -306,6 +309,19 @@ class SparseMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+
+
+def top_k_routing(
+    scores: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router scores [tokens, num_experts] -> each token's top-k weights (float32) and experts [tokens,
+    top_k]: the formula's softmax, top-k and renormalisation (the compiled decode step routes with it too)."""
+    # float32 softmax whatever the compute dtype, as Qwen3MoeTopKRouter: in half precision
+    # close router scores would round together and change which experts are picked.
+    weights, chosen = F.softmax(scores.float(), dim=-1).topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, chosen
 
 
 def packed_stack(experts: Experts) -> bool:
