@@ -20,6 +20,7 @@ that many of Qwen3-30B-A3B's 48 layers, while the file stays small enough to mak
 import argparse
 import ctypes
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -48,6 +49,36 @@ def _copy_tokenizer(source: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
             writer.add_key_value(field.name, field.parts[field.data[0]].tolist()[0], kind)
 
 
+Matrix = Callable[..., None]
+
+
+def _random_f16_tensors(writer: gguf.GGUFWriter, seed: int) -> tuple[Matrix, int]:
+    """After a writer's architecture keys: the F16 file type and the default model's tokenizer and chat
+    template; returns `matrix(name, *shape)`, which adds a random tensor (F16 unless `dtype` says), and
+    the vocabulary size."""
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    source = gguf.GGUFReader(default_model_path())
+    _copy_tokenizer(source, writer)
+    rng = np.random.default_rng(seed)
+
+    def matrix(name: str, *shape: int, dtype: type = np.float16) -> None:
+        weights = rng.standard_normal(shape, dtype=np.float32) * 0.02
+        writer.add_tensor(name, weights.astype(dtype))
+
+    return matrix, len(source.fields["tokenizer.ggml.tokens"].data)
+
+
+def _ones(writer: gguf.GGUFWriter, name: str, width: int) -> None:
+    writer.add_tensor(name, np.ones(width, np.float32))
+
+
+def _write(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_f16_model(path: Path, seed: int = 0) -> None:
     """The random F16 llama described above, with the default model's tokenizer and chat template."""
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -60,22 +91,14 @@ def write_f16_model(path: Path, seed: int = 0) -> None:
     writer.add_rope_freq_base(100000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    _copy_tokenizer(gguf.GGUFReader(default_model_path()), writer)
-    rng = np.random.default_rng(seed)
-
-    def matrix(name: str, rows: int, columns: int) -> None:
-        weights = rng.standard_normal((rows, columns), dtype=np.float32) * 0.02
-        writer.add_tensor(name, weights.astype(np.float16))
-
-    vocab = len(gguf.GGUFReader(default_model_path()).fields["tokenizer.ggml.tokens"].data)
+    matrix, vocab = _random_f16_tensors(writer, seed)
     matrix("token_embd.weight", vocab, HIDDEN)
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    _ones(writer, "output_norm.weight", HIDDEN)
     kv_width = HIDDEN * KV_HEADS // HEADS
     for i in range(LAYERS):
         p = f"blk.{i}."
-        writer.add_tensor(p + "attn_norm.weight", np.ones(HIDDEN, np.float32))
-        writer.add_tensor(p + "ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        _ones(writer, p + "attn_norm.weight", HIDDEN)
+        _ones(writer, p + "ffn_norm.weight", HIDDEN)
         matrix(p + "attn_q.weight", HIDDEN, HIDDEN)
         matrix(p + "attn_k.weight", kv_width, HIDDEN)
         matrix(p + "attn_v.weight", kv_width, HIDDEN)
@@ -83,10 +106,7 @@ def write_f16_model(path: Path, seed: int = 0) -> None:
         matrix(p + "ffn_gate.weight", MLP, HIDDEN)
         matrix(p + "ffn_up.weight", MLP, HIDDEN)
         matrix(p + "ffn_down.weight", HIDDEN, MLP)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write(writer)
 
 
 def write_f16_moe_model(path: Path, layers: int, experts: int, seed: int = 0) -> None:
@@ -105,39 +125,27 @@ def write_f16_moe_model(path: Path, layers: int, experts: int, seed: int = 0) ->
     writer.add_expert_count(experts)
     writer.add_expert_used_count(MOE_USED)
     writer.add_expert_feed_forward_length(MOE_EXPERT_WIDTH)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    _copy_tokenizer(gguf.GGUFReader(default_model_path()), writer)
-    rng = np.random.default_rng(seed)
-
-    def matrix(name: str, *shape: int) -> None:
-        weights = rng.standard_normal(shape, dtype=np.float32) * 0.02
-        writer.add_tensor(name, weights.astype(np.float16))
-
-    vocab = len(gguf.GGUFReader(default_model_path()).fields["tokenizer.ggml.tokens"].data)
+    matrix, vocab = _random_f16_tensors(writer, seed)
     matrix("token_embd.weight", vocab, MOE_HIDDEN)
     matrix("output.weight", vocab, MOE_HIDDEN)
-    writer.add_tensor("output_norm.weight", np.ones(MOE_HIDDEN, np.float32))
+    _ones(writer, "output_norm.weight", MOE_HIDDEN)
     q_width, kv_width = MOE_HEADS * MOE_HEAD_DIM, MOE_KV_HEADS * MOE_HEAD_DIM
     for i in range(layers):
         p = f"blk.{i}."
-        for norm, width in (("attn_norm", MOE_HIDDEN), ("ffn_norm", MOE_HIDDEN)):
-            writer.add_tensor(p + norm + ".weight", np.ones(width, np.float32))
-        for norm in ("attn_q_norm", "attn_k_norm"):
-            writer.add_tensor(p + norm + ".weight", np.ones(MOE_HEAD_DIM, np.float32))
+        _ones(writer, p + "attn_norm.weight", MOE_HIDDEN)
+        _ones(writer, p + "ffn_norm.weight", MOE_HIDDEN)
+        _ones(writer, p + "attn_q_norm.weight", MOE_HEAD_DIM)
+        _ones(writer, p + "attn_k_norm.weight", MOE_HEAD_DIM)
         matrix(p + "attn_q.weight", q_width, MOE_HIDDEN)
         matrix(p + "attn_k.weight", kv_width, MOE_HIDDEN)
         matrix(p + "attn_v.weight", kv_width, MOE_HIDDEN)
         matrix(p + "attn_output.weight", MOE_HIDDEN, q_width)
         # The router stays float32, as llama.cpp's quantizer leaves ffn_gate_inp.
-        router = rng.standard_normal((experts, MOE_HIDDEN), dtype=np.float32) * 0.02
-        writer.add_tensor(p + "ffn_gate_inp.weight", router)
+        matrix(p + "ffn_gate_inp.weight", experts, MOE_HIDDEN, dtype=np.float32)
         matrix(p + "ffn_gate_exps.weight", experts, MOE_EXPERT_WIDTH, MOE_HIDDEN)
         matrix(p + "ffn_up_exps.weight", experts, MOE_EXPERT_WIDTH, MOE_HIDDEN)
         matrix(p + "ffn_down_exps.weight", experts, MOE_HIDDEN, MOE_EXPERT_WIDTH)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write(writer)
 
 
 def quantize_q4_k_m(source: Path, target: Path) -> None:
