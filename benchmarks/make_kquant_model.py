@@ -11,9 +11,11 @@ figures only, its text is noise.
 KV heads of 128, 8 of its experts of width 768 routed per token, an untied output head) with fewer
 layers and experts (`--layers`, default 6; `--experts`, default 32): a decoded token does the work of
 that many of Qwen3-30B-A3B's 48 layers, while the file stays small enough to make and hold here.
+`--recipe` picks another of llama.cpp's mixes than Q4_K_M (IQ4_XS, Q3_K_M, ...).
 
     python benchmarks/make_kquant_model.py /tmp/r1024-q4km.gguf      # needs llama-cpp-python (README)
     python benchmarks/make_kquant_model.py --moe /tmp/moe-q4km.gguf
+    python benchmarks/make_kquant_model.py --recipe IQ4_XS /tmp/r1024-iq4xs.gguf
     python benchmarks/run.py --model /tmp/r1024-q4km.gguf --engines bubo,llama.cpp
 """
 
@@ -29,6 +31,8 @@ import numpy as np
 from bubo.default_model import default_model_path
 
 HIDDEN, MLP, LAYERS, HEADS, KV_HEADS = 1024, 3072, 24, 16, 8
+# llama.cpp's recipes (llama-quantize's names) that need no importance matrix.
+RECIPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "Q4_0", "Q8_0")
 # Qwen3-30B-A3B's widths (its config.json), for --moe.
 MOE_HIDDEN, MOE_HEADS, MOE_KV_HEADS, MOE_HEAD_DIM, MOE_EXPERT_WIDTH, MOE_USED = 2048, 32, 4, 128, 768, 8
 
@@ -148,12 +152,13 @@ def write_f16_moe_model(path: Path, layers: int, experts: int, seed: int = 0) ->
     _write(writer)
 
 
-def quantize_q4_k_m(source: Path, target: Path) -> None:
-    """llama.cpp's own Q4_K_M recipe (llama_model_quantize), as `llama-quantize` applies it."""
+def quantize(source: Path, target: Path, recipe: str) -> None:
+    """One of llama.cpp's own recipes (`Q4_K_M`, `IQ4_XS`, ...: llama_model_quantize), as `llama-quantize`
+    applies it."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{recipe}")
     if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)):
         raise RuntimeError(f"llama.cpp could not quantize {source}")
 
@@ -162,7 +167,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("output", type=Path, help="the Q4_K_M file to write")
+    parser.add_argument("output", type=Path, help="the quantized file to write")
+    parser.add_argument(
+        "--recipe", default="Q4_K_M", choices=RECIPES, help="llama.cpp's quantization recipe (default Q4_K_M)"
+    )
     parser.add_argument("--moe", action="store_true", help="a qwen3moe file at Qwen3-30B-A3B's widths")
     parser.add_argument("--layers", type=int, default=6, help="--moe: layers (default 6)")
     parser.add_argument("--experts", type=int, default=32, help="--moe: experts a layer (default 32)")
@@ -173,7 +181,7 @@ def main() -> int:
             write_f16_moe_model(f16, args.layers, args.experts)
         else:
             write_f16_model(f16)
-        quantize_q4_k_m(f16, args.output)
+        quantize(f16, args.output, args.recipe)
     print(f"wrote {args.output} ({args.output.stat().st_size / 1e6:.0f} MB)")
     return 0
 

@@ -22,7 +22,12 @@ __all__ = [
     "block_size",
     "dequantize",
     "f16_field",
+    "iq4_nl_codes",
+    "iq4_xs_codes",
+    "iq4_xs_scales",
     "k_scale_min",
+    "q3_k_codes",
+    "q3_k_scales",
     "q4_k_codes",
     "q5_0_codes",
     "q5_1_codes",
@@ -50,8 +55,8 @@ def type_size(ggml_type: GGMLQuantizationType | int) -> int:
 
 
 @functools.cache
-def _iq4_codebook(device: torch.device) -> torch.Tensor:
-    return torch.tensor(IQ4_CODEBOOK, dtype=torch.float32, device=device)
+def _iq4_codebook(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(IQ4_CODEBOOK, dtype=dtype, device=device)
 
 
 @functools.cache
@@ -166,20 +171,29 @@ def _q2_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     grouped.mul_(dl).sub_(ml)
 
 
-def _q3_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    # hmask[32], qs[64] (low 2 bits), scales[12] (16 x 6 bits), d
+def q3_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q3_K (hmask[32], qs[64] low 2 bits, scales[12] 16 x 6 bits, d): each weight's signed code (-4..3) in
+    its 16-weight group, int8 `[n, 16, 16]`."""
     n = blocks.shape[0]
-    packed = blocks[:, 96:108]
-    low = _unpack(packed[:, :8], 4).view(n, 16)
-    high = _unpack(packed[:, 8:12], 2).view(n, 16)
-    scales = low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
-    dl = (f16_field(blocks, 108) * scales).unsqueeze(-1)
     q = _unpack(blocks[:, 32:96].reshape(n, 2, 32), 2).view(n, 16, 16).view(torch.int8)
     # A clear hmask bit means "subtract 4" (the stored bit is the complement of the offset).
     offset = _unpack(blocks[:, :32], 1).view(n, 16, 16).bitwise_xor_(1).bitwise_left_shift_(2)
-    grouped = out.view(n, 16, 16)
-    grouped.copy_(q.sub_(offset.view(torch.int8)))
-    grouped.mul_(dl)
+    return q.sub_(offset.view(torch.int8))
+
+
+def q3_k_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """Q3_K: each 16-weight group's scale d * (sc - 32), float32 `[n, 16]`."""
+    n, packed = blocks.shape[0], blocks[:, 96:108]
+    low = _unpack(packed[:, :8], 4).view(n, 16)
+    high = _unpack(packed[:, 8:12], 2).view(n, 16)
+    scales = low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
+    return f16_field(blocks, 108) * scales
+
+
+def _q3_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    grouped = out.view(blocks.shape[0], 16, 16)
+    grouped.copy_(q3_k_codes(blocks))
+    grouped.mul_(q3_k_scales(blocks).unsqueeze(-1))
 
 
 def _k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,10 +263,37 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     grouped.mul_(q6_k_scales(blocks).unsqueeze(-1))
 
 
+def _iq4_indices(qs: torch.Tensor) -> torch.Tensor:
+    """IQ4 nibble bytes `[..., 16]` -> each weight's codebook index, int32 (low nibbles, then high)."""
+    return _unpack(qs, 4).view(-1).to(torch.int32)
+
+
+def iq4_nl_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL (d, qs[16]): each weight's codebook value, int8 `[n, 32]` (a weight is d times it)."""
+    return torch.index_select(_iq4_codebook(blocks.device, torch.int8), 0, _iq4_indices(blocks[:, 2:])).view(
+        -1, 32
+    )
+
+
+def iq4_xs_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS (d, scales_h, scales_l[4], qs[128]: 8 groups of 16 bytes): each weight's codebook value in
+    its 32-weight group, int8 `[n, 8, 32]`."""
+    table = _iq4_codebook(blocks.device, torch.int8)
+    return torch.index_select(table, 0, _iq4_indices(blocks[:, 8:].reshape(-1, 8, 16))).view(-1, 8, 32)
+
+
+def iq4_xs_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS: each 32-weight group's scale d * (ls - 32), ls 6 bits (scales_l's nibble, scales_h's
+    2 bits above it), float32 `[n, 8]`."""
+    n = blocks.shape[0]
+    high = _unpack(blocks[:, 2:4], 2).transpose(1, 2).reshape(n, 8)
+    low = _unpack(blocks[:, 4:8], 4).transpose(1, 2).reshape(n, 8)
+    return f16_field(blocks, 0) * low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
+
+
 def _iq4_values(qs: torch.Tensor, out: torch.Tensor) -> None:
     """IQ4 nibble bytes `[..., 16]` -> codebook values `[..., 2, 16]` (low nibbles, then high) in `out`."""
-    codes = _unpack(qs, 4).view(-1).to(torch.int32)
-    torch.index_select(_iq4_codebook(qs.device), 0, codes, out=out.view(-1))
+    torch.index_select(_iq4_codebook(qs.device, torch.float32), 0, _iq4_indices(qs), out=out.view(-1))
 
 
 def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> None:
@@ -261,14 +302,9 @@ def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    # d, scales_h (u16: 2 bits per group), scales_l[4] (4 bits per group), qs[128] (8 groups of 32)
     n = blocks.shape[0]
-    high = _unpack(blocks[:, 2:4], 2).transpose(1, 2).reshape(n, 8)
-    low = _unpack(blocks[:, 4:8], 4).transpose(1, 2).reshape(n, 8)
-    scales = low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
-    dl = (f16_field(blocks, 0) * scales).unsqueeze(-1)
     _iq4_values(blocks[:, 8:].reshape(n, 8, 16), out)
-    out.view(n, 8, 32).mul_(dl)
+    out.view(n, 8, 32).mul_(iq4_xs_scales(blocks).unsqueeze(-1))
 
 
 _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor, torch.Tensor], None]] = {

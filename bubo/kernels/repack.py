@@ -23,7 +23,18 @@ in float32 (the K-quants' products below, as a rule); PackedQ8 carries its scale
   signed byte. 9 bits a weight against 5.5, and it groups with Q8_0 matrices (`group_rows`), which
   Q4_K_M mixes with Q5_0 among the q/k/v projections.
 - Q5_1 -> PackedQ8Offset (Q5_K_M's fallback, as Q5_0 is Q4_K_M's): w = d * q + m, the code q a byte,
-  scale d and offset m as stored. 10 bits a weight against 6.
+  scale d and offset m as stored (float16). 9 bits a weight against 6.
+- Q3_K -> PackedQ8 with 4-word blocks, as Q6_K: 16 sub-blocks of 16 weights, w = (d * (sc_j - 32)) *
+  (q - 4), the 3-bit code q - 4 a signed byte, the scale an 11-bit mantissa times a 6-bit integer.
+  10 bits a weight against the file's 3.44.
+- IQ4_NL / IQ4_XS -> PackedQ8 (8-word blocks): w = scale * codebook[q], the 4-bit q indexing a table of
+  16 signed bytes (ggml's kvalues_iq4nl): the looked-up value is the byte code, so no table is read at
+  run time. IQ4_NL's scale is its fp16 d; IQ4_XS's d * (ls_j - 32) per 32 weights (6-bit ls_j). 9 bits
+  a weight against 4.5 / 4.25. A matvec that kept the 4-bit indices would have to gather from the table
+  per weight: inductor leaves such a gather scalar, 16x slower than this layout's (3072x1024, 2 threads).
+
+Every layout takes more memory than the file's blocks: bubo/model/quantized_linear.py checks the memory
+available before it repacks a matrix.
 """
 
 from collections.abc import Callable
@@ -34,7 +45,12 @@ from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import (
     f16_field,
+    iq4_nl_codes,
+    iq4_xs_codes,
+    iq4_xs_scales,
     k_scale_min,
+    q3_k_codes,
+    q3_k_scales,
     q4_k_codes,
     q5_0_codes,
     q5_1_codes,
@@ -47,7 +63,18 @@ from bubo.kernels.codes import half_if_exact, tiled_by_rows
 from bubo.kernels.q4_matvec import PackedQ4, nibble_words
 from bubo.kernels.q8_matvec import CODE_BIAS, PackedQ8, PackedQ8Offset, with_scales
 
-__all__ = ["REPACKABLE", "pack_q4_k", "pack_q5_0", "pack_q5_1", "pack_q5_k", "pack_q6_k", "repack"]
+__all__ = [
+    "REPACKABLE",
+    "pack_iq4_nl",
+    "pack_iq4_xs",
+    "pack_q3_k",
+    "pack_q4_k",
+    "pack_q5_0",
+    "pack_q5_1",
+    "pack_q5_k",
+    "pack_q6_k",
+    "repack",
+]
 
 Q = GGMLQuantizationType
 # Rows of a repacked matrix, built from one run of rows' blocks [n_blocks, block bytes], each tensor
@@ -99,6 +126,22 @@ def _q6_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     return (with_scales(_biased_words(q6_k_codes(blocks).view(n, -1, 16)), q6_k_scales(blocks).view(n, -1)),)
 
 
+def _q3_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    return (with_scales(_biased_words(q3_k_codes(blocks).view(n, -1, 16)), q3_k_scales(blocks).view(n, -1)),)
+
+
+def _iq4_nl_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    return (
+        with_scales(_biased_words(iq4_nl_codes(blocks).view(n, -1, 32)), f16_field(blocks, 0).view(n, -1)),
+    )
+
+
+def _iq4_xs_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    return (
+        with_scales(_biased_words(iq4_xs_codes(blocks).view(n, -1, 32)), iq4_xs_scales(blocks).view(n, -1)),
+    )
+
+
 def _q5_0_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     return (with_scales(_biased_words(q5_0_codes(blocks).view(n, -1, 32)), f16_field(blocks, 0).view(n, -1)),)
 
@@ -133,12 +176,30 @@ def pack_q5_1(raw: torch.Tensor) -> PackedQ8Offset:
     return _with_offsets(PackedQ8Offset, raw, Q.Q5_1, _q5_1_rows)
 
 
+def pack_q3_k(raw: torch.Tensor) -> PackedQ8:
+    """Q3_K super-blocks uint8 [out, row_bytes] -> PackedQ8 with blocks of 16 weights (4 words)."""
+    return PackedQ8(*_tiled(raw, Q.Q3_K, _q3_k_rows), raw.shape[0])
+
+
+def pack_iq4_nl(raw: torch.Tensor) -> PackedQ8:
+    """IQ4_NL blocks uint8 [out, row_bytes] -> PackedQ8 (blocks of 32 weights, 8 words)."""
+    return PackedQ8(*_tiled(raw, Q.IQ4_NL, _iq4_nl_rows), raw.shape[0])
+
+
+def pack_iq4_xs(raw: torch.Tensor) -> PackedQ8:
+    """IQ4_XS super-blocks uint8 [out, row_bytes] -> PackedQ8 (blocks of 32 weights, 8 words)."""
+    return PackedQ8(*_tiled(raw, Q.IQ4_XS, _iq4_xs_rows), raw.shape[0])
+
+
 REPACKABLE: dict[GGMLQuantizationType, Callable[[torch.Tensor], PackedQ4 | PackedQ8 | PackedQ8Offset]] = {
     Q.Q4_K: pack_q4_k,
     Q.Q5_K: pack_q5_k,
     Q.Q5_0: pack_q5_0,
     Q.Q5_1: pack_q5_1,
     Q.Q6_K: pack_q6_k,
+    Q.Q3_K: pack_q3_k,
+    Q.IQ4_NL: pack_iq4_nl,
+    Q.IQ4_XS: pack_iq4_xs,
 }
 
 

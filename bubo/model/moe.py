@@ -30,7 +30,6 @@ made decode ~13x slower than llama.cpp's on Qwen3-30B-A3B's widths (benchmarks/m
 """
 
 import functools
-import logging
 import os
 
 import torch
@@ -54,7 +53,6 @@ from bubo.model.quantized_linear import (
     scratch_buffer,
     warm_up_packed,
 )
-from bubo.process_memory import meminfo
 
 __all__ = [
     "ExpertMatrices",
@@ -67,8 +65,6 @@ __all__ = [
     "packed_stack",
     "top_k_routing",
 ]
-
-log = logging.getLogger(__name__)
 
 
 class ExpertMatrices(nn.Module):
@@ -145,36 +141,7 @@ def pack_experts(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed |
     weights = rows * row_bytes // type_size(ggml_type) * block_size(ggml_type)
     if rows % TILE or weights < quantized_linear.MIN_PACKED_WEIGHTS or not pack_experts_enabled():
         return None
-    if raw.device.type == "cpu" and not _memory_for_packing(raw.numel()):
-        return None
     return pack_for_cpu(raw.reshape(experts * rows, row_bytes), ggml_type)
-
-
-# The packed layouts take at most this many times the file's bytes (Q5_0: 9 bits a weight against 5.5;
-# Q6_K 10 against 6.56, Q4_K 6 against 4.5), and packing leaves at least this much memory free.
-PACKED_GROWTH = 1.7
-PACKING_RESERVE = 1 << 30
-_said_short_of_memory = False
-
-
-def _memory_for_packing(raw_bytes: int) -> bool:
-    """Whether the system has memory to repack a stack of `raw_bytes` (MemAvailable, which counts the
-    file's mapped pages as reclaimable: packing reads them, then drops them). A model whose packed experts
-    won't fit keeps the rest of its stacks as the file's blocks, so it loads and runs (slower) instead of
-    being killed for memory partway through the load; said once."""
-    global _said_short_of_memory
-    available = meminfo().get("MemAvailable")
-    if available is None or available - PACKED_GROWTH * raw_bytes >= PACKING_RESERVE:
-        return True
-    if not _said_short_of_memory:
-        _said_short_of_memory = True
-        log.warning(
-            "%d MB of memory available: expert stacks from here on stay as the file's blocks, dequantized "
-            "per routed expert (decode several times slower); repacked experts take up to %.1fx the file",
-            available >> 20,
-            PACKED_GROWTH,
-        )
-    return False
 
 
 # What a `WeightSource` hands out for one expert stack: float or quantized, the same `linear`.

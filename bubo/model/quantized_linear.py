@@ -5,15 +5,17 @@ map, so loading copies nothing. Every row holds whole blocks, so rows can be ind
 dequantizing: the embedding lookup dequantizes only the looked-up rows.
 
 On the CPU, Q4_0 / Q4_1 / Q8_0 matrices are also repacked at load (same bytes, see bubo/kernels/), and
-Q4_K / Q5_K / Q6_K / Q5_0 (the types of Q4_K_M and Q5_K_M files) into those layouts (bubo/kernels/repack.py): a single row (decode) goes through a compiled matvec that reads the codes
-directly; several rows (prefill) multiply column chunks unpacked from the repacked words, in bfloat16
-where the CPU multiplies bfloat16 natively (`bf16_prefill`), else in float32.
+the K-quants, Q5_0 / Q5_1 and IQ4_NL / IQ4_XS into those layouts (bubo/kernels/repack.py), while the
+memory available allows (`pack_for_cpu`): a single row (decode) goes through a compiled matvec that reads
+the codes directly; several rows (prefill) multiply column chunks unpacked from the repacked words, in
+bfloat16 where the CPU multiplies bfloat16 natively (`bf16_prefill`), else in float32.
 
 On CUDA (with triton installed, BUBO_TRITON not 0) the product runs in the Triton kernels of
 bubo/kernels/triton_gemm.py, which read the blocks as stored: no float weight is ever materialized.
 """
 
 import functools
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -27,8 +29,9 @@ from bubo.gguf.quants import block_size, dequantize, type_size
 from bubo.kernels.codes import TILE, concat_tiled, slice_tiled, word_bits
 from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4, q4_matvec_bits
 from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset, pack_q8, q8_matvec_bits, q8_offset_matvec_bits
-from bubo.kernels.repack import REPACKABLE, repack
+from bubo.kernels.repack import repack
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
+from bubo.process_memory import meminfo
 
 __all__ = [
     "QuantizedEmbedding",
@@ -68,6 +71,27 @@ MATVEC_ROWS = 12
 # A CPU weight repacked for the compiled matvecs (bubo/kernels/).
 Packed = PackedQ4 | PackedQ8 | PackedQ8Offset
 
+Q = GGMLQuantizationType
+# Bits a weight of each type's packed layout, its per-block fields counted in float32 (the most they
+# take; bubo/kernels/q4_matvec.py, q8_matvec.py, repack.py), against the file's 2.6-8.5.
+PACKED_BITS = {
+    Q.Q4_0: 5,
+    Q.Q4_1: 5,
+    Q.Q8_0: 9,
+    Q.Q4_K: 6,
+    Q.Q5_K: 10,
+    Q.Q5_0: 9,
+    Q.Q5_1: 9,
+    Q.Q6_K: 10,
+    Q.Q3_K: 10,
+    Q.IQ4_NL: 9,
+    Q.IQ4_XS: 9,
+}
+# Packing leaves at least this much memory available.
+PACKING_RESERVE = 1 << 30
+_said_short_of_memory = False
+log = logging.getLogger(__name__)
+
 
 @functools.cache
 def native_bf16() -> bool:
@@ -89,17 +113,37 @@ def bf16_prefill() -> bool:
 
 
 def pack_for_cpu(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed | None:
-    """The repacked form of a CPU weight the compiled matvec handles, else None."""
+    """The repacked form of a CPU weight the compiled matvec handles, else None (its blocks then stay as
+    the file's, dequantized per use): a type without a packed layout, a small matrix, or too little memory
+    left (`_memory_for_packing`)."""
     weights = raw.shape[0] * (raw.shape[1] // type_size(ggml_type)) * block_size(ggml_type)
-    if raw.device.type != "cpu" or weights < MIN_PACKED_WEIGHTS:
+    if raw.device.type != "cpu" or weights < MIN_PACKED_WEIGHTS or ggml_type not in PACKED_BITS:
+        return None
+    if not _memory_for_packing(weights * PACKED_BITS[ggml_type] // 8):
         return None
     if ggml_type in PACKABLE_Q4:
         return pack_q4(raw, ggml_type)
-    if ggml_type == GGMLQuantizationType.Q8_0:
-        return pack_q8(raw)
-    if ggml_type in REPACKABLE:
-        return repack(raw, ggml_type)
-    return None
+    return pack_q8(raw) if ggml_type == Q.Q8_0 else repack(raw, ggml_type)
+
+
+def _memory_for_packing(packed_bytes: int) -> bool:
+    """Whether packing a matrix into `packed_bytes` leaves PACKING_RESERVE of MemAvailable (which counts
+    the file's mapped pages as reclaimable: the loader drops a matrix's pages once it is packed). A model
+    whose packed matrices won't all fit keeps the rest as the file's blocks, so it loads and runs (those
+    matrices several times slower) rather than being killed for memory partway through the load; said
+    once."""
+    global _said_short_of_memory
+    available = meminfo().get("MemAvailable")
+    if available is None or available - packed_bytes >= PACKING_RESERVE:
+        return True
+    if not _said_short_of_memory:
+        _said_short_of_memory = True
+        log.warning(
+            "%d MB of memory available: quantized matrices from here on stay as the file's blocks, "
+            "dequantized per use (decode several times slower than repacked)",
+            available >> 20,
+        )
+    return False
 
 
 def has_packed_weights(model: nn.Module) -> bool:

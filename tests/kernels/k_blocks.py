@@ -8,7 +8,17 @@ from gguf import GGML_QUANT_SIZES
 Q = gguf.GGMLQuantizationType
 
 # Byte offsets of each type's fp16 fields: random bytes are a valid block once these are finite.
-FP16_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,)}
+FP16_FIELDS = {
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    Q.Q5_0: (0,),
+    Q.Q5_1: (0, 2),
+    Q.Q8_0: (0,),
+    Q.Q3_K: (108,),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+}
 
 
 def random_blocks(qtype: Q, rows: int, in_features: int, seed: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Q4_K / Q5_K / Q6_K / Q5_0 blocks repacked for the compiled matvecs, against gguf's numpy dequantizer (bit
+"""Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / Q3_K / IQ4_NL / IQ4_XS blocks repacked for the compiled matvecs, against gguf's numpy dequantizer (bit
 for bit) and a float64 matvec on it: random blocks, and the real tensors of Gemma 3 270M Q4_K_M."""
 
 from pathlib import Path
@@ -23,6 +23,9 @@ LAYOUT = {
     Q.Q6_K: PackedQ8,
     Q.Q5_0: PackedQ8,
     Q.Q5_1: PackedQ8Offset,
+    Q.Q3_K: PackedQ8,
+    Q.IQ4_NL: PackedQ8,
+    Q.IQ4_XS: PackedQ8,
 }
 
 
@@ -84,8 +87,8 @@ def test_packing_in_row_steps_matches_the_blocks(qtype: Q, monkeypatch: pytest.M
 
 
 def test_rejects_other_types() -> None:
-    with pytest.raises(ValueError, match="no repacking for Q3_K"):
-        repack(torch.zeros(2, 110, dtype=torch.uint8), Q.Q3_K)
+    with pytest.raises(ValueError, match="no repacking for Q2_K"):
+        repack(torch.zeros(2, 84, dtype=torch.uint8), Q.Q2_K)
 
 
 def test_real_k_quant_tensors_unpack_exactly(gemma3_path: Path) -> None:

@@ -268,15 +268,20 @@ def test_experts_stay_unpacked_when_memory_is_short(
     """Repacking a stack that would leave less than PACKING_RESERVE available keeps the file's blocks
     (the model loads and runs, slower) and says so once, rather than running the machine out of memory."""
     monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 0)
-    monkeypatch.setattr(bubo.model.moe, "_said_short_of_memory", False)
+    monkeypatch.setattr(bubo.model.quantized_linear, "_said_short_of_memory", False)
     raw = torch.zeros(4, 2 * TILE, 18, dtype=torch.uint8)
-    reserve = bubo.model.moe.PACKING_RESERVE
-    monkeypatch.setattr(bubo.model.moe, "meminfo", lambda: {"MemAvailable": reserve + 2 * raw.numel()})
+    reserve = bubo.model.quantized_linear.PACKING_RESERVE
+    monkeypatch.setattr(
+        bubo.model.quantized_linear, "meminfo", lambda: {"MemAvailable": reserve + 2 * raw.numel()}
+    )
     assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is not None
-    monkeypatch.setattr(bubo.model.moe, "meminfo", lambda: {"MemAvailable": reserve + raw.numel()})
-    with caplog.at_level("WARNING", logger="bubo.model.moe"):
+    # Q4_0 packs into 5 bits a weight against the file's 4.5
+    monkeypatch.setattr(
+        bubo.model.quantized_linear, "meminfo", lambda: {"MemAvailable": reserve + raw.numel()}
+    )
+    with caplog.at_level("WARNING", logger="bubo.model.quantized_linear"):
         assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is None
         assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is None
     assert len([r for r in caplog.records if "file's blocks" in r.getMessage()]) == 1
-    monkeypatch.setattr(bubo.model.moe, "meminfo", dict)  # no /proc/meminfo: nothing to go by
+    monkeypatch.setattr(bubo.model.quantized_linear, "meminfo", dict)  # no /proc/meminfo: nothing to go by
     assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is not None

@@ -69,8 +69,33 @@ def test_repacked_forward_matches_float64_reference(
 def test_small_and_other_types_keep_the_dequantizing_path() -> None:
     raw = gguf.quants.quantize(np.ones((8, 256), dtype=np.float32), Q.Q4_1)
     assert QuantizedLinear(torch.from_numpy(raw), Q.Q4_1, 256).packed is None  # below MIN_PACKED_WEIGHTS
-    raw = torch.zeros(512, 110, dtype=torch.uint8)  # one Q3_K block a row: a type not repacked
-    assert QuantizedLinear(raw, Q.Q3_K, 256).packed is None
+    raw = torch.zeros(1024, 84, dtype=torch.uint8)  # one Q2_K block a row: a type not repacked
+    assert QuantizedLinear(raw, Q.Q2_K, 256).packed is None
+
+
+def test_matrices_stay_unpacked_when_memory_is_short(monkeypatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Packing a matrix that would leave less than PACKING_RESERVE available keeps the file's blocks (the
+    model loads and runs, slower) and says so once, rather than running the machine out of memory. An
+    IQ4_XS matrix packs into 9 bits a weight: 2.1x the file's bytes."""
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    monkeypatch.setattr(quantized_linear, "_said_short_of_memory", False)
+    raw = torch.from_numpy(random_blocks(Q.IQ4_XS, 32, 512, seed=7))
+    reserve = quantized_linear.PACKING_RESERVE
+    with caplog.at_level("WARNING", logger="bubo.model.quantized_linear"):
+        monkeypatch.setattr(quantized_linear, "meminfo", lambda: {"MemAvailable": reserve + 2 * raw.numel()})
+        layer = QuantizedLinear(raw, Q.IQ4_XS, 512)
+        monkeypatch.setattr(quantized_linear, "meminfo", lambda: {"MemAvailable": reserve + 3 * raw.numel()})
+        assert QuantizedLinear(raw, Q.IQ4_XS, 512).packed is not None
+        monkeypatch.setattr(quantized_linear, "meminfo", lambda: {"MemAvailable": reserve})
+        assert QuantizedLinear(raw, Q.IQ4_XS, 512).packed is None
+    assert layer.packed is None
+    assert len([r for r in caplog.records if "file's blocks" in r.getMessage()]) == 1
+    monkeypatch.setattr(quantized_linear, "meminfo", dict)  # no /proc/meminfo: nothing to go by
+    assert QuantizedLinear(raw, Q.IQ4_XS, 512).packed is not None
+    x = torch.randn(512, generator=torch.Generator().manual_seed(8))
+    expected = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q.IQ4_XS).astype(np.float64)) @ x.double()
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)
 
 
 def _projection(qtype: Q, out_features: int, seed: int, bias: bool) -> tuple[QuantizedLinear, torch.Tensor]:
@@ -120,7 +145,7 @@ def test_rows_that_do_not_fill_tiles_stay_apart(monkeypatch) -> None:
         torch.testing.assert_close(out.double(), _expected(x, layer, weight), rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS])
 @pytest.mark.parametrize("rows", [1, 17])  # a compiled matvec; unpacked column chunks for a GEMM
 def test_repacked_k_quants_match_float64_reference(monkeypatch, qtype: Q, rows: int) -> None:
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
