@@ -268,18 +268,31 @@ def _iq4_indices(qs: torch.Tensor) -> torch.Tensor:
     return _unpack(qs, 4).view(-1).to(torch.int32)
 
 
+@functools.cache
+def _iq4_nibble_values(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The IQ4 codebook value of every byte's low nibble and of its high nibble, int8 `[256]` each: one
+    lookup a byte in each, rather than unpacking the nibbles first."""
+    table, byte = _iq4_codebook(device, torch.int8), torch.arange(256, device=device)
+    return table[byte & 0x0F], table[byte >> 4]
+
+
+def _iq4_codes(qs: torch.Tensor) -> torch.Tensor:
+    """IQ4 nibble bytes `[..., 16]` -> each weight's codebook value, int8 `[..., 32]` (byte j holds weights
+    j and j + 16)."""
+    index = qs.reshape(-1).to(torch.int32)
+    low, high = (torch.index_select(t, 0, index).view(qs.shape) for t in _iq4_nibble_values(qs.device))
+    return torch.cat((low, high), -1)
+
+
 def iq4_nl_codes(blocks: torch.Tensor) -> torch.Tensor:
     """IQ4_NL (d, qs[16]): each weight's codebook value, int8 `[n, 32]` (a weight is d times it)."""
-    return torch.index_select(_iq4_codebook(blocks.device, torch.int8), 0, _iq4_indices(blocks[:, 2:])).view(
-        -1, 32
-    )
+    return _iq4_codes(blocks[:, 2:])
 
 
 def iq4_xs_codes(blocks: torch.Tensor) -> torch.Tensor:
     """IQ4_XS (d, scales_h, scales_l[4], qs[128]: 8 groups of 16 bytes): each weight's codebook value in
     its 32-weight group, int8 `[n, 8, 32]`."""
-    table = _iq4_codebook(blocks.device, torch.int8)
-    return torch.index_select(table, 0, _iq4_indices(blocks[:, 8:].reshape(-1, 8, 16))).view(-1, 8, 32)
+    return _iq4_codes(blocks[:, 8:].reshape(-1, 8, 16))
 
 
 def iq4_xs_scales(blocks: torch.Tensor) -> torch.Tensor:

@@ -93,11 +93,9 @@ def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
 
 def nibble_words(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes (any integer dtype) [..., 32] of weights in order -> their int32 words [..., 4]."""
-    codes = codes.to(torch.int32).view(*codes.shape[:-1], _WORDS, _NIBBLES)
-    words = torch.zeros(codes.shape[:-1], dtype=torch.int32)
-    for s in range(_NIBBLES):
-        words |= codes[..., s] << (4 * s)
-    return words
+    # Weights 2k and 2k + 1 share byte k (low nibble first); four bytes make a word, little end first.
+    pairs = codes.to(torch.uint8).view(*codes.shape[:-1], 16, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).view(torch.int32)
 
 
 def q4_unpack(packed: PackedQ4, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

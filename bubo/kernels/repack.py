@@ -92,8 +92,9 @@ def _byte_words(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _biased_words(codes: torch.Tensor) -> torch.Tensor:
-    """Signed codes (-128..127) as PackedQ8 stores them: `_byte_words` of code + CODE_BIAS."""
-    return _byte_words(codes.to(torch.int16) + CODE_BIAS)
+    """Signed codes int8 as PackedQ8 stores them: `_byte_words` of code + CODE_BIAS, which is the two's
+    complement byte with its sign bit flipped."""
+    return _byte_words(codes.view(torch.uint8) ^ CODE_BIAS)
 
 
 def _tiled(raw: torch.Tensor, ggml_type: GGMLQuantizationType, rows: Rows) -> tuple[torch.Tensor, ...]:
