@@ -26,6 +26,8 @@ __all__ = [
     "iq4_xs_codes",
     "iq4_xs_scales",
     "k_scale_min",
+    "q2_k_codes",
+    "q2_k_scale_min",
     "q3_k_codes",
     "q3_k_scales",
     "q4_k_codes",
@@ -159,16 +161,25 @@ def _q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.mul_(f16_field(blocks, 0)).add_(f16_field(blocks, 2))
 
 
-def _q2_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    # scales[16] (low nibble: scale, high nibble: min), qs[64] (2 bits), d, dmin
+def q2_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q2_K (scales[16], qs[64]: two 32-byte halves, each four 2-bit planes of 32 weights, d, dmin): the
+    2-bit codes of the sixteen 16-weight groups, uint8 `[n, 16, 16]`."""
     n = blocks.shape[0]
+    return _unpack(blocks[:, 16:80].reshape(n, 2, 32), 2).view(n, 16, 16)
+
+
+def q2_k_scale_min(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q2_K: each 16-weight group's scale d * sc and min dmin * m (sc, m: a scales byte's low and high
+    nibbles), float32 `[n, 16]` each (a weight is scale * q - min)."""
     scales = blocks[:, :16]
-    dl = (f16_field(blocks, 80) * (scales & 0x0F)).unsqueeze(-1)
-    ml = (f16_field(blocks, 82) * (scales >> 4)).unsqueeze(-1)
-    # Two 32-byte halves, each four 2-bit planes of 32 weights: 16 groups of 16 in order.
-    grouped = out.view(n, 16, 16)
-    grouped.copy_(_unpack(blocks[:, 16:80].reshape(n, 2, 32), 2).view(n, 16, 16))
-    grouped.mul_(dl).sub_(ml)
+    return f16_field(blocks, 80) * (scales & 0x0F), f16_field(blocks, 82) * (scales >> 4)
+
+
+def _q2_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    dl, ml = q2_k_scale_min(blocks)
+    grouped = out.view(blocks.shape[0], 16, 16)
+    grouped.copy_(q2_k_codes(blocks))
+    grouped.mul_(dl.unsqueeze(-1)).sub_(ml.unsqueeze(-1))
 
 
 def q3_k_codes(blocks: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ Layout (made by `pack_q4`, same bytes as the file's blocks, tiled as bubo/kernel
 and offset, so that weight = code * scale + offset. Q4_1 stores exactly that (d, m); Q4_0 stores
 w = d * (code - 8), i.e. offset = -8d. Both are float16 (5 bits a weight, as in the file) unless a
 value would not survive it (codes.half_if_exact), then float32 (Q4_K is repacked into the same
-layout: bubo/kernels/repack.py).
+layout, and Q2_K with blocks of 16 weights, 2 words: bubo/kernels/repack.py).
 Output rows are innermost so that every load is a full-width vector; inductor's CPU code generator
 falls back to slow partial loads for 8-wide uint8 vectors, which is why the codes travel as int32
 words.
@@ -49,7 +49,6 @@ __all__ = [
 
 PACKABLE_Q4 = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1})
 _NIBBLES = 8  # per int32 word
-_WORDS = 4  # per 32-weight block
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ class PackedQ4:
 
     @property
     def in_features(self) -> int:
-        return self.words.shape[1] * _WORDS * _NIBBLES
+        return self.words.shape[1] * self.words.shape[2] * _NIBBLES
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         return q4_matvec(x, self)
@@ -92,9 +91,10 @@ def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
 
 
 def nibble_words(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (any integer dtype) [..., 32] of weights in order -> their int32 words [..., 4]."""
+    """4-bit codes (any integer dtype) [..., n] of a block's weights in order (n a multiple of 8) -> their
+    int32 words [..., n / 8]."""
     # Weights 2k and 2k + 1 share byte k (low nibble first); four bytes make a word, little end first.
-    pairs = codes.to(torch.uint8).view(*codes.shape[:-1], 16, 2)
+    pairs = codes.to(torch.uint8).view(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return (pairs[..., 0] | (pairs[..., 1] << 4)).view(torch.int32)
 
 
@@ -108,7 +108,7 @@ def q4_unpack(packed: PackedQ4, start: int, stop: int, dtype: torch.dtype = torc
 @functools.cache
 def _unpack_kernel(dtype: torch.dtype) -> StaticKernel:
     def q4_unpack_tiles(bits: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
-        # [tiles, blocks, 4, TILE] -> [blocks, 4, nibble, tiles, TILE]: weight 32b + 8w + s of every
+        # [tiles, blocks, words, TILE] -> [blocks, words, nibble, tiles, TILE]: weight 8w + s of block b of every
         # output row, rows innermost, so the result is the transposed weight with no copy. Compiled
         # without FMA contraction: code * scale + offset rounds as the reference dequantizer's does.
         words = bits.view(torch.int32).permute(1, 2, 0, 3)
@@ -116,7 +116,7 @@ def _unpack_kernel(dtype: torch.dtype) -> StaticKernel:
         codes = ((words[:, :, None] >> shifts) & 0x0F).to(torch.float32)
         scale, offset = scale_offset.to(torch.float32).unbind(2)
         weight = codes * by_block(scale) + by_block(offset)
-        return weight.to(dtype).reshape(words.shape[0] * _WORDS * _NIBBLES, -1)
+        return weight.to(dtype).reshape(words.shape[0] * words.shape[1] * _NIBBLES, -1)
 
     return StaticKernel(q4_unpack_tiles)
 

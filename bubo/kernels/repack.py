@@ -24,9 +24,13 @@ in float32 (the K-quants' products below, as a rule); PackedQ8 carries its scale
   Q4_K_M mixes with Q5_0 among the q/k/v projections.
 - Q5_1 -> PackedQ8Offset (Q5_K_M's fallback, as Q5_0 is Q4_K_M's): w = d * q + m, the code q a byte,
   scale d and offset m as stored (float16). 9 bits a weight against 6.
-- Q3_K -> PackedQ8 with 4-word blocks, as Q6_K: 16 sub-blocks of 16 weights, w = (d * (sc_j - 32)) *
-  (q - 4), the 3-bit code q - 4 a signed byte, the scale an 11-bit mantissa times a 6-bit integer.
-  10 bits a weight against the file's 3.44.
+- Q3_K -> PackedQ4 with blocks of 16 weights (2 words): w = (d * (sc_j - 32)) * (q - 4), the 3-bit q a
+  nibble, scale = d * (sc_j - 32) (an 11-bit mantissa times a 6-bit integer) and offset = -4 * scale,
+  both exact. 8 bits a weight against the file's 3.44; byte codes (PackedQ8's 4-word blocks, 10 bits)
+  ran 17 % slower (3072x1024, 2 threads, 24 matrices cycled: 265 against 221 µs).
+- Q2_K -> PackedQ4 with blocks of 16 weights (2 words): w = (d * sc_j) * q - dmin * m_j, the 2-bit
+  code q a nibble, scale and offset (4-bit sc_j, m_j times an fp16) exact in float32. 8 bits a weight
+  against the file's 2.63.
 - IQ4_NL / IQ4_XS -> PackedQ8 (8-word blocks): w = scale * codebook[q], the 4-bit q indexing a table of
   16 signed bytes (ggml's kvalues_iq4nl): the looked-up value is the byte code, so no table is read at
   run time. IQ4_NL's scale is its fp16 d; IQ4_XS's d * (ls_j - 32) per 32 weights (6-bit ls_j). 9 bits
@@ -49,6 +53,8 @@ from bubo.gguf.quants import (
     iq4_xs_codes,
     iq4_xs_scales,
     k_scale_min,
+    q2_k_codes,
+    q2_k_scale_min,
     q3_k_codes,
     q3_k_scales,
     q4_k_codes,
@@ -67,6 +73,7 @@ __all__ = [
     "REPACKABLE",
     "pack_iq4_nl",
     "pack_iq4_xs",
+    "pack_q2_k",
     "pack_q3_k",
     "pack_q4_k",
     "pack_q5_0",
@@ -118,6 +125,11 @@ def _q4_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     return nibble_words(q4_k_codes(blocks).view(n, -1, 32)), torch.stack((scale, -low), -1).view(n, -1, 2)
 
 
+def _q2_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    scale, low = q2_k_scale_min(blocks)
+    return nibble_words(q2_k_codes(blocks).view(n, -1, 16)), torch.stack((scale, -low), -1).view(n, -1, 2)
+
+
 def _q5_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     scale, low = k_scale_min(blocks)
     return _byte_words(q5_k_codes(blocks).view(n, -1, 32)), torch.stack((scale, -low), -1).view(n, -1, 2)
@@ -128,7 +140,9 @@ def _q6_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
 
 
 def _q3_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    return (with_scales(_biased_words(q3_k_codes(blocks).view(n, -1, 16)), q3_k_scales(blocks).view(n, -1)),)
+    scale = q3_k_scales(blocks)
+    codes = q3_k_codes(blocks).view(n, -1, 16) + 4  # 0..7
+    return nibble_words(codes), torch.stack((scale, -4 * scale), -1).view(n, -1, 2)
 
 
 def _iq4_nl_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
@@ -177,9 +191,14 @@ def pack_q5_1(raw: torch.Tensor) -> PackedQ8Offset:
     return _with_offsets(PackedQ8Offset, raw, Q.Q5_1, _q5_1_rows)
 
 
-def pack_q3_k(raw: torch.Tensor) -> PackedQ8:
-    """Q3_K super-blocks uint8 [out, row_bytes] -> PackedQ8 with blocks of 16 weights (4 words)."""
-    return PackedQ8(*_tiled(raw, Q.Q3_K, _q3_k_rows), raw.shape[0])
+def pack_q2_k(raw: torch.Tensor) -> PackedQ4:
+    """Q2_K super-blocks uint8 [out, row_bytes] -> PackedQ4 with blocks of 16 weights (2 words)."""
+    return _with_offsets(PackedQ4, raw, Q.Q2_K, _q2_k_rows)
+
+
+def pack_q3_k(raw: torch.Tensor) -> PackedQ4:
+    """Q3_K super-blocks uint8 [out, row_bytes] -> PackedQ4 with blocks of 16 weights (2 words)."""
+    return _with_offsets(PackedQ4, raw, Q.Q3_K, _q3_k_rows)
 
 
 def pack_iq4_nl(raw: torch.Tensor) -> PackedQ8:
@@ -198,6 +217,7 @@ REPACKABLE: dict[GGMLQuantizationType, Callable[[torch.Tensor], PackedQ4 | Packe
     Q.Q5_0: pack_q5_0,
     Q.Q5_1: pack_q5_1,
     Q.Q6_K: pack_q6_k,
+    Q.Q2_K: pack_q2_k,
     Q.Q3_K: pack_q3_k,
     Q.IQ4_NL: pack_iq4_nl,
     Q.IQ4_XS: pack_iq4_xs,

@@ -50,6 +50,7 @@ from bubo.model.quantized_linear import (
     packed_graph_inputs,
     packed_graph_matvec,
     packed_product,
+    same_layout,
     scratch_buffer,
     warm_up_packed,
 )
@@ -304,7 +305,8 @@ def merge_gate_up(gate: Experts, up: Experts) -> Packed | None:
     if not (packed_stack(gate) and packed_stack(up)):
         return None
     assert isinstance(gate, QuantizedExpertMatrices) and isinstance(up, QuantizedExpertMatrices)
-    if type(gate.packed) is not type(up.packed) or gate.raw.shape[:2] != up.raw.shape[:2]:
+    assert gate.packed is not None and up.packed is not None
+    if not same_layout(gate.packed, up.packed) or gate.raw.shape[:2] != up.raw.shape[:2]:
         return None
     parts: list[Packed] = []
     for expert in range(gate.raw.shape[0]):

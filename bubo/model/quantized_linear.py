@@ -5,7 +5,7 @@ map, so loading copies nothing. Every row holds whole blocks, so rows can be ind
 dequantizing: the embedding lookup dequantizes only the looked-up rows.
 
 On the CPU, Q4_0 / Q4_1 / Q8_0 matrices are also repacked at load (same bytes, see bubo/kernels/), and
-the K-quants, Q5_0 / Q5_1 and IQ4_NL / IQ4_XS into those layouts (bubo/kernels/repack.py), while the
+the K-quants (Q2_K to Q6_K), Q5_0 / Q5_1 and IQ4_NL / IQ4_XS into those layouts (bubo/kernels/repack.py), while the
 memory available allows (`pack_for_cpu`): a single row (decode) goes through a compiled matvec that reads
 the codes directly; several rows (prefill) multiply column chunks unpacked from the repacked words, in
 bfloat16 where the CPU multiplies bfloat16 natively (`bf16_prefill`), else in float32.
@@ -47,6 +47,7 @@ __all__ = [
     "packed_graph_matvec",
     "packed_product",
     "project_rows",
+    "same_layout",
     "scratch_buffer",
     "warm_up_packed",
 ]
@@ -83,7 +84,8 @@ PACKED_BITS = {
     Q.Q5_0: 9,
     Q.Q5_1: 9,
     Q.Q6_K: 10,
-    Q.Q3_K: 10,
+    Q.Q2_K: 8,
+    Q.Q3_K: 8,
     Q.IQ4_NL: 9,
     Q.IQ4_XS: 9,
 }
@@ -306,6 +308,12 @@ class RowGroup:
     sizes: tuple[int, ...]
 
 
+def same_layout(*parts: Packed) -> bool:
+    """Whether packed matrices can be concatenated row-wise (`concat_tiled`): one type, and blocks of as
+    many words (Q6_K's PackedQ8 blocks are half Q8_0's, Q2_K's PackedQ4 blocks half Q4_K's)."""
+    return len({(type(p), p.words.shape[2:]) for p in parts}) == 1
+
+
 def group_rows(*linears: nn.Module) -> None:
     """Store the packed rows of `linears` (projections that always read the same input, such as q/k/v)
     as one matrix, each keeping a view of its own rows; `project_rows` then runs them as one matvec. Does
@@ -314,8 +322,7 @@ def group_rows(*linears: nn.Module) -> None:
     if len(members) < 2 or len(members) != len(linears):
         return
     parts = [m.packed for m in members]
-    # The same layout: one type, and blocks of as many words (Q6_K's PackedQ8 blocks are half Q8_0's).
-    if len({(type(p), p.words.shape[2:]) for p in parts}) != 1 or len({m.in_features for m in members}) != 1:
+    if not same_layout(*parts) or len({m.in_features for m in members}) != 1:
         return
     if any(p.out_features % TILE for p in parts):
         return

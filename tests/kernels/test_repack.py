@@ -1,4 +1,4 @@
-"""Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / Q3_K / IQ4_NL / IQ4_XS blocks repacked for the compiled matvecs, against gguf's numpy dequantizer (bit
+"""Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / Q2_K / Q3_K / IQ4_NL / IQ4_XS blocks repacked for the compiled matvecs, against gguf's numpy dequantizer (bit
 for bit) and a float64 matvec on it: random blocks, and the real tensors of Gemma 3 270M Q4_K_M."""
 
 from pathlib import Path
@@ -23,7 +23,8 @@ LAYOUT = {
     Q.Q6_K: PackedQ8,
     Q.Q5_0: PackedQ8,
     Q.Q5_1: PackedQ8Offset,
-    Q.Q3_K: PackedQ8,
+    Q.Q2_K: PackedQ4,
+    Q.Q3_K: PackedQ4,
     Q.IQ4_NL: PackedQ8,
     Q.IQ4_XS: PackedQ8,
 }
@@ -61,8 +62,9 @@ def test_matvec_matches_float64_reference(qtype: Q) -> None:
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
-# Q4_K, Q5_K and Q6_K repack into the three matvec layouts (PackedQ4, PackedQ8Offset, PackedQ8).
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+# Q4_K, Q5_K and Q6_K repack into the three matvec layouts (PackedQ4, PackedQ8Offset, PackedQ8); Q2_K into
+# PackedQ4 with blocks of 2 words.
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K])
 def test_matvec_of_several_rows_is_each_rows_matvec(qtype: Q) -> None:
     # A verify pass multiplies its few tokens' rows in one pass over the codes: each row's result is the
     # one its own matvec gives, bit for bit (a speculative round's greedy tokens are plain decoding's).
@@ -87,8 +89,8 @@ def test_packing_in_row_steps_matches_the_blocks(qtype: Q, monkeypatch: pytest.M
 
 
 def test_rejects_other_types() -> None:
-    with pytest.raises(ValueError, match="no repacking for Q2_K"):
-        repack(torch.zeros(2, 84, dtype=torch.uint8), Q.Q2_K)
+    with pytest.raises(ValueError, match="no repacking for F16"):
+        repack(torch.zeros(2, 512, dtype=torch.uint8), Q.F16)
 
 
 def test_real_k_quant_tensors_unpack_exactly(gemma3_path: Path) -> None:

@@ -24,9 +24,10 @@ from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.kernels.codes import TILE
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
-from bubo.model.moe import ExpertMatrices, QuantizedExpertMatrices, SparseMoE
+from bubo.model.moe import ExpertMatrices, QuantizedExpertMatrices, SparseMoE, merge_gate_up
 from tests.fixtures.compare import prefill_and_decode_deltas
 from tests.fixtures.gguf_writer import randomize_, write_gguf
+from tests.kernels.k_blocks import random_blocks
 
 TOLERANCE = 1e-3  # fp32 Bubo vs fp32 transformers (TESTING.md)
 PREFILL, DECODE, BATCH = 64, 32, 2
@@ -260,6 +261,18 @@ def test_gate_and_up_of_different_types_stay_apart(tmp_path: Path, monkeypatch: 
     assert all(s.packed is not None for s in (moe.gate, moe.up, moe.down))
     d_prefill, d_decode = prefill_and_decode_deltas(reference, model, _tokens(300)[:1, :24], 16)
     assert d_prefill <= TOLERANCE and d_decode <= TOLERANCE
+
+
+def test_gate_and_up_of_one_kind_but_other_block_widths_stay_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q6_K and Q8_0 both pack into PackedQ8, with blocks of 4 and 8 words: no one matrix can hold both."""
+    monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    stacks = {}
+    for qtype in (Q.Q6_K, Q.Q8_0):
+        raw = torch.from_numpy(random_blocks(qtype, 2 * 2 * TILE, 256, seed=1))
+        stacks[qtype] = QuantizedExpertMatrices(raw.view(2, 2 * TILE, -1), qtype, in_features=256)
+    gate, up = stacks[Q.Q6_K], stacks[Q.Q8_0]
+    assert merge_gate_up(gate, up) is None
+    assert gate.packed is not None and up.packed is not None
 
 
 def test_experts_stay_unpacked_when_memory_is_short(
