@@ -57,8 +57,8 @@ def type_size(ggml_type: GGMLQuantizationType | int) -> int:
 
 
 @functools.cache
-def _iq4_codebook(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(IQ4_CODEBOOK, dtype=dtype, device=device)
+def _iq4_codebook(device: torch.device) -> torch.Tensor:
+    return torch.tensor(IQ4_CODEBOOK, dtype=torch.int8, device=device)
 
 
 @functools.cache
@@ -274,16 +274,11 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     grouped.mul_(q6_k_scales(blocks).unsqueeze(-1))
 
 
-def _iq4_indices(qs: torch.Tensor) -> torch.Tensor:
-    """IQ4 nibble bytes `[..., 16]` -> each weight's codebook index, int32 (low nibbles, then high)."""
-    return _unpack(qs, 4).view(-1).to(torch.int32)
-
-
 @functools.cache
 def _iq4_nibble_values(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The IQ4 codebook value of every byte's low nibble and of its high nibble, int8 `[256]` each: one
     lookup a byte in each, rather than unpacking the nibbles first."""
-    table, byte = _iq4_codebook(device, torch.int8), torch.arange(256, device=device)
+    table, byte = _iq4_codebook(device), torch.arange(256, device=device)
     return table[byte & 0x0F], table[byte >> 4]
 
 
@@ -315,20 +310,15 @@ def iq4_xs_scales(blocks: torch.Tensor) -> torch.Tensor:
     return f16_field(blocks, 0) * low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
 
 
-def _iq4_values(qs: torch.Tensor, out: torch.Tensor) -> None:
-    """IQ4 nibble bytes `[..., 16]` -> codebook values `[..., 2, 16]` (low nibbles, then high) in `out`."""
-    torch.index_select(_iq4_codebook(qs.device, torch.float32), 0, _iq4_indices(qs), out=out.view(-1))
-
-
 def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    _iq4_values(blocks[:, 2:], out)
+    out.copy_(iq4_nl_codes(blocks))
     out.mul_(f16_field(blocks, 0))
 
 
 def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    n = blocks.shape[0]
-    _iq4_values(blocks[:, 8:].reshape(n, 8, 16), out)
-    out.view(n, 8, 32).mul_(iq4_xs_scales(blocks).unsqueeze(-1))
+    grouped = out.view(blocks.shape[0], 8, 32)
+    grouped.copy_(iq4_xs_codes(blocks))
+    grouped.mul_(iq4_xs_scales(blocks).unsqueeze(-1))
 
 
 _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor, torch.Tensor], None]] = {

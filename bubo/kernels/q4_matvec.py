@@ -108,8 +108,8 @@ def q4_unpack(packed: PackedQ4, start: int, stop: int, dtype: torch.dtype = torc
 @functools.cache
 def _unpack_kernel(dtype: torch.dtype) -> StaticKernel:
     def q4_unpack_tiles(bits: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
-        # [tiles, blocks, words, TILE] -> [blocks, words, nibble, tiles, TILE]: weight 8w + s of block b of every
-        # output row, rows innermost, so the result is the transposed weight with no copy. Compiled
+        # [tiles, blocks, words, TILE] -> [blocks, words, nibble, tiles, TILE]: weight 8w + s of block b
+        # of every output row, rows innermost, so the result is the transposed weight with no copy. Compiled
         # without FMA contraction: code * scale + offset rounds as the reference dequantizer's does.
         words = bits.view(torch.int32).permute(1, 2, 0, 3)
         shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=bits.device)[:, None, None]
