@@ -89,7 +89,8 @@ PACKED_BITS = {
     Q.IQ4_NL: 9,
     Q.IQ4_XS: 9,
 }
-# Packing leaves at least this much memory available.
+# Packing leaves at least this much memory available, or an eighth of the machine's where that is less
+# (a 2 GB machine still packs the default model's 100 MB).
 PACKING_RESERVE = 1 << 30
 _said_short_of_memory = False
 log = logging.getLogger(__name__)
@@ -129,14 +130,16 @@ def pack_for_cpu(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed |
 
 
 def _memory_for_packing(packed_bytes: int) -> bool:
-    """Whether packing a matrix into `packed_bytes` leaves PACKING_RESERVE of MemAvailable (which counts
-    the file's mapped pages as reclaimable: the loader drops a matrix's pages once it is packed). A model
-    whose packed matrices won't all fit keeps the rest as the file's blocks, so it loads and runs (those
-    matrices several times slower) rather than being killed for memory partway through the load; said
-    once."""
+    """Whether packing a matrix into `packed_bytes` leaves PACKING_RESERVE (at most an eighth of MemTotal)
+    of MemAvailable, which counts the file's mapped pages as reclaimable: the loader drops a matrix's
+    pages once it is packed. A model whose packed matrices won't all fit keeps the rest as the file's
+    blocks, so it loads and runs (those matrices several times slower) rather than being killed for memory
+    partway through the load; said once."""
     global _said_short_of_memory
-    available = meminfo().get("MemAvailable")
-    if available is None or available - packed_bytes >= PACKING_RESERVE:
+    info = meminfo()
+    available = info.get("MemAvailable")
+    reserve = min(PACKING_RESERVE, info.get("MemTotal", 8 * PACKING_RESERVE) // 8)
+    if available is None or available - packed_bytes >= reserve:
         return True
     if not _said_short_of_memory:
         _said_short_of_memory = True

@@ -90,6 +90,11 @@ def test_matrices_stay_unpacked_when_memory_is_short(monkeypatch, caplog: pytest
     assert len([r for r in caplog.records if "file's blocks" in r.getMessage()]) == 1
     monkeypatch.setattr(quantized_linear, "meminfo", dict)  # no /proc/meminfo: nothing to go by
     assert QuantizedLinear(raw, Q.IQ4_XS, 512).packed is not None
+    # A small machine keeps an eighth of its memory, not the whole reserve.
+    total = 2 * reserve
+    small = {"MemTotal": total, "MemAvailable": total // 8 + 3 * raw.numel()}
+    monkeypatch.setattr(quantized_linear, "meminfo", lambda: small)
+    assert QuantizedLinear(raw, Q.IQ4_XS, 512).packed is not None
     x = torch.randn(512, generator=torch.Generator().manual_seed(8))
     expected = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q.IQ4_XS).astype(np.float64)) @ x.double()
     with torch.inference_mode():
