@@ -1,5 +1,6 @@
-"""Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / Q2_K / Q3_K / IQ4_NL / IQ4_XS blocks repacked for the compiled matvecs, against gguf's numpy dequantizer (bit
-for bit) and a float64 matvec on it: random blocks, and the real tensors of Gemma 3 270M Q4_K_M."""
+"""Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / Q2_K / Q3_K / IQ4_NL / IQ4_XS blocks repacked for the compiled
+matvecs, against gguf's numpy dequantizer (bit for bit) and a float64 matvec on it: random blocks, and the
+real tensors of Gemma 3 270M Q4_K_M."""
 
 from pathlib import Path
 
