@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # transformers twice: in --dtype (float32 by default), and in bfloat16, its fastest prefill on a CPU with
@@ -73,47 +74,49 @@ def main() -> int:
     unknown = set(engines) - set(ENGINES)
     if unknown:
         parser.error(f"unknown engines {sorted(unknown)}; choose from {list(ENGINES)}")
-    results: dict[str, list[dict]] = {e: [] for e in engines}
-    skipped: dict[str, str] = {}
-    for _ in range(args.repeats):
-        for engine in engines:
-            if engine in skipped:
-                continue
-            outcome = run_engine(engine, args)
-            if "skipped" in outcome:
-                skipped[engine] = outcome["skipped"]
-            else:
-                results[engine].append(outcome)
+    results, skipped = interleaved_runs(engines, args.repeats, lambda engine: run_engine(engine, args))
     _print_table(args, results, skipped)
     return 0
 
 
-def run_engine(engine: str, args: argparse.Namespace) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        engine,
-        "--model",
-        str(args.model),
-        "--threads",
-        str(args.threads),
-        "--prompt-tokens",
-        str(args.prompt_tokens),
-        "--gen-tokens",
-        str(args.gen_tokens),
-        "--dtype",
-        args.dtype,
-        "--cache-type",
-        args.cache_type,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+def interleaved_runs(
+    engines: Sequence[str], repeats: int, run: Callable[[str], dict]
+) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """`run(engine)` for each engine in turn, `repeats` rounds (A, B, A, B: drift on a shared machine hits
+    every engine alike): each engine's outcomes, and why an engine was skipped (its first outcome with a
+    "skipped" key; it isn't run again)."""
+    results: dict[str, list[dict]] = {e: [] for e in engines}
+    skipped: dict[str, str] = {}
+    for _ in range(repeats):
+        for engine in engines:
+            if engine in skipped:
+                continue
+            outcome = run(engine)
+            if "skipped" in outcome:
+                skipped[engine] = outcome["skipped"]
+            else:
+                results[engine].append(outcome)
+    return results, skipped
+
+
+def spawn_worker(script: str, argv: list[str], threads: int) -> dict:
+    """`python script argv...` in a fresh process with `threads` OpenMP threads: the JSON object its last
+    line of output holds, or {"skipped": why} when it fails (its last line of stderr)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    proc = subprocess.run(
+        [sys.executable, script, *argv], capture_output=True, text=True, env=env, check=False
+    )
     if proc.returncode != 0:
-        return {
-            "skipped": f"worker failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
-        }
+        lines = proc.stderr.strip().splitlines()
+        return {"skipped": f"worker failed: {lines[-1] if lines else proc.returncode}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_engine(engine: str, args: argparse.Namespace) -> dict:
+    argv = ["--worker", engine, "--model", str(args.model), "--threads", str(args.threads)]
+    argv += ["--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens)]
+    argv += ["--dtype", args.dtype, "--cache-type", args.cache_type]
+    return spawn_worker(__file__, argv, args.threads)
 
 
 def _print_table(args: argparse.Namespace, results: dict[str, list[dict]], skipped: dict[str, str]) -> None:

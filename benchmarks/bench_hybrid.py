@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from bench_generate import _print_table, run_engine  # noqa: E402
+from bench_generate import _print_table, interleaved_runs, run_engine  # noqa: E402
 
 ENGINES = ("bubo", "transformers")
 # A ~140 MB file: big enough that the matmuls, not Python overhead, dominate a step.
@@ -183,16 +183,9 @@ def main() -> int:
         # One file at a time: the qwen4exp one is ~1 GB.
         with tempfile.TemporaryDirectory() as tmp:
             args.model = write(Path(tmp) / f"tiny-{name}.gguf")
-            results: dict[str, list[dict]] = {e: [] for e in ENGINES}
-            skipped: dict[str, str] = {}
-            for _ in range(args.repeats):
-                for engine in ENGINES:
-                    if engine not in skipped:
-                        outcome = run_engine(engine, args)
-                        if "skipped" in outcome:
-                            skipped[engine] = outcome["skipped"]
-                        else:
-                            results[engine].append(outcome)
+            results, skipped = interleaved_runs(
+                ENGINES, args.repeats, lambda engine: run_engine(engine, args)
+            )
             print(f"\ntiny {name}: {args.model.stat().st_size / 1e6:.1f} MB ({storage})")
             _print_table(args, results, skipped)
     print_decode_estimate([float(x) for x in args.bandwidth_gbs.split(",")])

@@ -11,13 +11,12 @@ warm inductor cache.
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from bench_generate import interleaved_runs, spawn_worker
 
 
 def _bubo() -> dict:
@@ -63,40 +62,16 @@ WORKERS = {"bubo": _bubo, "llama.cpp": _llama_cpp}
 COLUMNS = ("import_s", "load_s", "repack_s", "trace_s", "compile_s")
 
 
-def _run(engine: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(ARGS.threads))
-    cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        engine,
-        "--model",
-        str(ARGS.model),
-        "--threads",
-        str(ARGS.threads),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        return {"skipped": lines[-1] if lines else f"exit code {proc.returncode}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main() -> int:
     if ARGS.worker:
         print(json.dumps(WORKERS[ARGS.worker]()))
         return 0
-    results: dict[str, list[dict]] = {engine: [] for engine in WORKERS}
-    skipped: dict[str, str] = {}
-    for _ in range(ARGS.repeats):
-        for engine in WORKERS:
-            if engine in skipped:
-                continue
-            outcome = _run(engine)
-            if "skipped" in outcome:
-                skipped[engine] = outcome["skipped"]
-            else:
-                results[engine].append(outcome)
+    argv = ["--model", str(ARGS.model), "--threads", str(ARGS.threads)]
+    results, skipped = interleaved_runs(
+        list(WORKERS),
+        ARGS.repeats,
+        lambda engine: spawn_worker(__file__, ["--worker", engine, *argv], ARGS.threads),
+    )
     print(
         f"model: {ARGS.model}\nthreads: {ARGS.threads}, best of {ARGS.repeats} fresh processes per engine\n"
     )

@@ -49,16 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown engines {sorted(unknown)}; choose from {list(bench_generate.ENGINES)}")
 
-    runs: dict[str, list[dict]] = {e: [] for e in engines}
-    skipped: dict[str, str] = {}
-    for _ in range(args.repeats):
-        for engine in engines:
-            if engine not in skipped:
-                outcome = bench_generate.run_engine(engine, args)
-                if "skipped" in outcome:
-                    skipped[engine] = outcome["skipped"]
-                else:
-                    runs[engine].append(outcome)
+    runs, skipped = bench_generate.interleaved_runs(
+        engines, args.repeats, lambda engine: bench_generate.run_engine(engine, args)
+    )
 
     weights = weight_bytes(args.model)
     bandwidth = memory_bandwidth(torch_threads=args.threads, megabytes=64 if args.quick else 512)
