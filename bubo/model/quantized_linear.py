@@ -73,8 +73,9 @@ MATVEC_ROWS = 12
 Packed = PackedQ4 | PackedQ8 | PackedQ8Offset
 
 Q = GGMLQuantizationType
-# Bits a weight of each type's packed layout, its per-block fields counted in float32 (the most they
-# take; bubo/kernels/q4_matvec.py, q8_matvec.py, repack.py), against the file's 2.6-8.5.
+# Bits a weight of each type's packed layout (bubo/kernels/q4_matvec.py, q8_matvec.py, repack.py), against
+# the file's 2.6-8.5: per-block fields in float16 where they are the file's own fp16 values (Q4_0, Q4_1,
+# Q5_1), else in float32.
 PACKED_BITS = {
     Q.Q4_0: 5,
     Q.Q4_1: 5,
