@@ -42,7 +42,6 @@ available before it repacks a matrix.
 """
 
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 from gguf import GGMLQuantizationType
@@ -69,27 +68,15 @@ from bubo.kernels.codes import half_if_exact, tiled_by_rows
 from bubo.kernels.q4_matvec import PackedQ4, nibble_words
 from bubo.kernels.q8_matvec import CODE_BIAS, PackedQ8, PackedQ8Offset, with_scales
 
-__all__ = [
-    "REPACKABLE",
-    "pack_iq4_nl",
-    "pack_iq4_xs",
-    "pack_q2_k",
-    "pack_q3_k",
-    "pack_q4_k",
-    "pack_q5_0",
-    "pack_q5_1",
-    "pack_q5_k",
-    "pack_q6_k",
-    "repack",
-]
+__all__ = ["REPACKABLE", "Packed", "repack"]
 
 Q = GGMLQuantizationType
 # Rows of a repacked matrix, built from one run of rows' blocks [n_blocks, block bytes], each tensor
 # [rows, ...]: PackedQ8's words with their scales, or the words and the scale and offset stacked (the
 # blocks are decoded by bubo/gguf/quants.py's code readers).
 Rows = Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]
-# The layouts that keep a block's scale and offset beside its words.
-WithOffsets = TypeVar("WithOffsets", PackedQ4, PackedQ8Offset)
+# A weight repacked for the CPU's compiled matvecs.
+Packed = PackedQ4 | PackedQ8 | PackedQ8Offset
 
 
 def _byte_words(codes: torch.Tensor) -> torch.Tensor:
@@ -102,22 +89,6 @@ def _biased_words(codes: torch.Tensor) -> torch.Tensor:
     """Signed codes int8 as PackedQ8 stores them: `_byte_words` of code + CODE_BIAS, which is the two's
     complement byte with its sign bit flipped."""
     return _byte_words(codes.view(torch.uint8) ^ CODE_BIAS)
-
-
-def _tiled(raw: torch.Tensor, ggml_type: GGMLQuantizationType, rows: Rows) -> tuple[torch.Tensor, ...]:
-    """`tiled_by_rows` of what `rows(blocks, n)` makes of each run of n rows' blocks of `raw`."""
-    out_features, size = raw.shape[0], type_size(ggml_type)
-    blocks = raw.reshape(out_features, -1, size)
-    return tiled_by_rows(
-        out_features, lambda start, stop: rows(blocks[start:stop].reshape(-1, size), stop - start)
-    )
-
-
-def _with_offsets(
-    kind: type[WithOffsets], raw: torch.Tensor, ggml_type: GGMLQuantizationType, rows: Rows
-) -> WithOffsets:
-    words, scale_offset = _tiled(raw, ggml_type, rows)
-    return kind(words, half_if_exact(scale_offset), raw.shape[0])
 
 
 def _q4_k_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
@@ -166,67 +137,31 @@ def _q5_1_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     return words, torch.stack((f16_field(blocks, 0), f16_field(blocks, 2)), -1).view(n, -1, 2)
 
 
-def pack_q4_k(raw: torch.Tensor) -> PackedQ4:
-    """Q4_K super-blocks uint8 [out, row_bytes] -> PackedQ4 (blocks of 32 weights)."""
-    return _with_offsets(PackedQ4, raw, Q.Q4_K, _q4_k_rows)
-
-
-def pack_q5_k(raw: torch.Tensor) -> PackedQ8Offset:
-    """Q5_K super-blocks uint8 [out, row_bytes] -> PackedQ8Offset (blocks of 32 weights, 8 words)."""
-    return _with_offsets(PackedQ8Offset, raw, Q.Q5_K, _q5_k_rows)
-
-
-def pack_q6_k(raw: torch.Tensor) -> PackedQ8:
-    """Q6_K super-blocks uint8 [out, row_bytes] -> PackedQ8 with blocks of 16 weights (4 words)."""
-    return PackedQ8(*_tiled(raw, Q.Q6_K, _q6_k_rows), raw.shape[0])
-
-
-def pack_q5_0(raw: torch.Tensor) -> PackedQ8:
-    """Q5_0 blocks uint8 [out, row_bytes] -> PackedQ8 (blocks of 32 weights, 8 words)."""
-    return PackedQ8(*_tiled(raw, Q.Q5_0, _q5_0_rows), raw.shape[0])
-
-
-def pack_q5_1(raw: torch.Tensor) -> PackedQ8Offset:
-    """Q5_1 blocks uint8 [out, row_bytes] -> PackedQ8Offset (blocks of 32 weights, 8 words)."""
-    return _with_offsets(PackedQ8Offset, raw, Q.Q5_1, _q5_1_rows)
-
-
-def pack_q2_k(raw: torch.Tensor) -> PackedQ4:
-    """Q2_K super-blocks uint8 [out, row_bytes] -> PackedQ4 with blocks of 16 weights (2 words)."""
-    return _with_offsets(PackedQ4, raw, Q.Q2_K, _q2_k_rows)
-
-
-def pack_q3_k(raw: torch.Tensor) -> PackedQ4:
-    """Q3_K super-blocks uint8 [out, row_bytes] -> PackedQ4 with blocks of 16 weights (2 words)."""
-    return _with_offsets(PackedQ4, raw, Q.Q3_K, _q3_k_rows)
-
-
-def pack_iq4_nl(raw: torch.Tensor) -> PackedQ8:
-    """IQ4_NL blocks uint8 [out, row_bytes] -> PackedQ8 (blocks of 32 weights, 8 words)."""
-    return PackedQ8(*_tiled(raw, Q.IQ4_NL, _iq4_nl_rows), raw.shape[0])
-
-
-def pack_iq4_xs(raw: torch.Tensor) -> PackedQ8:
-    """IQ4_XS super-blocks uint8 [out, row_bytes] -> PackedQ8 (blocks of 32 weights, 8 words)."""
-    return PackedQ8(*_tiled(raw, Q.IQ4_XS, _iq4_xs_rows), raw.shape[0])
-
-
-REPACKABLE: dict[GGMLQuantizationType, Callable[[torch.Tensor], PackedQ4 | PackedQ8 | PackedQ8Offset]] = {
-    Q.Q4_K: pack_q4_k,
-    Q.Q5_K: pack_q5_k,
-    Q.Q5_0: pack_q5_0,
-    Q.Q5_1: pack_q5_1,
-    Q.Q6_K: pack_q6_k,
-    Q.Q2_K: pack_q2_k,
-    Q.Q3_K: pack_q3_k,
-    Q.IQ4_NL: pack_iq4_nl,
-    Q.IQ4_XS: pack_iq4_xs,
+# The layout each type becomes, how a run of rows' blocks becomes that layout's tensors, and the bits a
+# weight it takes (the per-block fields counted as stored: float16 only for Q5_1's, the file's own d, m).
+REPACKABLE: dict[GGMLQuantizationType, tuple[type[Packed], Rows, int]] = {
+    Q.Q4_K: (PackedQ4, _q4_k_rows, 6),
+    Q.Q5_K: (PackedQ8Offset, _q5_k_rows, 10),
+    Q.Q5_0: (PackedQ8, _q5_0_rows, 9),
+    Q.Q5_1: (PackedQ8Offset, _q5_1_rows, 9),
+    Q.Q6_K: (PackedQ8, _q6_k_rows, 10),
+    Q.Q2_K: (PackedQ4, _q2_k_rows, 8),
+    Q.Q3_K: (PackedQ4, _q3_k_rows, 8),
+    Q.IQ4_NL: (PackedQ8, _iq4_nl_rows, 9),
+    Q.IQ4_XS: (PackedQ8, _iq4_xs_rows, 9),
 }
 
 
-def repack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4 | PackedQ8 | PackedQ8Offset:
+def repack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed:
     """Blocks of a type in REPACKABLE, uint8 [out, row_bytes] -> the packed layout its matvec reads."""
-    pack = REPACKABLE.get(ggml_type)
-    if pack is None:
+    if ggml_type not in REPACKABLE:
         raise ValueError(f"no repacking for {ggml_type.name}; it takes {sorted(t.name for t in REPACKABLE)}")
-    return pack(raw)
+    layout, rows, _ = REPACKABLE[ggml_type]
+    out_features, size = raw.shape[0], type_size(ggml_type)
+    blocks = raw.reshape(out_features, -1, size)
+    tensors = tiled_by_rows(
+        out_features, lambda start, stop: rows(blocks[start:stop].reshape(-1, size), stop - start)
+    )
+    if layout is not PackedQ8:  # a scale and offset beside the words: float16 where exact
+        tensors = (tensors[0], half_if_exact(tensors[1]))
+    return layout(*tensors, out_features)

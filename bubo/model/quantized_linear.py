@@ -28,8 +28,8 @@ from torch import nn
 from bubo.gguf.quants import block_size, dequantize, type_size
 from bubo.kernels.codes import TILE, concat_tiled, slice_tiled, word_bits
 from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4, q4_matvec_bits
-from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset, pack_q8, q8_matvec_bits, q8_offset_matvec_bits
-from bubo.kernels.repack import repack
+from bubo.kernels.q8_matvec import PackedQ8Offset, pack_q8, q8_matvec_bits, q8_offset_matvec_bits
+from bubo.kernels.repack import REPACKABLE, Packed, repack
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
 from bubo.process_memory import meminfo
 
@@ -69,27 +69,11 @@ MIN_PACKED_WEIGHTS = 1 << 16
 MATVEC_ROWS = 12
 
 
-# A CPU weight repacked for the compiled matvecs (bubo/kernels/).
-Packed = PackedQ4 | PackedQ8 | PackedQ8Offset
-
 Q = GGMLQuantizationType
-# Bits a weight of each type's packed layout (bubo/kernels/q4_matvec.py, q8_matvec.py, repack.py), against
-# the file's 2.6-8.5: per-block fields in float16 where they are the file's own fp16 values (Q4_0, Q4_1,
-# Q5_1), else in float32.
-PACKED_BITS = {
-    Q.Q4_0: 5,
-    Q.Q4_1: 5,
-    Q.Q8_0: 9,
-    Q.Q4_K: 6,
-    Q.Q5_K: 10,
-    Q.Q5_0: 9,
-    Q.Q5_1: 9,
-    Q.Q6_K: 10,
-    Q.Q2_K: 8,
-    Q.Q3_K: 8,
-    Q.IQ4_NL: 9,
-    Q.IQ4_XS: 9,
-}
+# Bits a weight of each packable type's layout, against the file's 2.6-8.5: Q4_0 / Q4_1 codes with their
+# file's fp16 fields (bubo/kernels/q4_matvec.py), Q8_0 with a float32 scale word (q8_matvec.py), and the
+# repacked types' (repack.py).
+PACKED_BITS = {Q.Q4_0: 5, Q.Q4_1: 5, Q.Q8_0: 9} | {t: bits for t, (_, _, bits) in REPACKABLE.items()}
 # Packing leaves at least this much memory available, or an eighth of the machine's where that is less
 # (a 2 GB machine still packs the default model's 100 MB).
 PACKING_RESERVE = 1 << 30
