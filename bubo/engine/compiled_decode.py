@@ -23,9 +23,9 @@ are repacked blocks (`QuantizedLinear.packed`: Q4_0/Q4_1/Q4_K/Q3_K/Q2_K as Packe
 IQ4_NL/IQ4_XS as PackedQ8, Q5_K/Q5_1 as PackedQ8Offset) or float weights, and qwen3moe's
 mixture-of-experts layers whose expert stacks are repacked (bubo/model/moe.py): such a layer's graph
 ends at the router's top-k; each routed expert runs as a compiled graph of its own
-(`SparseMoE.one_token`), and a second graph adds their sum and goes on to the next attention. Anything else (a hybrid's DeltaNet or gated attention, a
-shared expert, qwen4exp, another compute dtype, a weight format the matvecs don't read) keeps the
-eager step: `decode_step_for` says None and logs why once.
+(`SparseMoE.one_token`), and a second graph adds their sum and goes on to the next attention. Anything
+else (a hybrid's DeltaNet or gated attention, a shared expert, qwen4exp, another compute dtype, a weight
+format the matvecs don't read) keeps the eager step: `decode_step_for` says None and logs why once.
 """
 
 import logging

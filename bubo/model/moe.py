@@ -24,9 +24,9 @@ an expert's product runs on its slice of whole tiles: a decoded token's few rows
 a prefill's many through unpacked chunks, as a dense QuantizedLinear's do; gate and up are merged into
 one packed matrix (`merge_gate_up`), an expert's gate rows followed by its up rows. A decoded token's
 expert is one compiled graph (`_routed_expert_kernel`: the gate|up matvec, SwiGLU, the down matvec,
-weighted and added to the sum) instead of a dozen eager ops. Dequantizing each routed expert whole for every token
-made decode ~13x slower than llama.cpp's on Qwen3-30B-A3B's widths (benchmarks/make_kquant_model.py
---moe).
+weighted and added to the sum) instead of a dozen eager ops. Dequantizing each routed expert whole for
+every token made decode ~13x slower than llama.cpp's on Qwen3-30B-A3B's widths
+(benchmarks/make_kquant_model.py --moe).
 """
 
 import functools
