@@ -15,12 +15,13 @@ kernel compiled for every length (bubo/kernels/decode_attention.py), in place of
 The weights are inputs of the compiled graphs, not constants, so every layer with the same shapes runs
 the same compiled segment: three compiles (entering the first layer, between layers, the head) for a
 model whose layers are alike, one more for each other pair of neighbouring layer formats (a Q4_K_M
-file mixes Q4_K and Q6_K down projections: four between-layer graphs). The eager model (bubo/model/decoder.py) stays the reference; the
-segments compute its float32 math op for op, and tests/engine/test_compiled_decode.py holds them to it.
+file mixes Q4_K and Q6_K down projections: four between-layer graphs). The eager model
+(bubo/model/decoder.py) stays the reference; the segments compute its float32 math op for op, and
+tests/engine/test_compiled_decode.py holds them to it.
 
 Covered: dense transformer layers (llama, qwen2, qwen3: biases, q/k norms) in float32 whose projections
-are repacked blocks (`QuantizedLinear.packed`: Q4_0/Q4_1/Q4_K/Q3_K/Q2_K as PackedQ4, Q8_0/Q5_0/Q6_K/
-IQ4_NL/IQ4_XS as PackedQ8, Q5_K/Q5_1 as PackedQ8Offset) or float weights, and qwen3moe's
+are repacked blocks (`QuantizedLinear.packed`: Q4_0/Q4_1 as PackedQ4, Q8_0/Q5_0/IQ4_NL as PackedQ8, Q5_1
+as PackedQ8Offset, the K-quants and IQ4_XS as PackedSuperBlocks) or float weights, and qwen3moe's
 mixture-of-experts layers whose expert stacks are repacked (bubo/model/moe.py): such a layer's graph
 ends at the router's top-k; each routed expert runs as a compiled graph of its own
 (`SparseMoE.one_token`), and a second graph adds their sum and goes on to the next attention. Anything
@@ -56,6 +57,7 @@ from bubo.model.quantized_linear import (
     has_packed_weights,
     packed_graph_inputs,
     packed_graph_matvec,
+    packed_graph_tensors,
 )
 
 __all__ = [
@@ -84,9 +86,9 @@ class UnsupportedModelError(ValueError):
 class _Projection:
     """How the step runs one or more projections of the same input as one product: the weight's
     format, the widths of the members (split from one output), and whether a bias is added. The
-    tensors are passed in at each call: [word bits(, scale_offset)] packed, or [weight] float (+ bias)."""
+    tensors are passed in at each call: [word bits(, per-block fields)] packed, or [weight] float (+ bias)."""
 
-    kind: str  # "q4", "q8", "q8_offset" or "dense"
+    kind: str  # "dense", or a packed kind (quantized_linear.packed_graph_inputs)
     sizes: tuple[int, ...]
     has_bias: bool
 
@@ -99,14 +101,15 @@ class _Projection:
         if self.kind == "dense":
             y = F.linear(x, tensors[0])
         else:
-            y = packed_graph_matvec(self.kind, x, tensors[: _TENSORS[self.kind]], out_features)
+            y = packed_graph_matvec(self.kind, x, tensors[: _tensor_count(self.kind)], out_features)
         if self.has_bias:
             y = y + tensors[-1]
         return list(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [y]
 
 
-# Tensors each kind of product takes (before a bias): word bits and per-block fields packed; a weight.
-_TENSORS = {"q4": 2, "q8_offset": 2, "q8": 1, "dense": 1}
+def _tensor_count(kind: str) -> int:
+    """Tensors a product of `kind` takes before a bias: a float weight, or a packed matrix's."""
+    return 1 if kind == "dense" else packed_graph_tensors(kind)
 
 
 def _projections(*linears: nn.Module) -> list[tuple[_Projection, Tensors]]:
@@ -204,7 +207,7 @@ def _unflatten(plan: _LayerPlan, flat: Sequence[torch.Tensor]) -> _LayerTensors:
     def take(products: tuple[_Projection, ...]) -> tuple[Tensors, ...]:
         out = []
         for product in products:
-            count = _TENSORS[product.kind] + product.has_bias
+            count = _tensor_count(product.kind) + product.has_bias
             out.append(tuple(flat[:count]))
             del flat[:count]
         return tuple(out)

@@ -24,18 +24,18 @@ __all__ = [
     "f16_field",
     "iq4_nl_codes",
     "iq4_xs_codes",
-    "iq4_xs_scales",
-    "k_scale_min",
+    "iq4_xs_sub_scales",
+    "k_sub_scales",
     "q2_k_codes",
-    "q2_k_scale_min",
+    "q2_k_sub_scales",
     "q3_k_codes",
-    "q3_k_scales",
+    "q3_k_sub_scales",
     "q4_k_codes",
     "q5_0_codes",
     "q5_1_codes",
     "q5_k_codes",
     "q6_k_codes",
-    "q6_k_scales",
+    "q6_k_sub_scales",
     "type_size",
 ]
 
@@ -168,18 +168,18 @@ def q2_k_codes(blocks: torch.Tensor) -> torch.Tensor:
     return _unpack(blocks[:, 16:80].reshape(n, 2, 32), 2).view(n, 16, 16)
 
 
-def q2_k_scale_min(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q2_K: each 16-weight group's scale d * sc and min dmin * m (sc, m: a scales byte's low and high
-    nibbles), float32 `[n, 16]` each (a weight is scale * q - min)."""
+def q2_k_sub_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q2_K: each 16-weight group's 4-bit sc and m (a scales byte's low and high nibbles), uint8 `[n, 16]`
+    each: a weight is (d * sc) * q - dmin * m."""
     scales = blocks[:, :16]
-    return f16_field(blocks, 80) * (scales & 0x0F), f16_field(blocks, 82) * (scales >> 4)
+    return scales & 0x0F, scales >> 4
 
 
 def _q2_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    dl, ml = q2_k_scale_min(blocks)
+    sc, m = q2_k_sub_scales(blocks)
     grouped = out.view(blocks.shape[0], 16, 16)
     grouped.copy_(q2_k_codes(blocks))
-    grouped.mul_(dl.unsqueeze(-1)).sub_(ml.unsqueeze(-1))
+    grouped.mul_((f16_field(blocks, 80) * sc).unsqueeze(-1)).sub_((f16_field(blocks, 82) * m).unsqueeze(-1))
 
 
 def q3_k_codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -192,43 +192,37 @@ def q3_k_codes(blocks: torch.Tensor) -> torch.Tensor:
     return q.sub_(offset.view(torch.int8))
 
 
-def q3_k_scales(blocks: torch.Tensor) -> torch.Tensor:
-    """Q3_K: each 16-weight group's scale d * (sc - 32), float32 `[n, 16]`."""
+def q3_k_sub_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """Q3_K (scales[12]: 16 x 6 bits, stored plus 32): each 16-weight group's sc - 32, int8 `[n, 16]`: a
+    weight is (d * (sc - 32)) * q."""
     n, packed = blocks.shape[0], blocks[:, 96:108]
     low = _unpack(packed[:, :8], 4).view(n, 16)
     high = _unpack(packed[:, 8:12], 2).view(n, 16)
-    scales = low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
-    return f16_field(blocks, 108) * scales
+    return low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
 
 
 def _q3_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     grouped = out.view(blocks.shape[0], 16, 16)
     grouped.copy_(q3_k_codes(blocks))
-    grouped.mul_(q3_k_scales(blocks).unsqueeze(-1))
+    grouped.mul_((f16_field(blocks, 108) * q3_k_sub_scales(blocks)).unsqueeze(-1))
 
 
-def _k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K: 12 bytes -> eight 6-bit scales and eight 6-bit mins, each `[n, 8]` uint8."""
-    d, m, md = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+def k_sub_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K (scales[12] at byte 4: eight 6-bit scales and eight 6-bit mins): each 32-weight group's sc
+    and m, uint8 `[n, 8]` each: a weight is (d * sc) * q - dmin * m."""
+    d, m, md = blocks[:, 4:8], blocks[:, 8:12], blocks[:, 12:16]
     scales = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=1)
     mins = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=1)
     return scales, mins
 
 
-def k_scale_min(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K: each 32-weight group's scale d*sc and min dmin*m, float32 `[n, 8]` each (a weight is
-    scale * q - min)."""
-    scales, mins = _k_scale_min(blocks[:, 4:16])
-    return f16_field(blocks, 0) * scales, f16_field(blocks, 2) * mins
-
-
 def _k_affine(blocks: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
     """Q4_K/Q5_K: codes `[n, 8, 32]` -> d*scale*q - dmin*min for each 32-weight group."""
     n = blocks.shape[0]
-    dl, ml = k_scale_min(blocks)
+    sc, m = k_sub_scales(blocks)
     grouped = out.view(n, 8, 32)
     grouped.copy_(codes)
-    grouped.mul_(dl.unsqueeze(-1)).sub_(ml.unsqueeze(-1))
+    grouped.mul_((f16_field(blocks, 0) * sc).unsqueeze(-1)).sub_((f16_field(blocks, 2) * m).unsqueeze(-1))
 
 
 def q4_k_codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -263,15 +257,15 @@ def q6_k_codes(blocks: torch.Tensor) -> torch.Tensor:
     return codes.view(torch.int8).sub_(32).view(n, 16, 16)
 
 
-def q6_k_scales(blocks: torch.Tensor) -> torch.Tensor:
-    """Q6_K: each 16-weight group's scale d*sc, float32 `[n, 16]`."""
-    return f16_field(blocks, 208) * blocks[:, 192:208].view(torch.int8)
+def q6_k_sub_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K: each 16-weight group's sc, int8 `[n, 16]`: a weight is (d * sc) * q."""
+    return blocks[:, 192:208].view(torch.int8)
 
 
 def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     grouped = out.view(blocks.shape[0], 16, 16)
     grouped.copy_(q6_k_codes(blocks))
-    grouped.mul_(q6_k_scales(blocks).unsqueeze(-1))
+    grouped.mul_((f16_field(blocks, 208) * q6_k_sub_scales(blocks)).unsqueeze(-1))
 
 
 @functools.cache
@@ -301,13 +295,13 @@ def iq4_xs_codes(blocks: torch.Tensor) -> torch.Tensor:
     return _iq4_codes(blocks[:, 8:].reshape(-1, 8, 16))
 
 
-def iq4_xs_scales(blocks: torch.Tensor) -> torch.Tensor:
-    """IQ4_XS: each 32-weight group's scale d * (ls - 32), ls 6 bits (scales_l's nibble, scales_h's
-    2 bits above it), float32 `[n, 8]`."""
+def iq4_xs_sub_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS: each 32-weight group's ls - 32, ls 6 bits (scales_l's nibble, scales_h's 2 bits above it),
+    int8 `[n, 8]`: a weight is (d * (ls - 32)) * codebook[q]."""
     n = blocks.shape[0]
     high = _unpack(blocks[:, 2:4], 2).transpose(1, 2).reshape(n, 8)
     low = _unpack(blocks[:, 4:8], 4).transpose(1, 2).reshape(n, 8)
-    return f16_field(blocks, 0) * low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
+    return low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
 
 
 def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> None:
@@ -318,7 +312,7 @@ def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> None:
 def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     grouped = out.view(blocks.shape[0], 8, 32)
     grouped.copy_(iq4_xs_codes(blocks))
-    grouped.mul_(iq4_xs_scales(blocks).unsqueeze(-1))
+    grouped.mul_((f16_field(blocks, 0) * iq4_xs_sub_scales(blocks)).unsqueeze(-1))
 
 
 _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor, torch.Tensor], None]] = {

@@ -44,6 +44,7 @@ __all__ = [
     "by_rows",
     "concat_tiled",
     "expand_tiles",
+    "field_words",
     "half_if_exact",
     "pairwise_sum",
     "placed_codes",
@@ -127,13 +128,21 @@ Packed = TypeVar("Packed")
 def concat_tiled(parts: list[Packed]) -> Packed:
     """One packed matrix holding the rows of `parts` (packed dataclasses of one type whose rows fill whole
     tiles) one after the other: its tensors concatenated along the tile dimension (per-block fields in
-    float32 unless every part has them in float16)."""
+    float32 unless every part has them in float16), out_features summed, any other field (a ggml type)
+    alike in every part."""
     first = parts[0]
     fields = {}
     for field in dataclasses.fields(first):  # type: ignore[arg-type]
         values = [getattr(p, field.name) for p in parts]
-        # torch.cat promotes: float16 fields joined with float32 ones become float32.
-        fields[field.name] = torch.cat(values) if isinstance(values[0], torch.Tensor) else sum(values)
+        if isinstance(values[0], torch.Tensor):
+            # torch.cat promotes: float16 fields joined with float32 ones become float32.
+            fields[field.name] = torch.cat(values)
+        elif field.name == "out_features":
+            fields[field.name] = sum(values)
+        else:
+            if len(set(values)) != 1:
+                raise ValueError(f"packed matrices of different {field.name}: {values}")
+            fields[field.name] = values[0]
     return type(first)(**fields)
 
 
@@ -142,9 +151,11 @@ def slice_tiled(packed: Packed, start: int, stop: int) -> Packed:
     fields = {}
     for field in dataclasses.fields(packed):  # type: ignore[arg-type]
         value = getattr(packed, field.name)
-        fields[field.name] = (
-            value[start // TILE : stop // TILE] if isinstance(value, torch.Tensor) else stop - start
-        )
+        if isinstance(value, torch.Tensor):
+            value = value[start // TILE : stop // TILE]
+        elif field.name == "out_features":
+            value = stop - start
+        fields[field.name] = value
     return type(packed)(**fields)
 
 
@@ -200,6 +211,18 @@ def block_sums(x: torch.Tensor, n_blocks: int) -> torch.Tensor:
 def by_rows(x: torch.Tensor, outputs: list[torch.Tensor]) -> torch.Tensor:
     """A matvec's per-row results [out] as x's rows are shaped: [out] for a vector x, else [rows, out]."""
     return outputs[0] if x.dim() == 1 else torch.stack(outputs)
+
+
+def field_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes of `bits` bits (2, 4 or 8; any integer dtype) [..., n] of a block's weights in order
+    (n a multiple of 32 / bits) -> their int32 words [..., n * bits / 32], field s of word w holding code
+    w * 32 / bits + s (little end first)."""
+    per_byte = 8 // bits
+    grouped = codes.to(torch.uint8).view(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    byte = grouped[..., 0].clone(memory_format=torch.contiguous_format)
+    for k in range(1, per_byte):
+        byte |= grouped[..., k] << (bits * k)
+    return byte.view(torch.int32)
 
 
 def word_bits(words: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,7 @@ Layout (made by `pack_q4`, same bytes as the file's blocks, tiled as bubo/kernel
 32b + 8w + s of output row t * TILE + i; `scale_offset` [tiles, blocks, 2, TILE], the block's scale
 and offset, so that weight = code * scale + offset. Q4_1 stores exactly that (d, m); Q4_0 stores
 w = d * (code - 8), i.e. offset = -8d. Both are float16 (5 bits a weight, as in the file) unless a
-value would not survive it (codes.half_if_exact), then float32 (Q4_K is repacked into the same
-layout, and Q2_K with blocks of 16 weights, 2 words: bubo/kernels/repack.py).
+value would not survive it (codes.half_if_exact), then float32.
 Output rows are innermost so that every load is a full-width vector; inductor's CPU code generator
 falls back to slow partial loads for 8-wide uint8 vectors, which is why the codes travel as int32
 words.
@@ -30,6 +29,7 @@ from bubo.kernels.codes import (
     by_block,
     by_rows,
     expand_tiles,
+    field_words,
     half_if_exact,
     tiled_by_rows,
     word_bits,
@@ -39,7 +39,6 @@ from bubo.kernels.compiled import StaticKernel
 __all__ = [
     "PACKABLE_Q4",
     "PackedQ4",
-    "nibble_words",
     "pack_q4",
     "q4_matvec",
     "q4_matvec_bits",
@@ -80,7 +79,7 @@ def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
         part = blocks[start:stop]
         halves = part[..., header:]
         # A block's byte j holds weight j (low nibble) and weight j + 16 (high nibble).
-        words = nibble_words(torch.cat((halves & 0x0F, halves >> 4), dim=-1))
+        words = field_words(torch.cat((halves & 0x0F, halves >> 4), dim=-1), 4)
         fields = part[..., :header].contiguous().view(torch.float16).to(torch.float32)
         scale = fields[..., 0]
         offset = -8 * scale if ggml_type == GGMLQuantizationType.Q4_0 else fields[..., 1]
@@ -88,14 +87,6 @@ def pack_q4(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedQ4:
 
     words, scale_offset = tiled_by_rows(out_features, rows)
     return PackedQ4(words, half_if_exact(scale_offset), out_features)
-
-
-def nibble_words(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (any integer dtype) [..., n] of a block's weights in order (n a multiple of 8) -> their
-    int32 words [..., n / 8]."""
-    # Weights 2k and 2k + 1 share byte k (low nibble first); four bytes make a word, little end first.
-    pairs = codes.to(torch.uint8).view(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-    return (pairs[..., 0] | (pairs[..., 1] << 4)).view(torch.int32)
 
 
 def q4_unpack(packed: PackedQ4, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

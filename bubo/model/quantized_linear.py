@@ -29,7 +29,8 @@ from bubo.gguf.quants import block_size, dequantize, type_size
 from bubo.kernels.codes import TILE, concat_tiled, slice_tiled, word_bits
 from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4, q4_matvec_bits
 from bubo.kernels.q8_matvec import PackedQ8Offset, pack_q8, q8_matvec_bits, q8_offset_matvec_bits
-from bubo.kernels.repack import REPACKABLE, Packed, repack
+from bubo.kernels.repack import REPACKED_BITS, Packed, repack
+from bubo.kernels.super_block_matvec import PackedSuperBlocks, super_block_matvec_bits
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
 from bubo.process_memory import meminfo
 
@@ -45,6 +46,7 @@ __all__ = [
     "pack_for_cpu",
     "packed_graph_inputs",
     "packed_graph_matvec",
+    "packed_graph_tensors",
     "packed_product",
     "project_rows",
     "same_layout",
@@ -72,8 +74,8 @@ MATVEC_ROWS = 12
 Q = GGMLQuantizationType
 # Bits a weight of each packable type's layout, against the file's 2.6-8.5: Q4_0 / Q4_1 codes with their
 # file's fp16 fields (bubo/kernels/q4_matvec.py), Q8_0 with a float32 scale word (q8_matvec.py), and the
-# repacked types' (repack.py).
-PACKED_BITS = {Q.Q4_0: 5, Q.Q4_1: 5, Q.Q8_0: 9} | {t: bits for t, (_, _, bits) in REPACKABLE.items()}
+# repacked types' (repack.py, super_block_matvec.py).
+PACKED_BITS: dict[GGMLQuantizationType, float] = {Q.Q4_0: 5, Q.Q4_1: 5, Q.Q8_0: 9} | REPACKED_BITS
 # Packing leaves at least this much memory available, or an eighth of the machine's where that is less
 # (a 2 GB machine still packs the default model's 100 MB).
 PACKING_RESERVE = 1 << 30
@@ -107,7 +109,7 @@ def pack_for_cpu(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed |
     weights = raw.shape[0] * (raw.shape[1] // type_size(ggml_type)) * block_size(ggml_type)
     if raw.device.type != "cpu" or weights < MIN_PACKED_WEIGHTS or ggml_type not in PACKED_BITS:
         return None
-    if not _memory_for_packing(weights * PACKED_BITS[ggml_type] // 8):
+    if not _memory_for_packing(int(weights * PACKED_BITS[ggml_type] / 8)):
         return None
     if ggml_type in PACKABLE_Q4:
         return pack_q4(raw, ggml_type)
@@ -246,13 +248,21 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
 
 
 def packed_graph_inputs(packed: Packed) -> tuple[str, tuple[torch.Tensor, ...]]:
-    """How a compiled graph takes `packed` as inputs: its kind ("q4", "q8" or "q8_offset") and its tensors,
-    the words as their float32 bits (codes.word_bits), then the per-block fields where they lie apart."""
+    """How a compiled graph takes `packed` as inputs: its kind ("q4", "q8", "q8_offset", or a super-block
+    type's name, "Q4_K") and its tensors, the words as their float32 bits (codes.word_bits), then the
+    per-block fields where they lie apart (`packed_graph_tensors` of them)."""
     if isinstance(packed, PackedQ4):
         return "q4", (word_bits(packed.words), packed.scale_offset)
     if isinstance(packed, PackedQ8Offset):
         return "q8_offset", (word_bits(packed.words), packed.scale_offset)
+    if isinstance(packed, PackedSuperBlocks):
+        return packed.ggml_type.name, (word_bits(packed.words), word_bits(packed.fields))
     return "q8", (word_bits(packed.words),)
+
+
+def packed_graph_tensors(kind: str) -> int:
+    """How many tensors `packed_graph_inputs` gives for a packed matrix of `kind`."""
+    return 1 if kind == "q8" else 2
 
 
 def packed_graph_matvec(
@@ -264,7 +274,9 @@ def packed_graph_matvec(
         return q4_matvec_bits(x, *tensors, out_features)
     if kind == "q8_offset":
         return q8_offset_matvec_bits(x, *tensors, out_features)
-    return q8_matvec_bits(x, *tensors, out_features)
+    if kind == "q8":
+        return q8_matvec_bits(x, *tensors, out_features)
+    return super_block_matvec_bits(x, *tensors, out_features, Q[kind])
 
 
 def warm_up_packed(packed: Packed, dtype: torch.dtype) -> None:
@@ -297,9 +309,10 @@ class RowGroup:
 
 
 def same_layout(*parts: Packed) -> bool:
-    """Whether packed matrices can be concatenated row-wise (`concat_tiled`): one type, and blocks of as
-    many words (Q6_K's PackedQ8 blocks are half Q8_0's, Q2_K's PackedQ4 blocks half Q4_K's)."""
-    return len({(type(p), p.words.shape[2:]) for p in parts}) == 1
+    """Whether packed matrices can be concatenated row-wise (`concat_tiled`): one layout, blocks of as
+    many words, and for super-blocks one ggml type (Q5_K's and IQ4_XS's code words are alike, their
+    fields not)."""
+    return len({(type(p), p.words.shape[2:], getattr(p, "ggml_type", None)) for p in parts}) == 1
 
 
 def group_rows(*linears: nn.Module) -> None:

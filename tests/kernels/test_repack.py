@@ -1,6 +1,6 @@
 """Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / Q2_K / Q3_K / IQ4_NL / IQ4_XS blocks repacked for the compiled
-matvecs, against gguf's numpy dequantizer (bit for bit) and a float64 matvec on it: random blocks, and the
-real tensors of Gemma 3 270M Q4_K_M."""
+matvecs (the K-quants and IQ4_XS as super-blocks), against gguf's numpy dequantizer (bit for bit) and a
+float64 matvec on it: random blocks, and the real tensors of Gemma 3 270M Q4_K_M."""
 
 from pathlib import Path
 
@@ -11,23 +11,23 @@ import torch
 
 from bubo.gguf import GGUFFile
 from bubo.kernels import codes
-from bubo.kernels.q4_matvec import PackedQ4
 from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset
-from bubo.kernels.repack import REPACKABLE, repack
+from bubo.kernels.repack import REPACKED_BITS, repack
+from bubo.kernels.super_block_matvec import PackedSuperBlocks
 from tests.kernels.k_blocks import random_blocks
 
 Q = gguf.GGMLQuantizationType
 
 LAYOUT = {
-    Q.Q4_K: PackedQ4,
-    Q.Q5_K: PackedQ8Offset,
-    Q.Q6_K: PackedQ8,
+    Q.Q4_K: PackedSuperBlocks,
+    Q.Q5_K: PackedSuperBlocks,
+    Q.Q6_K: PackedSuperBlocks,
     Q.Q5_0: PackedQ8,
     Q.Q5_1: PackedQ8Offset,
-    Q.Q2_K: PackedQ4,
-    Q.Q3_K: PackedQ4,
+    Q.Q2_K: PackedSuperBlocks,
+    Q.Q3_K: PackedSuperBlocks,
     Q.IQ4_NL: PackedQ8,
-    Q.IQ4_XS: PackedQ8,
+    Q.IQ4_XS: PackedSuperBlocks,
 }
 
 
@@ -44,13 +44,13 @@ def _assert_unpacks_exactly(raw: np.ndarray, qtype: Q) -> None:
     assert qtype != Q.Q5_1 or packed.scale_offset.dtype == torch.float16
 
 
-@pytest.mark.parametrize("qtype", list(REPACKABLE))
+@pytest.mark.parametrize("qtype", list(REPACKED_BITS))
 def test_unpack_is_bit_exact(qtype: Q) -> None:
     _assert_unpacks_exactly(random_blocks(qtype, 2 * codes.TILE + 3, 512, seed=1), qtype)
 
 
 # One compiled shape per layout: 19 rows (a padded last tile), two super-blocks a row.
-@pytest.mark.parametrize("qtype", list(REPACKABLE))
+@pytest.mark.parametrize("qtype", list(REPACKED_BITS))
 def test_matvec_matches_float64_reference(qtype: Q) -> None:
     raw = random_blocks(qtype, 19, 512, seed=2)
     packed = repack(torch.from_numpy(raw), qtype)
@@ -63,9 +63,8 @@ def test_matvec_matches_float64_reference(qtype: Q) -> None:
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
-# Q4_K, Q5_K and Q6_K repack into the three matvec layouts (PackedQ4, PackedQ8Offset, PackedQ8); Q2_K into
-# PackedQ4 with blocks of 2 words.
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K])
+# The super-block formats' code widths (4, 8, 2 bits), with and without mins and biases; and Q5_1's PackedQ8Offset.
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.Q5_1])
 def test_matvec_of_several_rows_is_each_rows_matvec(qtype: Q) -> None:
     # A verify pass multiplies its few tokens' rows in one pass over the codes: each row's result is the
     # one its own matvec gives, bit for bit (a speculative round's greedy tokens are plain decoding's).
@@ -83,10 +82,19 @@ def test_matvec_of_several_rows_is_each_rows_matvec(qtype: Q) -> None:
         assert torch.equal(row, alone)
 
 
-@pytest.mark.parametrize("qtype", list(REPACKABLE))
+@pytest.mark.parametrize("qtype", list(REPACKED_BITS))
 def test_packing_in_row_steps_matches_the_blocks(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(codes, "PACK_ROWS", 2 * codes.TILE)
     _assert_unpacks_exactly(random_blocks(qtype, 5 * codes.TILE + 3, 256, seed=4), qtype)
+
+
+@pytest.mark.parametrize("qtype", list(REPACKED_BITS))
+def test_bits_a_weight_are_what_the_layout_holds(qtype: Q) -> None:
+    # The loader's memory check counts REPACKED_BITS (quantized_linear.PACKED_BITS): it must be the truth.
+    rows = 4 * codes.TILE
+    packed = repack(torch.from_numpy(random_blocks(qtype, rows, 1024, seed=6)), qtype)
+    held = sum(t.numel() * t.element_size() for t in vars(packed).values() if isinstance(t, torch.Tensor))
+    assert held * 8 / (rows * 1024) == REPACKED_BITS[qtype]
 
 
 def test_rejects_other_types() -> None:

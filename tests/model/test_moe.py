@@ -263,14 +263,19 @@ def test_gate_and_up_of_different_types_stay_apart(tmp_path: Path, monkeypatch: 
     assert d_prefill <= TOLERANCE and d_decode <= TOLERANCE
 
 
-def test_gate_and_up_of_one_kind_but_other_block_widths_stay_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Q6_K and Q8_0 both pack into PackedQ8, with blocks of 4 and 8 words: no one matrix can hold both."""
+@pytest.mark.parametrize("types", [(Q.Q6_K, Q.Q8_0), (Q.Q5_K, Q.IQ4_XS)])
+def test_gate_and_up_of_other_layouts_stay_apart(monkeypatch: pytest.MonkeyPatch, types: tuple[Q, Q]) -> None:
+    """No one packed matrix can hold both: Q6_K's super-blocks and Q8_0's blocks; Q5_K's and IQ4_XS's
+    super-blocks, which have as many code words but other fields."""
     monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 0)
-    stacks = {}
-    for qtype in (Q.Q6_K, Q.Q8_0):
-        raw = torch.from_numpy(random_blocks(qtype, 2 * 2 * TILE, 256, seed=1))
-        stacks[qtype] = QuantizedExpertMatrices(raw.view(2, 2 * TILE, -1), qtype, in_features=256)
-    gate, up = stacks[Q.Q6_K], stacks[Q.Q8_0]
+    gate, up = (
+        QuantizedExpertMatrices(
+            torch.from_numpy(random_blocks(qtype, 2 * 2 * TILE, 256, seed=1)).view(2, 2 * TILE, -1),
+            qtype,
+            in_features=256,
+        )
+        for qtype in types
+    )
     assert merge_gate_up(gate, up) is None
     assert gate.packed is not None and up.packed is not None
 

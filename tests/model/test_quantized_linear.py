@@ -74,13 +74,13 @@ def test_small_matrices_keep_the_dequantizing_path() -> None:
 def test_matrices_stay_unpacked_when_memory_is_short(monkeypatch, caplog: pytest.LogCaptureFixture) -> None:
     """Packing a matrix that would leave less than PACKING_RESERVE available keeps the file's blocks (the
     model loads and runs, slower) and says so once, rather than running the machine out of memory. An
-    IQ4_XS matrix packs into 9 bits a weight: 2.1x the file's bytes."""
+    IQ4_XS matrix packs into 8.375 bits a weight: 1.97x the file's bytes."""
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     monkeypatch.setattr(quantized_linear, "_said_short_of_memory", False)
     raw = torch.from_numpy(random_blocks(Q.IQ4_XS, 32, 512, seed=7))
     reserve = quantized_linear.PACKING_RESERVE
     with caplog.at_level("WARNING", logger="bubo.model.quantized_linear"):
-        monkeypatch.setattr(quantized_linear, "meminfo", lambda: {"MemAvailable": reserve + 2 * raw.numel()})
+        monkeypatch.setattr(quantized_linear, "meminfo", lambda: {"MemAvailable": reserve + raw.numel()})
         layer = QuantizedLinear(raw, Q.IQ4_XS, 512)
         monkeypatch.setattr(quantized_linear, "meminfo", lambda: {"MemAvailable": reserve + 3 * raw.numel()})
         assert QuantizedLinear(raw, Q.IQ4_XS, 512).packed is not None
@@ -187,15 +187,17 @@ def test_q5_0_groups_with_q8_0(monkeypatch) -> None:
         torch.testing.assert_close(out.double(), x.double() @ weight.T, rtol=1e-5, atol=1e-4)
 
 
-def test_blocks_of_other_sizes_stay_apart(monkeypatch) -> None:
-    # Q6_K's PackedQ8 blocks hold 16 weights, Q8_0's 32: not one matrix.
+# Q6_K's super-blocks and Q8_0's blocks; Q5_K's and IQ4_XS's super-blocks, as many code words but other
+# fields: not one matrix.
+@pytest.mark.parametrize("types", [(Q.Q6_K, Q.Q8_0), (Q.Q5_K, Q.IQ4_XS)])
+def test_other_layouts_stay_apart(monkeypatch, types: tuple[Q, Q]) -> None:
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
-    layers = [_random_projection(qtype, 16, seed)[0] for seed, qtype in enumerate((Q.Q6_K, Q.Q8_0))]
+    layers = [_random_projection(qtype, 16, seed)[0] for seed, qtype in enumerate(types)]
     group_rows(*layers)
     assert all(layer.group is None for layer in layers)
 
 
-# packed: the repacked layouts' unpacked chunks (PackedQ4, PackedQ8, PackedQ8Offset); else the dequantizing path
+# packed: the repacked layouts' unpacked chunks (PackedQ4, PackedQ8, PackedSuperBlocks); else the dequantizing path
 @pytest.mark.parametrize(
     ("qtype", "packed"), [(Q.Q4_1, True), (Q.Q8_0, True), (Q.Q4_K, True), (Q.Q5_K, True), (Q.Q4_1, False)]
 )

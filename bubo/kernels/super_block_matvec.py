@@ -1,0 +1,314 @@
+"""Matrix-vector products on K-quant weights (Q2_K to Q6_K, IQ4_XS) kept in super-blocks, fused by inductor.
+
+A K-quant super-block holds 256 weights in 8 runs of 32 or 16 runs of 16 ("sub-blocks"); a weight is
+(d * sc_j) * q - dmin * m_j, with d, dmin the super-block's fp16 scales and sc_j, m_j small integers of
+sub-block j (ggml's block_q4_K etc.; the codes and the integers are read by bubo/gguf/quants.py). The
+layout keeps that form: the codes in 32-bit words, and per super-block the sub-blocks' integers as bytes
+and d, dmin as float32, so a weight costs little more than in the file. The scale d * sc_j (an 11-bit
+mantissa times an integer of at most 8 bits) is exact in float32 and is formed in the kernel, once per
+sub-block: the products are those a per-sub-block float32 scale would give (the layout this replaced,
+which took 6 bits a Q4_K weight against this one's 4.75, and ran no faster).
+
+Layout (`PackedSuperBlocks`, tiled as bubo/kernels/codes.py says):
+- `words` int32 [tiles, super-blocks, code words, TILE]: the stored codes, `code_bits`-bit fields,
+  field s of word w holding weight w * 32 / code_bits + s of the super-block (codes.field_words).
+- `fields` int32 [tiles, super-blocks, field words, TILE]: the sub-blocks' stored scale bytes (four
+  a word, sub-block j at byte j % 4 of word j // 4), then as many of their min bytes where the type
+  has mins, then d's float32 bits, then dmin's.
+Stored values are unsigned (a field isolated by one AND, as the other layouts do): a signed code or scale
+is stored minus its format's bias (Q6_K's code q - 32 as q, its int8 sc as sc + 128), and the kernel adds
+the bias back: code_bias * scale * sum(x_j) once a sub-block, scale_bias exactly in the scale.
+
+Bits a weight, against the file's: Q4_K 4.75 (4.5), Q5_K 8.75 (5.5: its 5-bit codes as bytes), Q6_K
+8.625 (6.56: bytes), Q3_K 4.625 (3.44: nibbles), Q2_K 3.25 (2.63), IQ4_XS 8.375 (4.25: the codebook
+value as a byte, as IQ4_NL's PackedQ8 holds it, since a kernel that looked the 4-bit index up in the
+table would gather per weight, which inductor leaves scalar: 16x slower).
+"""
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+
+from bubo.gguf.quants import (
+    QK_K,
+    f16_field,
+    iq4_xs_codes,
+    iq4_xs_sub_scales,
+    k_sub_scales,
+    q2_k_codes,
+    q2_k_sub_scales,
+    q3_k_codes,
+    q3_k_sub_scales,
+    q4_k_codes,
+    q5_k_codes,
+    q6_k_codes,
+    q6_k_sub_scales,
+    type_size,
+)
+from bubo.kernels.codes import (
+    block_dots,
+    block_sums,
+    by_block,
+    by_rows,
+    expand_tiles,
+    field_words,
+    tiled_by_rows,
+    word_bits,
+)
+from bubo.kernels.compiled import StaticKernel
+
+__all__ = [
+    "SUPER_BLOCK_FORMATS",
+    "PackedSuperBlocks",
+    "SuperBlockFormat",
+    "pack_super_blocks",
+    "super_block_matvec",
+    "super_block_matvec_bits",
+    "super_block_unpack",
+]
+
+Q = GGMLQuantizationType
+_SCALES_A_WORD = 4  # sub-block bytes in a field word
+
+
+@dataclass(frozen=True)
+class SuperBlockFormat:
+    """How one type's super-block is stored: weight = (d * (sc + scale_bias)) * (code + code_bias)
+    - dmin * m, the last term only where `has_min`, each stored value unsigned."""
+
+    code_bits: int  # 2, 4 or 8: a code's field in the words
+    sub_blocks: int  # a super-block's runs of weights with a scale (and min) of their own
+    code_bias: int
+    scale_bias: int
+    has_min: bool
+
+    @property
+    def code_words(self) -> int:
+        return QK_K * self.code_bits // 32
+
+    @property
+    def scale_words(self) -> int:
+        return self.sub_blocks // _SCALES_A_WORD
+
+    @property
+    def field_words(self) -> int:
+        """Scale bytes' words, min bytes' words, d (and dmin)."""
+        return (self.scale_words + 1) * (2 if self.has_min else 1)
+
+    @property
+    def bits_a_weight(self) -> float:
+        return (self.code_words + self.field_words) * 32 / QK_K
+
+
+SUPER_BLOCK_FORMATS: dict[GGMLQuantizationType, SuperBlockFormat] = {
+    Q.Q4_K: SuperBlockFormat(code_bits=4, sub_blocks=8, code_bias=0, scale_bias=0, has_min=True),
+    Q.Q5_K: SuperBlockFormat(code_bits=8, sub_blocks=8, code_bias=0, scale_bias=0, has_min=True),
+    Q.Q6_K: SuperBlockFormat(code_bits=8, sub_blocks=16, code_bias=-32, scale_bias=-128, has_min=False),
+    Q.Q3_K: SuperBlockFormat(code_bits=4, sub_blocks=16, code_bias=-4, scale_bias=-32, has_min=False),
+    Q.Q2_K: SuperBlockFormat(code_bits=2, sub_blocks=16, code_bias=0, scale_bias=0, has_min=True),
+    Q.IQ4_XS: SuperBlockFormat(code_bits=8, sub_blocks=8, code_bias=-128, scale_bias=-32, has_min=False),
+}
+
+
+@dataclass(frozen=True)
+class _SuperBlocks:
+    """One run of super-blocks decoded: codes [n, sub-blocks, weights] and sub-block integers [n,
+    sub-blocks] as the format multiplies them (signed), d and dmin float32 [n, 1]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    d: torch.Tensor
+    mins: torch.Tensor | None = None
+    dmin: torch.Tensor | None = None
+
+
+def _q4_k(blocks: torch.Tensor) -> _SuperBlocks:
+    sc, m = k_sub_scales(blocks)
+    return _SuperBlocks(q4_k_codes(blocks), sc, f16_field(blocks, 0), m, f16_field(blocks, 2))
+
+
+def _q5_k(blocks: torch.Tensor) -> _SuperBlocks:
+    sc, m = k_sub_scales(blocks)
+    return _SuperBlocks(q5_k_codes(blocks), sc, f16_field(blocks, 0), m, f16_field(blocks, 2))
+
+
+def _q6_k(blocks: torch.Tensor) -> _SuperBlocks:
+    return _SuperBlocks(q6_k_codes(blocks), q6_k_sub_scales(blocks), f16_field(blocks, 208))
+
+
+def _q3_k(blocks: torch.Tensor) -> _SuperBlocks:
+    return _SuperBlocks(q3_k_codes(blocks), q3_k_sub_scales(blocks), f16_field(blocks, 108))
+
+
+def _q2_k(blocks: torch.Tensor) -> _SuperBlocks:
+    sc, m = q2_k_sub_scales(blocks)
+    return _SuperBlocks(q2_k_codes(blocks), sc, f16_field(blocks, 80), m, f16_field(blocks, 82))
+
+
+def _iq4_xs(blocks: torch.Tensor) -> _SuperBlocks:
+    return _SuperBlocks(iq4_xs_codes(blocks), iq4_xs_sub_scales(blocks), f16_field(blocks, 0))
+
+
+_READERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], _SuperBlocks]] = {
+    Q.Q4_K: _q4_k,
+    Q.Q5_K: _q5_k,
+    Q.Q6_K: _q6_k,
+    Q.Q3_K: _q3_k,
+    Q.Q2_K: _q2_k,
+    Q.IQ4_XS: _iq4_xs,
+}
+
+
+@dataclass(frozen=True)
+class PackedSuperBlocks:
+    words: torch.Tensor  # int32 [tiles, super-blocks, code words, TILE]
+    fields: torch.Tensor  # int32 [tiles, super-blocks, field words, TILE]
+    out_features: int
+    ggml_type: GGMLQuantizationType
+
+    @property
+    def in_features(self) -> int:
+        return self.words.shape[1] * QK_K
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        return super_block_matvec(x, self)
+
+    def unpack(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return super_block_unpack(self, start, stop, dtype)
+
+
+def pack_super_blocks(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedSuperBlocks:
+    """Super-blocks of a type in SUPER_BLOCK_FORMATS, uint8 [out, row_bytes] -> the layout above."""
+    if ggml_type not in SUPER_BLOCK_FORMATS:
+        raise ValueError(f"{ggml_type.name} is not a super-block type: {sorted(t.name for t in _READERS)}")
+    fmt, read = SUPER_BLOCK_FORMATS[ggml_type], _READERS[ggml_type]
+    out_features, size = raw.shape[0], type_size(ggml_type)
+    blocks = raw.reshape(out_features, -1, size)
+
+    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = stop - start
+        parts = read(blocks[start:stop].reshape(-1, size))
+        codes = (parts.codes.to(torch.int16) - fmt.code_bias).view(n, -1, QK_K)
+        fields = [_byte_words(parts.scales.to(torch.int16) - fmt.scale_bias)]
+        if fmt.has_min:
+            assert parts.mins is not None
+            fields.append(_byte_words(parts.mins))
+        fields.append(parts.d.view(torch.int32))
+        if fmt.has_min:
+            assert parts.dmin is not None
+            fields.append(parts.dmin.view(torch.int32))
+        return field_words(codes, fmt.code_bits), torch.cat(fields, dim=-1).view(n, -1, fmt.field_words)
+
+    words, fields = tiled_by_rows(out_features, rows)
+    return PackedSuperBlocks(words, fields, out_features, ggml_type)
+
+
+def _byte_words(values: torch.Tensor) -> torch.Tensor:
+    """Integers of 0..255 [n, sub-blocks] -> int32 [n, sub-blocks / 4], four bytes a word, little end first."""
+    return values.to(torch.uint8).contiguous().view(torch.int32)
+
+
+def _scale_offset(
+    fmt: SuperBlockFormat, field_bits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every sub-block's scale d * (sc + scale_bias), and its offset -dmin * m where the format has mins
+    (else None): float32 [tiles, super-blocks, sub-blocks, TILE], from the fields' float32 bits."""
+    fields = field_bits.view(torch.int32)
+    tiles, n_super, _, lanes = fields.shape
+    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=fields.device)[:, None]
+    n = fmt.scale_words
+
+    def sub_block_bytes(first: int) -> torch.Tensor:
+        words = fields[:, :, first : first + n, None, :]
+        return ((words >> shifts) & 0xFF).to(torch.float32).view(tiles, n_super, fmt.sub_blocks, lanes)
+
+    d = field_bits[:, :, 2 * n if fmt.has_min else n, None, :]
+    scale = d * (sub_block_bytes(0) + fmt.scale_bias)
+    if not fmt.has_min:
+        return scale, None
+    dmin = field_bits[:, :, 2 * n + 1, None, :]
+    return scale, -(dmin * sub_block_bytes(n))
+
+
+def _code_words(fmt: SuperBlockFormat, bits: torch.Tensor) -> torch.Tensor:
+    """The code words' float32 bits [tiles, super-blocks, code words, TILE] -> int32 [tiles, sub-blocks,
+    words a sub-block, TILE]: a view, each sub-block a block of codes.block_dots'."""
+    tiles, n_super, _, lanes = bits.shape
+    return bits.view(torch.int32).view(
+        tiles, n_super * fmt.sub_blocks, fmt.code_words // fmt.sub_blocks, lanes
+    )
+
+
+@functools.cache
+def _matvec_kernel(fmt: SuperBlockFormat) -> StaticKernel:
+    def super_block_matvec_tiles(
+        x: torch.Tensor, bits: torch.Tensor, field_bits: torch.Tensor
+    ) -> torch.Tensor:
+        # sum_j scale_j * (x_j . codes_j + code_bias * sum(x_j)) + offset_j * sum(x_j) over every sub-block
+        # j: the dot products run on the stored codes alone (codes.block_dots, several rows of x at once).
+        tiles, n_super, _, lanes = bits.shape
+        scale, offset = _scale_offset(fmt, field_bits)
+        if fmt.code_bias:
+            offset = fmt.code_bias * scale if offset is None else fmt.code_bias * scale + offset
+        dots = block_dots(x, _code_words(fmt, bits), fmt.code_bits)
+        sums = block_sums(x, n_super * fmt.sub_blocks).view(-1, 1, n_super, fmt.sub_blocks, 1)
+        outputs = []
+        for r, dot in enumerate(dots):
+            terms = dot.view(tiles, n_super, fmt.sub_blocks, lanes) * scale
+            if offset is not None:
+                terms = terms + sums[r] * offset
+            outputs.append(terms.sum((1, 2)).view(-1))
+        return by_rows(x, outputs)
+
+    return StaticKernel(super_block_matvec_tiles, fused=True)
+
+
+@functools.cache
+def _unpack_kernel(fmt: SuperBlockFormat, dtype: torch.dtype) -> StaticKernel:
+    def super_block_unpack_tiles(bits: torch.Tensor, field_bits: torch.Tensor) -> torch.Tensor:
+        # [tiles, sub-blocks, words, TILE] -> [sub-blocks, words, field, tiles, TILE]: the transposed weight
+        # (see q4_matvec's unpacking). Compiled without FMA contraction, and in the reference dequantizer's
+        # order, (code + code_bias) * scale + offset, the first product and sum exact: bit for bit its result.
+        words = _code_words(fmt, bits).permute(1, 2, 0, 3)
+        shifts = torch.arange(0, 32, fmt.code_bits, dtype=torch.int32, device=bits.device)[:, None, None]
+        codes = ((words[:, :, None] >> shifts) & ((1 << fmt.code_bits) - 1)).to(torch.float32)
+        scale, offset = _scale_offset(fmt, field_bits)
+        tiles, lanes = bits.shape[0], bits.shape[-1]
+        weight = (codes + fmt.code_bias) * by_block(scale.reshape(tiles, -1, lanes))
+        if offset is not None:
+            weight = weight + by_block(offset.reshape(tiles, -1, lanes))
+        return weight.to(dtype).reshape(-1, tiles * lanes)
+
+    return StaticKernel(super_block_unpack_tiles)
+
+
+def super_block_matvec(x: torch.Tensor, packed: PackedSuperBlocks) -> torch.Tensor:
+    """x [in_features] (float32) -> x W^T [out_features], in one compiled pass over the codes; x [rows,
+    in_features] (a few rows) -> [rows, out_features], the codes expanded once for all rows."""
+    tensors = (word_bits(packed.words), word_bits(packed.fields))
+    return super_block_matvec_bits(x, *tensors, packed.out_features, packed.ggml_type)
+
+
+def super_block_matvec_bits(
+    x: torch.Tensor,
+    bits: torch.Tensor,
+    field_bits: torch.Tensor,
+    out_features: int,
+    ggml_type: GGMLQuantizationType,
+) -> torch.Tensor:
+    """`super_block_matvec` on the packed tensors as their float32 bits (codes.word_bits): the form in
+    which a compiled graph that contains the matvec takes them as inputs."""
+    out = _matvec_kernel(SUPER_BLOCK_FORMATS[ggml_type])(x, bits, field_bits)
+    return out if out.shape[-1] == out_features else out[..., :out_features]
+
+
+def super_block_unpack(
+    packed: PackedSuperBlocks, start: int, stop: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Weight columns start:stop, transposed: [in_features, stop - start] in `dtype` (for a prefill's
+    GEMM), expanded from the words in one compiled pass per whole tile."""
+    kernel = _unpack_kernel(SUPER_BLOCK_FORMATS[packed.ggml_type], dtype)
+    return expand_tiles(kernel, (word_bits(packed.words), word_bits(packed.fields)), start, stop)
