@@ -19,9 +19,11 @@ Per-block fields: a matvec streams as few arrays as it can. A block's scale and 
 PackedQ8Offset) lie next to each other, [tiles, blocks, 2, TILE], so the words and the fields are two
 arrays rather than three: on the default model's gate/up matrix (3072x576 Q4_1, 2 threads, weights not
 in cache) 63-79 -> 51-73 µs. They are float16 where every value survives the round trip
-(`half_if_exact`: the fp16 d and m of Q4_0/Q4_1/Q5_1, the file's own bytes), float32 otherwise (a
-K-quant's d * scale, an 11-bit mantissa times a 6-bit integer); the kernels widen them as they load
-them. A scale alone (PackedQ8) rides in the block's words as one more word of float32 bits.
+(`half_if_exact`: the fp16 d and m of Q4_0/Q4_1/Q5_1, the file's own bytes), float32 otherwise (Q4_0's
+offset -8d where it overflows float16); the kernels widen them as they load them. A scale alone
+(PackedQ8) rides in the block's words as one more word of float32 bits. K-quant super-blocks keep their
+sub-blocks' integer scales as bytes and d, dmin as float32 words, in an array of their own
+(bubo/kernels/super_block_matvec.py).
 
 Words enter a compiled kernel as float32 bit patterns (`word_bits`) and are viewed back to int32
 inside it. Inductor loads a vector of int32 with `Vectorized<int32_t>::loadu(ptr, count)`, which in

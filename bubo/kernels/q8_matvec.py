@@ -5,12 +5,12 @@ where byte s of words[t, b, w, i] (little end first) holds the code of weight 4 
 of output row t * TILE + i, and the block's last word is the float32 bits of its scale; weight =
 code * scale. Q8_0 has 8 code words (32 weights) a block, its bytes as in the file but for the sign
 bit; other types whose weights are a signed code of at most 8 bits times a per-block scale are
-repacked into it (bubo/kernels/repack.py: Q5_0, Q6_K with blocks of 4 words). The scale rides in the
+repacked into it (bubo/kernels/repack.py: Q5_0, IQ4_NL). The scale rides in the
 words so that the matvec streams one array: the output head (49152x576 Q8_0, 2 threads, not in
 cache) takes 1.35 ms where a float16 scale beside the words took 1.56 (a float32 one 1.60), for
 2 bytes a block more. `PackedQ8Offset` keeps a per-block offset next to the scale, `scale_offset`
 [tiles, blocks, 2, TILE] (float16 where exact, codes.half_if_exact), weight = code * scale + offset,
-for codes with a per-block minimum (Q5_K, Q5_1).
+for codes with a per-block minimum (Q5_1).
 
 PackedQ8 stores each signed code c (-128..127) as the unsigned byte c + 128 (the file's byte with its
 sign bit flipped), PackedQ8Offset its codes (0..31) as they are: every byte is then an unsigned field,

@@ -4,11 +4,12 @@
 map, so loading copies nothing. Every row holds whole blocks, so rows can be indexed before
 dequantizing: the embedding lookup dequantizes only the looked-up rows.
 
-On the CPU, Q4_0 / Q4_1 / Q8_0 matrices are also repacked at load (same bytes, see bubo/kernels/), and
-the K-quants (Q2_K to Q6_K), Q5_0 / Q5_1 and IQ4_NL / IQ4_XS into those layouts (bubo/kernels/repack.py), while the
-memory available allows (`pack_for_cpu`): a single row (decode) goes through a compiled matvec that reads
-the codes directly; several rows (prefill) multiply column chunks unpacked from the repacked words, in
-bfloat16 where the CPU multiplies bfloat16 natively (`bf16_prefill`), else in float32.
+On the CPU, Q4_0 / Q4_1 / Q8_0 matrices are also repacked at load (same bytes, see bubo/kernels/), Q5_0 /
+Q5_1 / IQ4_NL into those layouts (bubo/kernels/repack.py), and the K-quants (Q2_K to Q6_K) and IQ4_XS into
+words that keep their super-blocks (bubo/kernels/super_block_matvec.py), while the memory available
+allows (`pack_for_cpu`): a single row (decode) goes through a compiled matvec that reads the codes
+directly; several rows (prefill) multiply column chunks unpacked from the repacked words, in bfloat16
+where the CPU multiplies bfloat16 natively (`bf16_prefill`), else in float32.
 
 On CUDA (with triton installed, BUBO_TRITON not 0) the product runs in the Triton kernels of
 bubo/kernels/triton_gemm.py, which read the blocks as stored: no float weight is ever materialized.
