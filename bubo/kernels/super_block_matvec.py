@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from gguf import GGMLQuantizationType
+from torch._inductor.inductor_prims import force_stride_order
 
 from bubo.gguf.quants import (
     QK_K,
@@ -277,8 +278,12 @@ def _unpack_kernel(fmt: SuperBlockFormat, dtype: torch.dtype) -> StaticKernel:
         codes = ((words[:, :, None] >> shifts) & ((1 << fmt.code_bits) - 1)).to(torch.float32)
         scale, offset = _scale_offset(fmt, field_bits)
         tiles, lanes = bits.shape[0], bits.shape[-1]
+        # Stored once: left as expressions, inductor would take each sub-block's bytes apart again for
+        # every one of its weights.
+        scale = force_stride_order(scale, scale.stride())
         weight = (codes + fmt.code_bias) * by_block(scale.reshape(tiles, -1, lanes))
         if offset is not None:
+            offset = force_stride_order(offset, offset.stride())
             weight = weight + by_block(offset.reshape(tiles, -1, lanes))
         return weight.to(dtype).reshape(-1, tiles * lanes)
 
