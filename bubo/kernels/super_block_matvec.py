@@ -47,7 +47,6 @@ from bubo.gguf.quants import (
     q5_k_codes,
     q6_k_codes,
     q6_k_sub_scales,
-    type_size,
 )
 from bubo.kernels.codes import (
     block_dots,
@@ -56,7 +55,6 @@ from bubo.kernels.codes import (
     by_rows,
     expand_tiles,
     field_words,
-    tiled_by_rows,
     word_bits,
 )
 from bubo.kernels.compiled import StaticKernel
@@ -65,9 +63,9 @@ __all__ = [
     "SUPER_BLOCK_FORMATS",
     "PackedSuperBlocks",
     "SuperBlockFormat",
-    "pack_super_blocks",
     "super_block_matvec",
     "super_block_matvec_bits",
+    "super_block_rows",
     "super_block_unpack",
 ]
 
@@ -181,35 +179,28 @@ class PackedSuperBlocks:
         return super_block_unpack(self, start, stop, dtype)
 
 
-def pack_super_blocks(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> PackedSuperBlocks:
-    """Super-blocks of a type in SUPER_BLOCK_FORMATS, uint8 [out, row_bytes] -> the layout above."""
-    if ggml_type not in SUPER_BLOCK_FORMATS:
-        raise ValueError(f"{ggml_type.name} is not a super-block type: {sorted(t.name for t in _READERS)}")
+def super_block_rows(
+    ggml_type: GGMLQuantizationType,
+) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]:
+    """How one run of n rows' super-blocks of a type in SUPER_BLOCK_FORMATS, uint8 [n_blocks, block bytes],
+    becomes the layout's rows: (words [n, super-blocks, code words], fields [n, super-blocks, field
+    words]), which bubo/kernels/repack.py tiles."""
     fmt, read = SUPER_BLOCK_FORMATS[ggml_type], _READERS[ggml_type]
-    out_features, size = raw.shape[0], type_size(ggml_type)
-    blocks = raw.reshape(out_features, -1, size)
 
-    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = stop - start
-        parts = read(blocks[start:stop].reshape(-1, size))
+    def rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+        parts = read(blocks)
         codes = (parts.codes.to(torch.int16) - fmt.code_bias).view(n, -1, QK_K)
-        fields = [_byte_words(parts.scales.to(torch.int16) - fmt.scale_bias)]
+        fields = [field_words(parts.scales.to(torch.int16) - fmt.scale_bias, 8)]
         if fmt.has_min:
             assert parts.mins is not None
-            fields.append(_byte_words(parts.mins))
+            fields.append(field_words(parts.mins, 8))
         fields.append(parts.d.view(torch.int32))
         if fmt.has_min:
             assert parts.dmin is not None
             fields.append(parts.dmin.view(torch.int32))
         return field_words(codes, fmt.code_bits), torch.cat(fields, dim=-1).view(n, -1, fmt.field_words)
 
-    words, fields = tiled_by_rows(out_features, rows)
-    return PackedSuperBlocks(words, fields, out_features, ggml_type)
-
-
-def _byte_words(values: torch.Tensor) -> torch.Tensor:
-    """Integers of 0..255 [n, sub-blocks] -> int32 [n, sub-blocks / 4], four bytes a word, little end first."""
-    return values.to(torch.uint8).contiguous().view(torch.int32)
+    return rows
 
 
 def _scale_offset(

@@ -30,7 +30,7 @@ from bubo.gguf.quants import block_size, dequantize, type_size
 from bubo.kernels.codes import TILE, concat_tiled, slice_tiled, word_bits
 from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4, q4_matvec_bits
 from bubo.kernels.q8_matvec import PackedQ8Offset, pack_q8, q8_matvec_bits, q8_offset_matvec_bits
-from bubo.kernels.repack import REPACKED_BITS, Packed, repack
+from bubo.kernels.repack import REPACKABLE, Packed, repack
 from bubo.kernels.super_block_matvec import PackedSuperBlocks, super_block_matvec_bits
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
 from bubo.process_memory import meminfo
@@ -76,7 +76,9 @@ Q = GGMLQuantizationType
 # Bits a weight of each packable type's layout, against the file's 2.6-8.5: Q4_0 / Q4_1 codes with their
 # file's fp16 fields (bubo/kernels/q4_matvec.py), Q8_0 with a float32 scale word (q8_matvec.py), and the
 # repacked types' (repack.py, super_block_matvec.py).
-PACKED_BITS: dict[GGMLQuantizationType, float] = {Q.Q4_0: 5, Q.Q4_1: 5, Q.Q8_0: 9} | REPACKED_BITS
+PACKED_BITS: dict[GGMLQuantizationType, float] = {Q.Q4_0: 5, Q.Q4_1: 5, Q.Q8_0: 9} | {
+    t: bits for t, (_, _, bits) in REPACKABLE.items()
+}
 # Packing leaves at least this much memory available, or an eighth of the machine's where that is less
 # (a 2 GB machine still packs the default model's 100 MB).
 PACKING_RESERVE = 1 << 30

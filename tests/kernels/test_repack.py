@@ -12,7 +12,7 @@ import torch
 from bubo.gguf import GGUFFile
 from bubo.kernels import codes
 from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset
-from bubo.kernels.repack import REPACKED_BITS, repack
+from bubo.kernels.repack import REPACKABLE, repack
 from bubo.kernels.super_block_matvec import PackedSuperBlocks
 from tests.kernels.k_blocks import random_blocks
 
@@ -44,13 +44,13 @@ def _assert_unpacks_exactly(raw: np.ndarray, qtype: Q) -> None:
     assert qtype != Q.Q5_1 or packed.scale_offset.dtype == torch.float16
 
 
-@pytest.mark.parametrize("qtype", list(REPACKED_BITS))
+@pytest.mark.parametrize("qtype", list(REPACKABLE))
 def test_unpack_is_bit_exact(qtype: Q) -> None:
     _assert_unpacks_exactly(random_blocks(qtype, 2 * codes.TILE + 3, 512, seed=1), qtype)
 
 
 # One compiled shape per layout: 19 rows (a padded last tile), two super-blocks a row.
-@pytest.mark.parametrize("qtype", list(REPACKED_BITS))
+@pytest.mark.parametrize("qtype", list(REPACKABLE))
 def test_matvec_matches_float64_reference(qtype: Q) -> None:
     raw = random_blocks(qtype, 19, 512, seed=2)
     packed = repack(torch.from_numpy(raw), qtype)
@@ -82,19 +82,19 @@ def test_matvec_of_several_rows_is_each_rows_matvec(qtype: Q) -> None:
         assert torch.equal(row, alone)
 
 
-@pytest.mark.parametrize("qtype", list(REPACKED_BITS))
+@pytest.mark.parametrize("qtype", list(REPACKABLE))
 def test_packing_in_row_steps_matches_the_blocks(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(codes, "PACK_ROWS", 2 * codes.TILE)
     _assert_unpacks_exactly(random_blocks(qtype, 5 * codes.TILE + 3, 256, seed=4), qtype)
 
 
-@pytest.mark.parametrize("qtype", list(REPACKED_BITS))
+@pytest.mark.parametrize("qtype", list(REPACKABLE))
 def test_bits_a_weight_are_what_the_layout_holds(qtype: Q) -> None:
-    # The loader's memory check counts REPACKED_BITS (quantized_linear.PACKED_BITS): it must be the truth.
+    # The loader's memory check counts REPACKABLE's bits (quantized_linear.PACKED_BITS): they must be the truth.
     rows = 4 * codes.TILE
     packed = repack(torch.from_numpy(random_blocks(qtype, rows, 1024, seed=6)), qtype)
     held = sum(t.numel() * t.element_size() for t in vars(packed).values() if isinstance(t, torch.Tensor))
-    assert held * 8 / (rows * 1024) == REPACKED_BITS[qtype]
+    assert held * 8 / (rows * 1024) == REPACKABLE[qtype][2]
 
 
 def test_rejects_other_types() -> None:
