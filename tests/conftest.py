@@ -1,7 +1,10 @@
 """Shared fixtures: where the real GGUF files that PyPI packages carry live on this machine, and tiny
 random llama GGUF files (a real decoder, fast) with the fixture chat templates."""
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +19,12 @@ if not os.path.exists("/dev/nvidiactl"):
 # in float32 whatever the CPU, instead of in bfloat16 where it has bf16 dot products (the default,
 # bubo/model/quantized_linear.py `bf16_prefill`). The bfloat16 GEMMs have tests of their own that set it.
 os.environ.setdefault("BUBO_PREFILL_BF16", "0")
+
+# Compiled kernels are stored by name (bubo/kernels/kernel_store.py), and a test may patch what a kernel's
+# function calls: the session stores its kernels apart, never in the store a user's processes load from.
+if "BUBO_KERNEL_CACHE" not in os.environ:
+    os.environ["BUBO_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="bubo-test-kernels-")
+    atexit.register(shutil.rmtree, os.environ["BUBO_KERNEL_CACHE"], ignore_errors=True)
 
 import pytest
 import torch

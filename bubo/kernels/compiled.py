@@ -10,6 +10,9 @@ the plain function is used and the reason is logged once.
 `DynamicKernel` is the same for a function of a length that changes at every call (the positions a
 decode step attends over): traced with symbolic sizes and strides and compiled once, so the generated
 code takes them from its arguments.
+
+A kernel compiled once is kept on disk (`kernel_store.KernelStore`): the next process loads it without
+tracing.
 """
 
 import logging
@@ -19,9 +22,12 @@ from collections.abc import Callable
 
 import torch
 from torch._guards import TracingContext, tracing
+from torch._inductor import CompiledArtifact
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+from bubo.kernels.kernel_store import kernel_store
 
 __all__ = ["DynamicKernel", "StaticKernel"]
 
@@ -50,8 +56,9 @@ class _Kernel:
     every call; inside another kernel's trace, `fn` itself; where inductor can't build, `fn` from then
     on (logged once)."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, fn: Callable[..., torch.Tensor], options: dict) -> None:
         self.fn = fn
+        self._options = options
         self._compiled: dict[tuple, Callable[..., torch.Tensor]] = {}
         self._broken = False
 
@@ -72,18 +79,27 @@ class _Kernel:
     def _compile(self, args: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
         if self._broken:
             return self.fn
+        store = kernel_store()
+        name = store.name(self.fn, self._key(args), self._options, args) if store else None
         try:
             with torch.inference_mode(False), torch.no_grad():
-                return self._build(args)
+                stored = store.load(name, self._options) if store and name else None
+                if stored is not None:
+                    return stored
+                graph, artifact = self._build(args)
         except Exception as error:  # a missing compiler, an inductor limitation, or an assumed layout
             log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)
             self._broken = True
             return self.fn
+        if store and name:
+            store.save(name, artifact, graph)
+        return artifact
 
     def _key(self, args: tuple[torch.Tensor, ...]) -> tuple:
         raise NotImplementedError
 
-    def _build(self, args: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
+    def _build(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.fx.GraphModule, CompiledArtifact]:
+        """The traced graph and inductor's compiled artifact of it (callable, as `fn` is)."""
         raise NotImplementedError
 
 
@@ -91,23 +107,23 @@ class StaticKernel(_Kernel):
     """`fn` compiled once per distinct (shape, stride, dtype) of its tensor arguments."""
 
     def __init__(self, fn: Callable[..., torch.Tensor], fused: bool = False) -> None:
-        super().__init__(fn)
         # Inductor stores a pointwise result to memory once its expression grows past a few dozen
         # operations or reads; a matvec that expands 32 codes per block wants it all inline in the
         # reduction loop (materializing the expanded codes would cost more memory traffic than the
         # weights themselves), and FMA contraction.
-        self._options = _FUSED if fused else _STATIC
+        super().__init__(fn, _FUSED if fused else _STATIC)
 
     def _key(self, args: tuple[torch.Tensor, ...]) -> tuple:
         return tuple((a.shape, a.stride(), a.dtype) for a in args)
 
-    def _build(self, args: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
+    def _build(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.fx.GraphModule, CompiledArtifact]:
         # Traced under a fake mode with a (static) shape env, compiled inside a tracing context that
         # holds it: without one inductor bypasses its on-disk FX graph cache ("No shape env") and
         # lowers every shape again at each load, seconds and ~30 MB of RSS more than a cache hit.
         mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
         fake = [mode.from_tensor(a, static_shapes=True) for a in args]
-        return _inductor_compile(_trace(self.fn, mode, fake, "real"), list(args), mode, self._options)
+        graph = _trace(self.fn, mode, fake, "real")
+        return graph, _inductor_compile(graph, list(args), mode, self._options)
 
 
 def _trace(
@@ -124,8 +140,9 @@ def _trace(
 
 def _inductor_compile(
     graph: torch.fx.GraphModule, example: list[torch.Tensor], mode: FakeTensorMode, options: dict
-) -> Callable[..., torch.Tensor]:
-    """`graph` compiled by inductor with `options`, inside a tracing context holding `mode`'s shape env."""
+) -> CompiledArtifact:
+    """`graph` compiled by inductor with `options`, inside a tracing context holding `mode`'s shape env:
+    a standalone artifact, which the kernel store can save."""
     with (
         torch._inductor.config.patch(options),
         tracing(TracingContext(mode)),
@@ -133,7 +150,7 @@ def _inductor_compile(
     ):
         # Said of a bfloat16 unpacking of float16 scales (both widen to float32 in it).
         warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")
-        return torch._inductor.compile(graph, example)
+        return torch._inductor.standalone_compile(graph, example, dynamic_shapes="from_tracing_context")
 
 
 # A dynamic size is traced at this value: not 0 or 1 (which tracing would specialize on), and not a
@@ -152,7 +169,7 @@ class DynamicKernel(_Kernel):
     plain function runs."""
 
     def __init__(self, fn: Callable[..., torch.Tensor], dynamic: dict[int, tuple[int, ...]]) -> None:
-        super().__init__(fn)
+        super().__init__(fn, _FUSED)
         self.dynamic = dynamic
 
     def _key(self, args: tuple[torch.Tensor, ...]) -> tuple:
@@ -164,7 +181,7 @@ class DynamicKernel(_Kernel):
             return (a.shape, a.stride(), a.dtype)
         return (tuple(-1 if d in dims else n for d, n in enumerate(a.shape)), a.stride(-1), a.dtype)
 
-    def _build(self, args: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
+    def _build(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.fx.GraphModule, CompiledArtifact]:
         # No duck sizing: two sizes or strides that happen to be equal when traced stay two symbols.
         shape_env = ShapeEnv(duck_shape=False)
         mode = FakeTensorMode(shape_env=shape_env)
@@ -189,7 +206,7 @@ class DynamicKernel(_Kernel):
         # left, it would be hashed into AOTAutograd's cache key, which it can't be, and every
         # load would compile the graph again instead of taking it from the cache.
         del graph.shape_env
-        kernel = _inductor_compile(graph, fake, mode, _FUSED)
+        kernel = _inductor_compile(graph, fake, mode, self._options)
         # A stride replaced by anything, or a length by a constant (the function read its value),
         # is an assumption the generated code would make of every call. (A length replaced by
         # another is the one length every dynamic dim shares.)
@@ -198,7 +215,7 @@ class DynamicKernel(_Kernel):
         assumed |= {s for s in sizes.intersection(replaced) if not replaced[s].free_symbols}
         if assumed:
             raise ValueError(f"tracing fixed {sorted(map(str, assumed))} to other values")
-        return kernel
+        return graph, kernel
 
 
 def _generic_example(a: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

@@ -21,10 +21,10 @@ def test_compiles_once_per_shape_and_matches_eager() -> None:
 
 
 def test_falls_back_to_the_plain_function(monkeypatch, caplog) -> None:
-    def broken(graph, inputs):
+    def broken(graph, inputs, dynamic_shapes):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(compiled.torch._inductor, "compile", broken)
+    monkeypatch.setattr(compiled.torch._inductor, "standalone_compile", broken)
     kernel = StaticKernel(_scaled_sum)
     x, w = torch.ones(4), torch.ones(4, 3)
     assert torch.equal(kernel(x, w), torch.full((3,), 4.0))
