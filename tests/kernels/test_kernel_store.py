@@ -188,3 +188,20 @@ def test_directories_of_other_source_versions_are_removed_after_a_week(store: Ke
     DynamicKernel(decode_attention._attend, dynamic={1: (2,), 2: (2,)})(q, keys, values)
     assert not old.exists() and recent.exists()
     assert [p.name for p in store.root.iterdir() if p.name not in (recent.name,)] == [kernel_store._SOURCE]
+
+
+def test_a_store_that_cannot_be_written_is_skipped_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    store = KernelStore(blocked / "kernels")
+    monkeypatch.setattr(compiled, "kernel_store", lambda: store)
+    g = torch.Generator().manual_seed(8)
+    q, keys, values = torch.randn(1, 2, 1, 16, generator=g), *torch.randn(2, 1, 2, 5, 16, generator=g)
+    expected = decode_attention.decode_attention_reference(q.double(), keys.double(), values.double())
+    for kernel in (decode_attention._attend, decode_attention._attend_causal):
+        got = DynamicKernel(kernel, dynamic={1: (2,), 2: (2,)})(q, keys, values)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "not stored" in warnings[0].getMessage()
