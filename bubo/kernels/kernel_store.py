@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._inductor import CompiledArtifact
 from torch.utils import _pytree as pytree
 
 import bubo
@@ -138,7 +139,7 @@ class KernelStore:
             return None
         return _structured(compiled, spec)
 
-    def save(self, name: str, artifact: Any, graph: torch.fx.GraphModule) -> None:
+    def save(self, name: str, artifact: CompiledArtifact, graph: torch.fx.GraphModule) -> None:
         """Keep inductor's `artifact` of `graph` as `name`; a store that can't be written is skipped."""
         artifact_path, outputs_path = self._paths(name)
         try:
