@@ -83,7 +83,7 @@ class _Kernel:
         name = store.name(self.fn, self._key(args), self._options, args) if store else None
         try:
             with torch.inference_mode(False), torch.no_grad():
-                stored = store.load(name, self._options) if store and name else None
+                stored = store.load(name, self._options) if name else None
                 if stored is not None:
                     return stored
                 graph, artifact = self._build(args)
@@ -91,7 +91,7 @@ class _Kernel:
             log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)
             self._broken = True
             return self.fn
-        if store and name:
+        if name:
             store.save(name, artifact, graph)
         return artifact
 

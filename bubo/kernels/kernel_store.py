@@ -35,9 +35,8 @@ from typing import Any
 
 import torch
 from torch._inductor import CompiledArtifact
+from torch._inductor.codecache import write_atomic
 from torch.utils import _pytree as pytree
-
-import bubo
 
 __all__ = ["KernelStore", "kernel_store"]
 
@@ -74,7 +73,7 @@ def _describe(value: Any) -> Any:
 def _source_hash() -> str:
     """A hash of every Python file of the bubo package: a stored kernel is of this code only."""
     digest = hashlib.sha256()
-    root = Path(bubo.__file__).parent
+    root = Path(__file__).parents[1]
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
@@ -110,12 +109,12 @@ class KernelStore:
     ) -> str | None:
         """The name of `fn` compiled with `options` for arguments laid out as `layout`, or None where it
         can't be named (a function from outside Bubo, a closure of other things, arguments off the CPU)."""
-        if not fn.__module__.startswith("bubo.") or any(a.device.type != "cpu" for a in args):
+        if any(a.device.type != "cpu" for a in args):
             return None
         try:
-            described = _describe(fn)
+            described = _describe(fn)  # refuses a function from outside Bubo, as anything it can't name
         except _Undescribable as error:
-            log.debug("%s is not stored: its closure holds a %s", fn.__qualname__, error)
+            log.debug("%s is not stored: it is or holds a %s", fn.__qualname__, error)
             return None
         text = repr((described, layout, sorted(options.items()), torch.get_num_threads(), _machine()))
         return hashlib.sha256(text.encode()).hexdigest()[:40]
@@ -146,7 +145,7 @@ class KernelStore:
             outputs_path.parent.mkdir(parents=True, exist_ok=True)
             self._prune()
             spec = pytree.tree_structure(graph.graph.output_node().args[0])
-            _write_atomic(outputs_path, json.dumps({"outputs": pytree.treespec_dumps(spec)}))
+            write_atomic(str(outputs_path), json.dumps({"outputs": pytree.treespec_dumps(spec)}))
             artifact.save(path=str(artifact_path), format="binary")
         except Exception as error:  # a read-only or full disk, an artifact inductor can't serialize
             level = logging.DEBUG if self._said_unwritable else logging.WARNING
@@ -175,12 +174,6 @@ def _structured(compiled: Callable[..., Any], spec: pytree.TreeSpec) -> Callable
     if spec.type is tuple and all(child.is_leaf() for child in spec.children()):
         return lambda *args: tuple(compiled(*args))
     return lambda *args: pytree.tree_unflatten(compiled(*args), spec)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    partial.write_text(text)
-    partial.replace(path)
 
 
 @functools.cache
