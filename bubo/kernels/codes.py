@@ -12,8 +12,10 @@ Codes: a field of `bits` bits at position s of a word is isolated by masking it 
 is code * 2^(bits * s), an integer with at most `bits` significant bits, so its float32 conversion is
 exact. A kernel sums the products of one field position and scales that sum by 2^(-bits * s) once: a
 power of two, so the scaled sum is bit for bit the one shifted codes would give (short of overflow or
-underflow, some 30 orders of magnitude away), for one AND per code rather than a shift and an AND. The
-top field can't be masked in place (it would set the sign bit) and is shifted down instead.
+underflow, some 30 orders of magnitude away), for one AND per code rather than a shift and an AND. A
+field that holds the sign bit (the top one of 2, 4 or 8 bits) is shifted down instead. Fields of 3, 5 or
+6 bits lie 10, 6 or 5 to a word (30 bits used): a run of weights with one scale may then straddle two
+words, which `sub_block_dots` follows, so those codes cost 3.25 / 5.5 / 6.5 bits a weight, not 4 or 8.
 
 Per-block fields: a matvec streams as few arrays as it can. A block's scale and offset (PackedQ4,
 PackedQ8Offset) lie next to each other, [tiles, blocks, 2, TILE], so the words and the fields are two
@@ -47,10 +49,12 @@ __all__ = [
     "concat_tiled",
     "expand_tiles",
     "field_words",
+    "fields_a_word",
     "half_if_exact",
     "pairwise_sum",
     "placed_codes",
     "slice_tiled",
+    "sub_block_dots",
     "tiled_by_rows",
     "to_tiles",
     "word_bits",
@@ -161,47 +165,71 @@ def slice_tiled(packed: Packed, start: int, stop: int) -> Packed:
     return type(packed)(**fields)
 
 
+def fields_a_word(bits: int) -> int:
+    """How many `bits`-bit fields an int32 code word holds: 16 / 10 / 8 / 6 / 5 / 4 of 2 to 8 bits."""
+    return 32 // bits
+
+
 def placed_codes(word: torch.Tensor, s: int, bits: int) -> tuple[torch.Tensor, float]:
     """Field s of every int32 in `word` as float32 codes (unsigned), and the factor that undoes their
     placement: codes * factor is the field's value."""
-    top = 32 // bits - 1
     mask = (1 << bits) - 1
-    if s == top:
+    if bits * (s + 1) == 32:  # the field holds the sign bit: shifted down, not masked in place
         return ((word >> (bits * s)) & mask).to(torch.float32), 1.0
     return (word & (mask << (bits * s))).to(torch.float32), 2.0 ** (-bits * s)
 
 
-def block_dots(x: torch.Tensor, words: torch.Tensor, bits: int) -> list[torch.Tensor]:
-    """x_b . codes_b for every block b of every output row, the codes unsigned `bits`-bit fields of
-    `words` int32 [tiles, blocks, words, TILE] (field s of word w of block b is weight b * block + w *
-    fields + s): [tiles, blocks, TILE] for each row of x ([in_features] as one row, or [rows, in_features]).
+def sub_block_dots(
+    x: torch.Tensor, words: torch.Tensor, bits: int, sub_block: int
+) -> list[list[torch.Tensor]]:
+    """x_j . codes_j for every run j of `sub_block` weights of every group of an output row, the codes
+    unsigned `bits`-bit fields of `words` int32 [tiles, groups, words, TILE] (field s of word w of a group
+    is its weight w * fields_a_word + s, as field_words stores them; a run may straddle two words): for
+    each row of x ([in_features] as one row, or [rows, in_features]) a list of [tiles, groups, TILE], one
+    for each run of a group.
 
-    One reduction over blocks whose body expands a block's codes, so that inductor emits a single loop
-    per tile with nothing stored between the words and the result. The products of one field position
-    form a chain (one FMA per word) scaled once by its placement factor. With several rows (a verify
-    pass's few tokens, batched slots) the codes are expanded once for all of them, and that expansion is
-    what a matvec's time goes to (the Q4 matvec takes as long with its weights in cache as streamed):
-    3072x576 Q4_1, 2 threads, 2 / 4 / 8 rows 100 / 258 / 391 µs a row at a time against 69 / 148 / 222
-    µs together (best of 30, another process running)."""
-    n_blocks, n_words = words.shape[1], words.shape[2]
-    # x's weight (w, s) of every block as [1, blocks, 1], row by row, and each word of every block: taken
-    # apart once (unbind), as indexing each term out would trace five view ops for every one of its
-    # products, which made up half of a matvec's graph and of its tracing time at load.
-    planes = x.view(-1, n_blocks, n_words, 32 // bits).permute(0, 2, 3, 1)[:, :, :, None, :, None]
-    xs = [[word.unbind(0) for word in row.unbind(0)] for row in planes.unbind(0)]
+    One reduction over groups whose body expands a group's codes, so that inductor emits a single loop
+    per tile with nothing stored between the words and the result. The products of one run and one field
+    position form a chain (one FMA per word) scaled once by its placement factor. With several rows (a
+    verify pass's few tokens, batched slots) the codes are expanded once for all of them, and that
+    expansion is what a matvec's time goes to when its weights are in cache: 3072x576 Q4_1, 2 threads,
+    2 / 4 / 8 rows 100 / 258 / 391 µs a row at a time against 69 / 148 / 222 µs together (best of 30,
+    another process running)."""
+    n_groups, n_words = words.shape[1], words.shape[2]
+    group = x.shape[-1] // n_groups
+    per_word = fields_a_word(bits)
+    # x's weight k of every group as [1, groups, 1], row by row, and each word of every group: taken apart
+    # once (unbind), as indexing each term out would trace five view ops for every one of its products,
+    # which made up half of a matvec's graph and of its tracing time at load.
+    planes = x.view(-1, n_groups, group).permute(0, 2, 1)[:, :, None, :, None]
+    xs = [row.unbind(0) for row in planes.unbind(0)]
     word_planes = words.unbind(2)
-    positions: list[list[torch.Tensor]] = [[] for _ in xs]
-    for s in range(32 // bits):
-        chains: list[torch.Tensor | None] = [None] * len(xs)
-        for w in range(n_words):
-            codes, place = placed_codes(word_planes[w], s, bits)
-            for r, chain in enumerate(chains):
-                term = xs[r][w][s] * codes
-                chains[r] = term if chain is None else chain + term
-        for r, chain in enumerate(chains):
-            assert chain is not None
-            positions[r].append(chain if place == 1.0 else chain * place)
-    return [pairwise_sum(p) for p in positions]
+    runs = group // sub_block
+    # chains[r][j][s]: row r's products of run j's codes at field position s, traced word by word (a
+    # word's fields expanded together, where its load is).
+    chains: list[list[dict[int, torch.Tensor]]] = [[{} for _ in range(runs)] for _ in xs]
+    places: dict[int, float] = {}
+    for w in range(n_words):
+        for s in range(per_word):
+            k = w * per_word + s
+            if k >= group:  # an unused field of the last word
+                break
+            codes, places[s] = placed_codes(word_planes[w], s, bits)
+            for r, row_chains in enumerate(chains):
+                term = xs[r][k] * codes
+                run = row_chains[k // sub_block]
+                run[s] = run[s] + term if s in run else term
+    positions = [
+        [[run[s] if places[s] == 1.0 else run[s] * places[s] for s in sorted(run)] for run in row]
+        for row in chains
+    ]
+    return [[pairwise_sum(run) for run in row] for row in positions]
+
+
+def block_dots(x: torch.Tensor, words: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """x_b . codes_b for every block b of every output row (`sub_block_dots` with a group's weights one
+    run, `words` [tiles, blocks, words, TILE]): [tiles, blocks, TILE] for each row of x."""
+    return [row[0] for row in sub_block_dots(x, words, bits, x.shape[-1] // words.shape[1])]
 
 
 def block_sums(x: torch.Tensor, n_blocks: int) -> torch.Tensor:
@@ -216,15 +244,23 @@ def by_rows(x: torch.Tensor, outputs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def field_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unsigned codes of `bits` bits (2, 4 or 8; any integer dtype) [..., n] of a block's weights in order
-    (n a multiple of 32 / bits) -> their int32 words [..., n * bits / 32], field s of word w holding code
-    w * 32 / bits + s (little end first)."""
-    per_byte = 8 // bits
-    grouped = codes.to(torch.uint8).view(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
-    byte = grouped[..., 0].clone(memory_format=torch.contiguous_format)
-    for k in range(1, per_byte):
-        byte |= grouped[..., k] << (bits * k)
-    return byte.view(torch.int32)
+    """Unsigned codes of `bits` bits (2 to 8; any integer dtype) [..., n] of a group's weights in order ->
+    their int32 words [..., ceil(n / fields_a_word)], field s of word w holding code w * fields_a_word + s
+    (little end first), the last word's unused fields zero."""
+    if 8 % bits == 0:  # fields never straddle a byte: built a byte at a time (a quarter of the memory)
+        per_byte = 8 // bits
+        grouped = codes.to(torch.uint8).view(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+        byte = grouped[..., 0].clone(memory_format=torch.contiguous_format)
+        for k in range(1, per_byte):
+            byte |= grouped[..., k] << (bits * k)
+        return byte.view(torch.int32)
+    per_word = fields_a_word(bits)
+    padded = torch.nn.functional.pad(codes.to(torch.int32), (0, -codes.shape[-1] % per_word))
+    grouped = padded.view(*codes.shape[:-1], -1, per_word)
+    word = grouped[..., 0].clone(memory_format=torch.contiguous_format)
+    for s in range(1, per_word):
+        word |= grouped[..., s] << (bits * s)
+    return word
 
 
 def word_bits(words: torch.Tensor) -> torch.Tensor:

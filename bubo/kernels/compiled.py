@@ -48,6 +48,9 @@ _FUSED = {
     "realize_reads_threshold": 100_000,
     "realize_acc_reads_threshold": 100_000,
     "cpp.enable_floating_point_contract_flag": "fast",
+    # A matvec's reduction over a row's few groups (8 for a 1024-wide Q6_K row) stays a loop: inductor
+    # would unroll it whole (8 or fewer steps), each step hundreds of instructions.
+    "unroll_reductions_threshold": 1,
 }
 
 

@@ -10,8 +10,11 @@ sub-block: the products are those a per-sub-block float32 scale would give (the 
 which took 6 bits a Q4_K weight against this one's 4.75, and ran no faster).
 
 Layout (`PackedSuperBlocks`, tiled as bubo/kernels/codes.py says):
-- `words` int32 [tiles, super-blocks, code words, TILE]: the stored codes, `code_bits`-bit fields,
-  field s of word w holding weight w * 32 / code_bits + s of the super-block (codes.field_words).
+- `words` int32 [tiles, super-blocks, code words, TILE]: the stored codes, `code_bits`-bit fields packed
+  fields_a_word to a word (codes.field_words), a group of weights at a time: field s of word w of group g
+  holds weight g * group + w * fields_a_word + s of the super-block. A group is a sub-block where its
+  codes fill whole words (2, 4, 8 bits); 3-, 5- and 6-bit codes (10, 6, 5 a word) are packed 128 weights
+  at a time, the last word of each 128 part unused, and a sub-block's codes may straddle two words.
 - `fields` int32 [tiles, super-blocks, field words, TILE]: the sub-blocks' stored scale bytes (four
   a word, sub-block j at byte j % 4 of word j // 4), then as many of their min bytes where the type
   has mins, then d's float32 bits, then dmin's.
@@ -19,10 +22,16 @@ Stored values are unsigned (a field isolated by one AND, as the other layouts do
 is stored minus its format's bias (Q6_K's code q - 32 as q, its int8 sc as sc + 128), and the kernel adds
 the bias back: code_bias * scale * sum(x_j) once a sub-block, scale_bias exactly in the scale.
 
-Bits a weight, against the file's: Q4_K 4.75 (4.5), Q5_K 8.75 (5.5: its 5-bit codes as bytes), Q6_K
-8.625 (6.56: bytes), Q3_K 4.625 (3.44: nibbles), Q2_K 3.25 (2.63), IQ4_XS 8.375 (4.25: the codebook
-value as a byte, as IQ4_NL's PackedQ8 holds it, since a kernel that looked the 4-bit index up in the
-table would gather per weight, which inductor leaves scalar: 16x slower).
+The matvec's loop takes one group a step. Why 128 weights for the packed widths: a whole super-block a
+step (52 words of 6-bit codes) ran Q6_K 3072x1024 (2 threads, 24 matrices cycled) at 153-180 µs against
+111-145 for the byte layout before it; 64 weights a step (13 words) 142-310 µs; 128 weights 71-188 µs
+against the byte layout's 156-231 in the same sweep, and in cache 67-69 against 52-69 (this VM's noise is
+±30 %).
+
+Bits a weight, against the file's: Q4_K 4.75 (4.5), Q5_K 6.25 (5.5), Q6_K 7.125 (6.56), Q3_K 3.875
+(3.44), Q2_K 3.25 (2.63), IQ4_XS 8.375 (4.25: the codebook value as a byte, as IQ4_NL's PackedQ8 holds it,
+since a kernel that looked the 4-bit index up in the table would gather per weight, which inductor leaves
+scalar: 16x slower). Q5_K, Q6_K and Q3_K took 8.75, 8.625 and 4.625 with their codes in bytes or nibbles.
 """
 
 import functools
@@ -49,12 +58,13 @@ from bubo.gguf.quants import (
     q6_k_sub_scales,
 )
 from bubo.kernels.codes import (
-    block_dots,
     block_sums,
-    by_block,
     by_rows,
     expand_tiles,
     field_words,
+    fields_a_word,
+    pairwise_sum,
+    sub_block_dots,
     word_bits,
 )
 from bubo.kernels.compiled import StaticKernel
@@ -78,15 +88,33 @@ class SuperBlockFormat:
     """How one type's super-block is stored: weight = (d * (sc + scale_bias)) * (code + code_bias)
     - dmin * m, the last term only where `has_min`, each stored value unsigned."""
 
-    code_bits: int  # 2, 4 or 8: a code's field in the words
+    code_bits: int  # a code's field in the words, 2 to 8 bits
     sub_blocks: int  # a super-block's runs of weights with a scale (and min) of their own
     code_bias: int
     scale_bias: int
     has_min: bool
+    group: int = 0  # weights whose codes fill whole words together (0: a sub-block's)
+
+    @property
+    def sub_block_weights(self) -> int:
+        return QK_K // self.sub_blocks
+
+    @property
+    def group_weights(self) -> int:
+        return self.group or self.sub_block_weights
+
+    @property
+    def groups(self) -> int:
+        return QK_K // self.group_weights
+
+    @property
+    def group_words(self) -> int:
+        """Words holding a group's codes: fields_a_word of them a word, the last one's rest unused."""
+        return -(-self.group_weights // fields_a_word(self.code_bits))
 
     @property
     def code_words(self) -> int:
-        return QK_K * self.code_bits // 32
+        return self.groups * self.group_words
 
     @property
     def scale_words(self) -> int:
@@ -104,9 +132,13 @@ class SuperBlockFormat:
 
 SUPER_BLOCK_FORMATS: dict[GGMLQuantizationType, SuperBlockFormat] = {
     Q.Q4_K: SuperBlockFormat(code_bits=4, sub_blocks=8, code_bias=0, scale_bias=0, has_min=True),
-    Q.Q5_K: SuperBlockFormat(code_bits=8, sub_blocks=8, code_bias=0, scale_bias=0, has_min=True),
-    Q.Q6_K: SuperBlockFormat(code_bits=8, sub_blocks=16, code_bias=-32, scale_bias=-128, has_min=False),
-    Q.Q3_K: SuperBlockFormat(code_bits=4, sub_blocks=16, code_bias=-4, scale_bias=-32, has_min=False),
+    Q.Q5_K: SuperBlockFormat(code_bits=5, sub_blocks=8, code_bias=0, scale_bias=0, has_min=True, group=128),
+    Q.Q6_K: SuperBlockFormat(
+        code_bits=6, sub_blocks=16, code_bias=-32, scale_bias=-128, has_min=False, group=128
+    ),
+    Q.Q3_K: SuperBlockFormat(
+        code_bits=3, sub_blocks=16, code_bias=-4, scale_bias=-32, has_min=False, group=128
+    ),
     Q.Q2_K: SuperBlockFormat(code_bits=2, sub_blocks=16, code_bias=0, scale_bias=0, has_min=True),
     Q.IQ4_XS: SuperBlockFormat(code_bits=8, sub_blocks=8, code_bias=-128, scale_bias=-32, has_min=False),
 }
@@ -198,7 +230,8 @@ def super_block_rows(
         if fmt.has_min:
             assert parts.dmin is not None
             fields.append(parts.dmin.view(torch.int32))
-        return field_words(codes, fmt.code_bits), torch.cat(fields, dim=-1).view(n, -1, fmt.field_words)
+        words = field_words(codes.view(n, -1, fmt.groups, fmt.group_weights), fmt.code_bits)
+        return words.view(n, -1, fmt.code_words), torch.cat(fields, dim=-1).view(n, -1, fmt.field_words)
 
     return rows
 
@@ -225,57 +258,67 @@ def _scale_offset(
     return scale, -(dmin * sub_block_bytes(n))
 
 
-def _code_words(fmt: SuperBlockFormat, bits: torch.Tensor) -> torch.Tensor:
-    """The code words' float32 bits [tiles, super-blocks, code words, TILE] -> int32 [tiles, sub-blocks,
-    words a sub-block, TILE]: a view, each sub-block a block of codes.block_dots'."""
-    tiles, n_super, _, lanes = bits.shape
-    return bits.view(torch.int32).view(
-        tiles, n_super * fmt.sub_blocks, fmt.code_words // fmt.sub_blocks, lanes
-    )
-
-
 @functools.cache
 def _matvec_kernel(fmt: SuperBlockFormat) -> StaticKernel:
     def super_block_matvec_tiles(
         x: torch.Tensor, bits: torch.Tensor, field_bits: torch.Tensor
     ) -> torch.Tensor:
         # sum_j scale_j * (x_j . codes_j + code_bias * sum(x_j)) + offset_j * sum(x_j) over every sub-block
-        # j: the dot products run on the stored codes alone (codes.block_dots, several rows of x at once).
+        # j: the dot products run on the stored codes alone (codes.sub_block_dots, several rows of x at once).
         tiles, n_super, _, lanes = bits.shape
+        n_groups, runs = n_super * fmt.groups, fmt.group_weights // fmt.sub_block_weights
         scale, offset = _scale_offset(fmt, field_bits)
         if fmt.code_bias:
             offset = fmt.code_bias * scale if offset is None else fmt.code_bias * scale + offset
-        dots = block_dots(x, _code_words(fmt, bits), fmt.code_bits)
-        sums = block_sums(x, n_super * fmt.sub_blocks).view(-1, 1, n_super, fmt.sub_blocks, 1)
+        # Per group of whole words, [tiles, groups, runs of a group, TILE]: one step of the loop a group.
+        scale = scale.view(tiles, n_groups, runs, lanes)
+        offset = None if offset is None else offset.view(tiles, n_groups, runs, lanes)
+        words = bits.view(torch.int32).view(tiles, n_groups, fmt.group_words, lanes)
+        dots = sub_block_dots(x, words, fmt.code_bits, fmt.sub_block_weights)
+        sums = block_sums(x, n_super * fmt.sub_blocks).view(-1, 1, n_groups, runs)
         outputs = []
-        for r, dot in enumerate(dots):
-            terms = dot.view(tiles, n_super, fmt.sub_blocks, lanes) * scale
-            if offset is not None:
-                terms = terms + sums[r] * offset
-            outputs.append(terms.sum((1, 2)).view(-1))
+        for r, row_dots in enumerate(dots):
+            terms = []
+            for j, dot in enumerate(row_dots):
+                term = dot * scale[:, :, j]
+                terms.append(term if offset is None else term + sums[r][:, :, j, None] * offset[:, :, j])
+            outputs.append(pairwise_sum(terms).sum(1).view(-1))
         return by_rows(x, outputs)
 
     return StaticKernel(super_block_matvec_tiles, fused=True)
 
 
+def _by_sub_block(field: torch.Tensor) -> torch.Tensor:
+    """A per-sub-block value [tiles, super-blocks, sub-blocks, TILE] as [super-blocks, sub-blocks, 1, tiles,
+    TILE]: to broadcast over a super-block's expanded codes [super-blocks, sub-blocks, weights, tiles, TILE]."""
+    return field.permute(1, 2, 0, 3)[:, :, None]
+
+
 @functools.cache
 def _unpack_kernel(fmt: SuperBlockFormat, dtype: torch.dtype) -> StaticKernel:
     def super_block_unpack_tiles(bits: torch.Tensor, field_bits: torch.Tensor) -> torch.Tensor:
-        # [tiles, sub-blocks, words, TILE] -> [sub-blocks, words, field, tiles, TILE]: the transposed weight
-        # (see q4_matvec's unpacking). Compiled without FMA contraction, and in the reference dequantizer's
-        # order, (code + code_bias) * scale + offset, the first product and sum exact: bit for bit its result.
-        words = _code_words(fmt, bits).permute(1, 2, 0, 3)
-        shifts = torch.arange(0, 32, fmt.code_bits, dtype=torch.int32, device=bits.device)[:, None, None]
-        codes = ((words[:, :, None] >> shifts) & ((1 << fmt.code_bits) - 1)).to(torch.float32)
+        # [tiles, super-blocks, words, TILE] -> [super-blocks, sub-blocks, weights, tiles, TILE]: the
+        # transposed weight (see q4_matvec's unpacking). Compiled without FMA contraction, and in the reference
+        # dequantizer's order, (code + code_bias) * scale + offset, the first product and sum exact: bit for
+        # bit its result.
+        tiles, n_super, _, lanes = bits.shape
+        words = bits.view(torch.int32).view(tiles, n_super * fmt.groups, fmt.group_words, lanes)
+        words = words.permute(1, 2, 0, 3)
+        per_word = fields_a_word(fmt.code_bits)
+        shifts = torch.arange(
+            0, per_word * fmt.code_bits, fmt.code_bits, dtype=torch.int32, device=bits.device
+        )
+        fields = (words[:, :, None] >> shifts[:, None, None]) & ((1 << fmt.code_bits) - 1)
+        codes = fields.reshape(n_super * fmt.groups, -1, tiles, lanes)[:, : fmt.group_weights]
+        codes = codes.reshape(n_super, fmt.sub_blocks, fmt.sub_block_weights, tiles, lanes).to(torch.float32)
         scale, offset = _scale_offset(fmt, field_bits)
-        tiles, lanes = bits.shape[0], bits.shape[-1]
         # Stored once: left as expressions, inductor would take each sub-block's bytes apart again for
         # every one of its weights.
         scale = force_stride_order(scale, scale.stride())
-        weight = (codes + fmt.code_bias) * by_block(scale.reshape(tiles, -1, lanes))
+        weight = (codes + fmt.code_bias) * _by_sub_block(scale)
         if offset is not None:
             offset = force_stride_order(offset, offset.stride())
-            weight = weight + by_block(offset.reshape(tiles, -1, lanes))
+            weight = weight + _by_sub_block(offset)
         return weight.to(dtype).reshape(-1, tiles * lanes)
 
     return StaticKernel(super_block_unpack_tiles)

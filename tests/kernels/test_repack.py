@@ -63,7 +63,8 @@ def test_matvec_matches_float64_reference(qtype: Q) -> None:
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
-# The super-block formats' code widths (4, 8, 2 bits), with and without mins and biases; and Q5_1's PackedQ8Offset.
+# The super-block formats' code widths (4, 5, 6, 3, 2, 8 bits: runs within words and straddling them), with
+# and without mins and biases; and Q5_1's PackedQ8Offset.
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.Q5_1])
 def test_matvec_of_several_rows_is_each_rows_matvec(qtype: Q) -> None:
     # A verify pass multiplies its few tokens' rows in one pass over the codes: each row's result is the
