@@ -126,8 +126,8 @@ class QuantizedExpertMatrices(nn.Module):
 
 def pack_experts_enabled() -> bool:
     """Whether CPU expert stacks are repacked (on unless BUBO_PACK_EXPERTS is 0). The packed layouts take
-    more memory than the file's blocks (Q4_K 4.75 bits a weight against 4.5, Q6_K 8.625 against 6.56: a
-    Qwen3-30B-A3B Q4_K_M's experts grow from ~17 to ~19 GB); 0 keeps the file's bytes, mapped and
+    more memory than the file's blocks (Q4_K 4.75 bits a weight against 4.5, Q6_K 7.125 against 6.56: a
+    Qwen3-30B-A3B Q4_K_M's experts grow from ~17 to ~18 GB); 0 keeps the file's bytes, mapped and
     dequantized per routed expert, which decodes several times slower."""
     return os.environ.get("BUBO_PACK_EXPERTS", "1") != "0"
 
