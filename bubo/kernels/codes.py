@@ -15,7 +15,8 @@ power of two, so the scaled sum is bit for bit the one shifted codes would give 
 underflow, some 30 orders of magnitude away), for one AND per code rather than a shift and an AND. A
 field that holds the sign bit (the top one of 2, 4 or 8 bits) is shifted down instead. Fields of 3, 5 or
 6 bits lie 10, 6 or 5 to a word (30 bits used): a run of weights with one scale may then straddle two
-words, which `sub_block_dots` follows, so those codes cost 3.25 / 5.5 / 6.5 bits a weight, not 4 or 8.
+words, which `sub_block_dots` follows, so those codes cost 3.25 / 5.5 / 6.5 bits a weight (packed 128 at a
+time, bubo/kernels/super_block_matvec.py), not 4 or 8.
 
 Per-block fields: a matvec streams as few arrays as it can. A block's scale and offset (PackedQ4,
 PackedQ8Offset) lie next to each other, [tiles, blocks, 2, TILE], so the words and the fields are two

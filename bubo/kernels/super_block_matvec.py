@@ -14,7 +14,8 @@ Layout (`PackedSuperBlocks`, tiled as bubo/kernels/codes.py says):
   fields_a_word to a word (codes.field_words), a group of weights at a time: field s of word w of group g
   holds weight g * group + w * fields_a_word + s of the super-block. A group is a sub-block where its
   codes fill whole words (2, 4, 8 bits); 3-, 5- and 6-bit codes (10, 6, 5 a word) are packed 128 weights
-  at a time, the last word of each 128 part unused, and a sub-block's codes may straddle two words.
+  at a time (the last word of each holding two to four unused fields), and a sub-block's codes may
+  straddle two words.
 - `fields` int32 [tiles, super-blocks, field words, TILE]: the sub-blocks' stored scale bytes (four
   a word, sub-block j at byte j % 4 of word j // 4), then as many of their min bytes where the type
   has mins, then d's float32 bits, then dmin's.
