@@ -248,20 +248,16 @@ def field_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned codes of `bits` bits (2 to 8; any integer dtype) [..., n] of a group's weights in order ->
     their int32 words [..., ceil(n / fields_a_word)], field s of word w holding code w * fields_a_word + s
     (little end first), the last word's unused fields zero."""
-    if 8 % bits == 0:  # fields never straddle a byte: built a byte at a time (a quarter of the memory)
-        per_byte = 8 // bits
-        grouped = codes.to(torch.uint8).view(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
-        byte = grouped[..., 0].clone(memory_format=torch.contiguous_format)
-        for k in range(1, per_byte):
-            byte |= grouped[..., k] << (bits * k)
-        return byte.view(torch.int32)
-    per_word = fields_a_word(bits)
-    padded = torch.nn.functional.pad(codes.to(torch.int32), (0, -codes.shape[-1] % per_word))
-    grouped = padded.view(*codes.shape[:-1], -1, per_word)
-    word = grouped[..., 0].clone(memory_format=torch.contiguous_format)
-    for s in range(1, per_word):
-        word |= grouped[..., s] << (bits * s)
-    return word
+    # Fields that never straddle a byte (2, 4, 8 bits) are put together a byte at a time: a quarter of the
+    # memory int32s take while a large matrix is packed.
+    unit = torch.uint8 if 8 % bits == 0 else torch.int32
+    per_unit = unit.itemsize * 8 // bits
+    padded = torch.nn.functional.pad(codes.to(unit), (0, -codes.shape[-1] % fields_a_word(bits)))
+    grouped = padded.view(*codes.shape[:-1], -1, per_unit)
+    packed = grouped[..., 0].clone(memory_format=torch.contiguous_format)
+    for s in range(1, per_unit):
+        packed |= grouped[..., s] << (bits * s)
+    return packed.view(torch.int32)
 
 
 def word_bits(words: torch.Tensor) -> torch.Tensor:

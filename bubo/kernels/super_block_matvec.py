@@ -60,6 +60,7 @@ from bubo.gguf.quants import (
 )
 from bubo.kernels.codes import (
     block_sums,
+    by_block,
     by_rows,
     expand_tiles,
     field_words,
@@ -289,16 +290,10 @@ def _matvec_kernel(fmt: SuperBlockFormat) -> StaticKernel:
     return StaticKernel(super_block_matvec_tiles, fused=True)
 
 
-def _by_sub_block(field: torch.Tensor) -> torch.Tensor:
-    """A per-sub-block value [tiles, super-blocks, sub-blocks, TILE] as [super-blocks, sub-blocks, 1, tiles,
-    TILE]: to broadcast over a super-block's expanded codes [super-blocks, sub-blocks, weights, tiles, TILE]."""
-    return field.permute(1, 2, 0, 3)[:, :, None]
-
-
 @functools.cache
 def _unpack_kernel(fmt: SuperBlockFormat, dtype: torch.dtype) -> StaticKernel:
     def super_block_unpack_tiles(bits: torch.Tensor, field_bits: torch.Tensor) -> torch.Tensor:
-        # [tiles, super-blocks, words, TILE] -> [super-blocks, sub-blocks, weights, tiles, TILE]: the
+        # [tiles, super-blocks, words, TILE] -> [sub-blocks, weights, 1, tiles, TILE]: the
         # transposed weight (see q4_matvec's unpacking). Compiled without FMA contraction, and in the reference
         # dequantizer's order, (code + code_bias) * scale + offset, the first product and sum exact: bit for
         # bit its result.
@@ -311,15 +306,16 @@ def _unpack_kernel(fmt: SuperBlockFormat, dtype: torch.dtype) -> StaticKernel:
         )
         fields = (words[:, :, None] >> shifts[:, None, None]) & ((1 << fmt.code_bits) - 1)
         codes = fields.reshape(n_super * fmt.groups, -1, tiles, lanes)[:, : fmt.group_weights]
-        codes = codes.reshape(n_super, fmt.sub_blocks, fmt.sub_block_weights, tiles, lanes).to(torch.float32)
+        # A sub-block's codes as one of codes.by_block's blocks.
+        codes = codes.reshape(-1, fmt.sub_block_weights, 1, tiles, lanes).to(torch.float32)
         scale, offset = _scale_offset(fmt, field_bits)
         # Stored once: left as expressions, inductor would take each sub-block's bytes apart again for
         # every one of its weights.
         scale = force_stride_order(scale, scale.stride())
-        weight = (codes + fmt.code_bias) * _by_sub_block(scale)
+        weight = (codes + fmt.code_bias) * by_block(scale.reshape(tiles, -1, lanes))
         if offset is not None:
             offset = force_stride_order(offset, offset.stride())
-            weight = weight + _by_sub_block(offset)
+            weight = weight + by_block(offset.reshape(tiles, -1, lanes))
         return weight.to(dtype).reshape(-1, tiles * lanes)
 
     return StaticKernel(super_block_unpack_tiles)
