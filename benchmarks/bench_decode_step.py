@@ -5,19 +5,28 @@ to other processes than wall time).
 
     python benchmarks/bench_decode_step.py                    # default model, 2 threads
     python benchmarks/bench_decode_step.py --model FILE --threads 1 --steps 64 --rounds 5
+    python benchmarks/bench_decode_step.py --prompt-tokens 512 --breakdown
 
 On a device where no compiled step applies (CUDA: the captured step is bench_cuda_graphs.py's) only the
-eager step is measured.
+eager step is measured. `--breakdown` then times the compiled step's parts where they run: its graphs
+(the layers', and the last one, which ends in the logits), the attention kernel, the writes of each
+layer's new key and value into the cache, a mixture of experts' routed experts, and the rest (the
+embedding, rotary angles, Python between the calls) as what the parts leave of the step.
 """
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from bubo.engine.compiled_decode import CompiledDecodeStep
 
 Step = Callable[[torch.Tensor], torch.Tensor]
 
@@ -48,7 +57,69 @@ def run_rounds(paths: dict[str, Step], steps: int, rounds: int, device: torch.de
         print(f"{name:>8}: median {statistics.median(rates):.1f} tok/s ({min(rates):.1f}-{max(rates):.1f})")
 
 
+@contextlib.contextmanager
+def timed_parts(step: "CompiledDecodeStep") -> Iterator[dict[str, list[float]]]:
+    """[seconds, calls] of each part of the compiled decode step `step` while the block runs, summed: its
+    calls wrapped in timers (the module functions it looks up at call time, and its graph runner)."""
+    from bubo.engine import compiled_decode
+    from bubo.model.moe import SparseMoE
+
+    parts = ["layer graphs", "graph to the logits", "attention", "KV cache writes"]
+    if any(experts is not None for experts in step.experts):
+        parts.append("routed experts")
+    totals = {part: [0.0, 0] for part in parts}
+    # The step's last graph ends in the logits: the one after the last layer, or after its experts.
+    logits_call = len(step.layers) if step.experts[-1] is None else -len(step.layers)
+
+    def timer(part: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                total = totals[part(*args) if callable(part) else part]
+                total[0] += time.perf_counter() - started
+                total[1] += 1
+
+        return timed
+
+    def graph_part(_: Any, call: int, *rest: Any) -> str:
+        return "graph to the logits" if call == logits_call else "layer graphs"
+
+    patches = [
+        (type(step), "_run", timer(graph_part, type(step)._run)),
+        (compiled_decode, "decode_attention", timer("attention", compiled_decode.decode_attention)),
+        (compiled_decode, "_store", timer("KV cache writes", compiled_decode._store)),
+        (SparseMoE, "one_token", timer("routed experts", SparseMoE.one_token)),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, wrapped in patches:
+        setattr(owner, name, wrapped)
+    try:
+        yield totals
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def print_breakdown(step: "CompiledDecodeStep", run: Step, steps: int) -> None:
+    """Time `steps` steps of `run` (the compiled step on its cache) with its parts timed, and print
+    milliseconds and calls a token for each part, the rest and the whole step."""
+    token = torch.zeros((), dtype=torch.long)
+    with timed_parts(step) as totals:
+        started = time.perf_counter()
+        for _ in range(steps):
+            token = run(token).argmax()
+        whole = time.perf_counter() - started
+    print(f"compiled step, {steps} tokens: ms, share and calls a token (parts timed where they run)")
+    rest = whole - sum(seconds for seconds, _ in totals.values())
+    for part, (seconds, calls) in [*totals.items(), ("rest", (rest, 0)), ("step", (whole, steps))]:
+        print(f"  {part:<20} {seconds / steps * 1000:7.2f} {seconds / whole:7.1%} {calls / steps:5.0f}")
+
+
 def main() -> int:
+    from bubo.cli import CACHE_TYPES
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -58,6 +129,15 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--cache-type",
+        choices=sorted(CACHE_TYPES),
+        default="f16",
+        help="KV cache type (default f16, as `bubo serve`'s)",
+    )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="then time the compiled step's parts (see above)"
+    )
     args = parser.parse_args()
 
     from bubo.engine.compiled_decode import prepare_decode_step
@@ -69,11 +149,12 @@ def main() -> int:
         args.model = default_model_path()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    loaded = load_model(args.model, device=args.device)
+    cache = CACHE_TYPES[args.cache_type]
+    loaded = load_model(args.model, device=args.device, cache_dtypes=(cache, cache))
     print(f"load (compiled step included): {time.perf_counter() - started:.1f} s")
     model = loaded.model
     compiled = prepare_decode_step(model)
-    max_len = args.prompt_tokens + (args.rounds + 1) * args.steps + 1
+    max_len = args.prompt_tokens + (args.rounds + 2) * args.steps + 1
     prompt = torch.arange(args.prompt_tokens, device=model.device)[None] % model.config.vocab_size
 
     paths: dict[str, Step] = {}
@@ -88,6 +169,8 @@ def main() -> int:
         else:
             print(f"no compiled step for this model on {model.device}: eager only")
         run_rounds(paths, args.steps, args.rounds, model.device)
+        if args.breakdown and compiled is not None:
+            print_breakdown(compiled, paths["compiled"], args.steps)
     return 0
 
 

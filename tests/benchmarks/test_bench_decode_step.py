@@ -1,0 +1,102 @@
+"""benchmarks/bench_decode_step.py --breakdown: the compiled decode step's parts timed where they run,
+the step's results untouched by the timers, and the engine left as it was."""
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from bubo.engine import compiled_decode
+from bubo.engine.compiled_decode import CompiledDecodeStep, prepare_decode_step
+from bubo.engine.loaded_model import LoadedModel
+from bubo.model import quantized_linear
+from bubo.model.decoder import Decoder
+from bubo.model.moe import SparseMoE
+from tests.engine.test_compiled_decode import _moe_model
+
+ROOT = Path(__file__).resolve().parents[2]
+DENSE_PARTS = {"layer graphs", "graph to the logits", "attention", "KV cache writes"}
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "bench_decode_step", ROOT / "benchmarks/bench_decode_step.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@torch.inference_mode()
+def _steps(model: Decoder, step: CompiledDecodeStep, bench: ModuleType | None) -> tuple[list, dict]:
+    """Logits of 3 greedy steps after a short prompt, and the parts' seconds when `bench` times them."""
+    cache = model.new_cache(max_len=16)
+    model(torch.tensor([[3, 17, 42, 7]]), cache, last_only=True)
+    token, logits, totals = torch.tensor(5), [], {}
+    if bench is None:
+        for _ in range(3):
+            logits.append(step(token, cache))
+            token = logits[-1].argmax()
+        return logits, totals
+    with bench.timed_parts(step) as totals:
+        for _ in range(3):
+            logits.append(step(token, cache))
+            token = logits[-1].argmax()
+    return logits, totals
+
+
+def _originals() -> list:
+    return [
+        CompiledDecodeStep._run,
+        compiled_decode.decode_attention,
+        compiled_decode._store,
+        SparseMoE.one_token,
+    ]
+
+
+def test_breakdown_times_every_part_of_the_default_model_step(
+    smollm2: LoadedModel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench, model = _bench(), smollm2.model
+    step = prepare_decode_step(model)
+    assert step is not None
+    originals = _originals()
+    expected, _ = _steps(model, step, None)
+    got, totals = _steps(model, step, bench)
+    assert _originals() == originals  # every wrapper taken off again
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert set(totals) == DENSE_PARTS and all(seconds > 0 for seconds, _ in totals.values())
+    layers = len(model.layers)
+    # A step: a graph into the first layer, one after each layer (the last ends in the logits), and each
+    # layer's attention and cache write.
+    calls = {"layer graphs": 3 * layers, "graph to the logits": 3, "attention": 3 * layers}
+    assert {part: totals[part][1] for part in calls} == calls
+    assert totals["KV cache writes"][1] == 3 * layers
+
+    cache = model.new_cache(max_len=8)
+    with torch.inference_mode():
+        bench.print_breakdown(step, lambda token: step(token, cache), 2)
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line[:22].strip(): [float(v.rstrip("%")) for v in line[22:].split()] for line in lines[1:]}
+    assert set(rows) == DENSE_PARTS | {"rest", "step"}
+    ms = {part: row[0] for part, row in rows.items()}
+    assert sum(v for part, v in ms.items() if part != "step") == pytest.approx(ms["step"], abs=0.02)
+    assert rows["step"][1:] == [100.0, 1] and rows["attention"][2] == len(model.layers)
+
+
+def test_breakdown_times_the_routed_experts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    model = _moe_model(tmp_path / "moe.gguf")
+    step = CompiledDecodeStep(model)
+    expected, _ = _steps(model, step, None)
+    got, totals = _steps(model, step, _bench())
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert set(totals) == DENSE_PARTS | {"routed experts"} and totals["routed experts"][0] > 0
+    layers = len(model.layers)
+    # A step: into the first layer, then per layer its routing graph and the one after its experts (the
+    # last of which ends in the logits), its experts' run between them.
+    calls = {"layer graphs": 3 * 2 * layers, "graph to the logits": 3, "routed experts": 3 * layers}
+    assert {part: totals[part][1] for part in calls} == calls
