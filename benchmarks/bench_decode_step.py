@@ -60,7 +60,8 @@ def run_rounds(paths: dict[str, Step], steps: int, rounds: int, device: torch.de
 @contextlib.contextmanager
 def timed_parts(step: "CompiledDecodeStep") -> Iterator[dict[str, list[float]]]:
     """[seconds, calls] of each part of the compiled decode step `step` while the block runs, summed: its
-    calls wrapped in timers (the module functions it looks up at call time, and its graph runner)."""
+    calls wrapped in timers (its graph runner and attention, and the module functions it looks up at call
+    time)."""
     from bubo.engine import compiled_decode
     from bubo.model.moe import SparseMoE
 
@@ -88,7 +89,7 @@ def timed_parts(step: "CompiledDecodeStep") -> Iterator[dict[str, list[float]]]:
 
     patches = [
         (type(step), "_run", timer(graph_part, type(step)._run)),
-        (compiled_decode, "decode_attention", timer("attention", compiled_decode.decode_attention)),
+        (type(step), "_attention", timer("attention", type(step)._attention)),
         (compiled_decode, "_store", timer("KV cache writes", compiled_decode._store)),
         (SparseMoE, "one_token", timer("routed experts", SparseMoE.one_token)),
     ]

@@ -45,7 +45,7 @@ from torch._inductor.inductor_prims import force_stride_order
 from bubo.engine.kv_cache import KVCache
 from bubo.gguf.config import RopeStyle
 from bubo.kernels.compiled import StaticKernel
-from bubo.kernels.decode_attention import decode_attention
+from bubo.kernels.decode_attention import decode_attention_kernel
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DecoderLayer
 from bubo.model.layers import MLP, RMSNorm, apply_rotary, rms_norm
@@ -417,30 +417,6 @@ def _write_and_view(pool: torch.Tensor, run: int, start: int, new: torch.Tensor)
     )
 
 
-def _attend(
-    slot: int,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sequences: list[tuple[KVCache, int, int | None]],
-) -> torch.Tensor:
-    """Layer `slot`'s attention for a pass's rows: each sequence's new keys and values (k, v [kv_heads,
-    rows, D]) written into its cache, and its queries (q [1, heads, rows, D]) attending over it."""
-    if len(sequences) == 1:
-        ((cache, _, run),) = sequences
-        return decode_attention(q, *_store(cache, slot, run, k, v))
-    outputs, row = [], 0
-    for cache, rows, run in sequences:
-        mine = slice(row, row + rows)
-        keys, values = _store(cache, slot, run, k[:, mine], v[:, mine])
-        # A copy in a lone sequence's layout: the attention kernel compiled for it serves every row.
-        outputs.append(decode_attention(q[:, :, mine].contiguous(), keys, values))
-        row += rows
-    # Contiguous, as decode_attention's own result is: the graphs that take it are looked up by row
-    # count alone (CompiledDecodeStep._run), so a verify pass and a batch of as many rows share them.
-    return torch.cat(outputs, dim=2)
-
-
 def _store(
     cache: KVCache, slot: int, run: int | None, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -503,6 +479,7 @@ class CompiledDecodeStep:
         if len(graphs) > MAX_BETWEEN_GRAPHS:
             raise UnsupportedModelError(f"{len(graphs)} kinds of layer boundary, each a graph to compile")
         self._kernels: dict[tuple[int, int], Callable[..., Any]] = {}
+        self._attention_kernels: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         start, count = cache.length, tokens.numel()
@@ -535,7 +512,7 @@ class CompiledDecodeStep:
         q, k, v = self._run(0, count, self._enter, x, cos, sin, *self.layers[0])
         last = len(self.layers) - 1
         for i, slot in enumerate(self.layer_slots):
-            attended = _attend(slot, q, k, v, sequences)
+            attended = self._attend(slot, q, k, v, sequences)
             # What the graph after this layer reads besides its own inputs: the next layer's rotary and
             # tensors, or the final norm and the head.
             following = (
@@ -558,6 +535,40 @@ class CompiledDecodeStep:
             if i < last:
                 x, q, k, v = out
         return out
+
+    def _attend(
+        self,
+        slot: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sequences: list[tuple[KVCache, int, int | None]],
+    ) -> torch.Tensor:
+        """Layer `slot`'s attention for a pass's rows: each sequence's new keys and values (k, v [kv_heads,
+        rows, D]) written into its cache, and its queries (q [1, heads, rows, D]) attending over it."""
+        if len(sequences) == 1:
+            ((cache, _, run),) = sequences
+            return self._attention(slot, q, *_store(cache, slot, run, k, v))
+        outputs, row = [], 0
+        for cache, rows, run in sequences:
+            mine = slice(row, row + rows)
+            keys, values = _store(cache, slot, run, k[:, mine], v[:, mine])
+            # A copy in a lone sequence's layout: the attention kernel compiled for it serves every row.
+            outputs.append(self._attention(slot, q[:, :, mine].contiguous(), keys, values))
+            row += rows
+        # Contiguous, as decode_attention's own result is: the graphs that take it are looked up by row
+        # count alone (CompiledDecodeStep._run), so a verify pass and a batch of as many rows share them.
+        return torch.cat(outputs, dim=2)
+
+    def _attention(
+        self, slot: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """decode_attention for layer `slot`, its compiled kernel looked up once per layer and query count:
+        the layouts don't change between steps (only the length, which the kernel reads from its inputs)."""
+        kernel = self._attention_kernels.get((slot, q.shape[2]))
+        if kernel is None:
+            kernel = self._attention_kernels[slot, q.shape[2]] = decode_attention_kernel(q, keys, values)
+        return kernel(q, keys, values)
 
     def _run(self, call: int, count: int, graph: StaticKernel, *args: torch.Tensor) -> Any:
         """The step's `call`-th graph on `args` for `count` tokens: every step of that many passes the

@@ -20,12 +20,14 @@ half the bytes: at 512 / 2000 positions, 16 heads over 8 KV heads of 64, 2 threa
 cycled (not in cache), 164 -> 110 / 513 -> 331 µs a layer.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from bubo.kernels.compiled import DynamicKernel
 
-__all__ = ["decode_attention", "decode_attention_reference"]
+__all__ = ["decode_attention", "decode_attention_kernel", "decode_attention_reference"]
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -64,6 +66,14 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
     `decode_attention_reference` computes it. The M queries are the last M positions (a decode step's
     one, or a verify pass's few), each attending to itself and the positions before it."""
     return (_kernel if q.shape[2] == 1 else _causal_kernel)(q, keys, values)
+
+
+def decode_attention_kernel(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The compiled kernel `decode_attention` runs on arguments laid out as these, for any length: a caller
+    whose layouts never change between calls (a decode step's layer) can keep it and skip the lookup."""
+    return (_kernel if q.shape[2] == 1 else _causal_kernel).kernel_for(q, keys, values)
 
 
 def decode_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

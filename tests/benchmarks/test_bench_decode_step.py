@@ -51,7 +51,7 @@ def _steps(model: Decoder, step: CompiledDecodeStep, bench: ModuleType | None) -
 def _originals() -> list:
     return [
         CompiledDecodeStep._run,
-        compiled_decode.decode_attention,
+        CompiledDecodeStep._attention,
         compiled_decode._store,
         SparseMoE.one_token,
     ]
