@@ -60,12 +60,17 @@ _kernel = DynamicKernel(_attend, dynamic={1: (2,), 2: (2,)})
 _causal_kernel = DynamicKernel(_attend_causal, dynamic={1: (2,), 2: (2,)})
 
 
+def _kernel_for_queries(q: torch.Tensor) -> DynamicKernel:
+    """One query (a decode step's) needs no mask; several (a verify pass's) the causal kernel."""
+    return _kernel if q.shape[2] == 1 else _causal_kernel
+
+
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """q [1, heads, M, D] over keys and values [1, kv_heads, T, D] (heads a multiple of kv_heads; any
     strides but a unit one for D; q's dtype or narrower) -> [1, heads, M, D], as
     `decode_attention_reference` computes it. The M queries are the last M positions (a decode step's
     one, or a verify pass's few), each attending to itself and the positions before it."""
-    return (_kernel if q.shape[2] == 1 else _causal_kernel)(q, keys, values)
+    return _kernel_for_queries(q)(q, keys, values)
 
 
 def decode_attention_kernel(
@@ -73,7 +78,7 @@ def decode_attention_kernel(
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """The compiled kernel `decode_attention` runs on arguments laid out as these, for any length: a caller
     whose layouts never change between calls (a decode step's layer) can keep it and skip the lookup."""
-    return (_kernel if q.shape[2] == 1 else _causal_kernel).kernel_for(q, keys, values)
+    return _kernel_for_queries(q).kernel_for(q, keys, values)
 
 
 def decode_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -260,6 +260,13 @@ def _scale_offset(
     return scale, -(dmin * sub_block_bytes(n))
 
 
+def _group_words(fmt: SuperBlockFormat, bits: torch.Tensor) -> torch.Tensor:
+    """The code words' float32 bits [tiles, super-blocks, code words, TILE] -> int32 [tiles, groups, words
+    a group, TILE]: a view, a group's words (whole words of codes) together."""
+    tiles, n_super, _, lanes = bits.shape
+    return bits.view(torch.int32).view(tiles, n_super * fmt.groups, fmt.group_words, lanes)
+
+
 @functools.cache
 def _matvec_kernel(fmt: SuperBlockFormat) -> StaticKernel:
     def super_block_matvec_tiles(
@@ -275,8 +282,7 @@ def _matvec_kernel(fmt: SuperBlockFormat) -> StaticKernel:
         # Per group of whole words, [tiles, groups, runs of a group, TILE]: one step of the loop a group.
         scale = scale.view(tiles, n_groups, runs, lanes)
         offset = None if offset is None else offset.view(tiles, n_groups, runs, lanes)
-        words = bits.view(torch.int32).view(tiles, n_groups, fmt.group_words, lanes)
-        dots = sub_block_dots(x, words, fmt.code_bits, fmt.sub_block_weights)
+        dots = sub_block_dots(x, _group_words(fmt, bits), fmt.code_bits, fmt.sub_block_weights)
         sums = block_sums(x, n_super * fmt.sub_blocks).view(-1, 1, n_groups, runs)
         outputs = []
         for r, row_dots in enumerate(dots):
@@ -298,8 +304,7 @@ def _unpack_kernel(fmt: SuperBlockFormat, dtype: torch.dtype) -> StaticKernel:
         # dequantizer's order, (code + code_bias) * scale + offset, the first product and sum exact: bit for
         # bit its result.
         tiles, n_super, _, lanes = bits.shape
-        words = bits.view(torch.int32).view(tiles, n_super * fmt.groups, fmt.group_words, lanes)
-        words = words.permute(1, 2, 0, 3)
+        words = _group_words(fmt, bits).permute(1, 2, 0, 3)
         per_word = fields_a_word(fmt.code_bits)
         shifts = torch.arange(
             0, per_word * fmt.code_bits, fmt.code_bits, dtype=torch.int32, device=bits.device

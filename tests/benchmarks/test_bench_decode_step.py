@@ -1,6 +1,7 @@
 """benchmarks/bench_decode_step.py --breakdown: the compiled decode step's parts timed where they run,
 the step's results untouched by the timers, and the engine left as it was."""
 
+import contextlib
 import importlib.util
 from pathlib import Path
 from types import ModuleType
@@ -32,16 +33,12 @@ def _bench() -> ModuleType:
 
 @torch.inference_mode()
 def _steps(model: Decoder, step: CompiledDecodeStep, bench: ModuleType | None) -> tuple[list, dict]:
-    """Logits of 3 greedy steps after a short prompt, and the parts' seconds when `bench` times them."""
+    """Logits of 3 greedy steps after a short prompt, and the parts' [seconds, calls] when `bench` times
+    them (else empty)."""
     cache = model.new_cache(max_len=16)
     model(torch.tensor([[3, 17, 42, 7]]), cache, last_only=True)
-    token, logits, totals = torch.tensor(5), [], {}
-    if bench is None:
-        for _ in range(3):
-            logits.append(step(token, cache))
-            token = logits[-1].argmax()
-        return logits, totals
-    with bench.timed_parts(step) as totals:
+    token, logits = torch.tensor(5), []
+    with bench.timed_parts(step) if bench is not None else contextlib.nullcontext({}) as totals:
         for _ in range(3):
             logits.append(step(token, cache))
             token = logits[-1].argmax()
