@@ -76,12 +76,13 @@ TILE = _float_lanes()
 
 
 def to_tiles(t: torch.Tensor) -> torch.Tensor:
-    """[out, *rest] -> [tiles, *rest, TILE], rows padded with zeros to a whole number of tiles."""
+    """[out, *rest] -> [tiles, *rest, TILE], rows padded with zeros to a whole number of tiles: a permuted
+    view of t (of its padded copy), for the caller to copy into place in one pass."""
     pad = -t.shape[0] % TILE
     if pad:
         t = torch.cat((t, t.new_zeros(pad, *t.shape[1:])))
-    tiled = t.view(-1, TILE, *t.shape[1:])
-    return tiled.permute(0, *range(2, tiled.dim()), 1).contiguous()
+    tiled = t.reshape(-1, TILE, *t.shape[1:])
+    return tiled.permute(0, *range(2, tiled.dim()), 1)
 
 
 # Rows packed per step by `tiled_by_rows` (a multiple of any TILE): bounds the temporaries of packing a
@@ -252,12 +253,31 @@ def field_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
     # memory int32s take while a large matrix is packed.
     unit = torch.uint8 if 8 % bits == 0 else torch.int32
     per_unit = unit.itemsize * 8 // bits
-    padded = torch.nn.functional.pad(codes.to(unit), (0, -codes.shape[-1] % fields_a_word(bits)))
-    grouped = padded.view(*codes.shape[:-1], -1, per_unit)
-    packed = grouped[..., 0].clone(memory_format=torch.contiguous_format)
-    for s in range(1, per_unit):
-        packed |= grouped[..., s] << (bits * s)
-    return packed.view(torch.int32)
+    n = codes.shape[-1]
+    width = n + -n % fields_a_word(bits)
+    if width != n or codes.dtype != unit:
+        # Converted and padded in one pass: the copy converts, and only the padding is zeroed.
+        padded = codes.new_empty(*codes.shape[:-1], width, dtype=unit)
+        padded[..., :n] = codes
+        padded[..., n:] = 0
+        codes = padded
+    codes = codes.contiguous()
+    if unit == torch.int32:
+        grouped = codes.view(*codes.shape[:-1], -1, per_unit)
+        packed = grouped[..., 0] | (grouped[..., 1] << bits)
+        for s in range(2, per_unit):
+            packed |= grouped[..., s] << (bits * s)
+        return packed
+    if per_unit == 1:
+        return codes.view(torch.int32)
+    # A byte's per_unit codes, one a byte, read as one little-endian integer (as GGUF's bytes are read
+    # everywhere): code s sits at bit 8s, and shifted right by s * (8 - bits) at bit s * bits, inside
+    # the low byte, which the narrowing to uint8 keeps.
+    wide = codes.view(torch.int16 if per_unit == 2 else torch.int32)
+    packed = wide | (wide >> (8 - bits))
+    for s in range(2, per_unit):
+        packed |= wide >> (s * (8 - bits))
+    return packed.to(torch.uint8).view(torch.int32)
 
 
 def word_bits(words: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,10 @@ def _fields(words: torch.Tensor, bits: int) -> torch.Tensor:
     return ((wide[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
 
 
+@pytest.mark.parametrize("n", [128, 61])
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-def test_field_words_hold_the_codes_in_order(bits: int) -> None:
-    n = 128
+def test_field_words_hold_the_codes_in_order(bits: int, n: int) -> None:
+    # 61 codes fill no whole number of words at any width: the last word is padded.
     codes = torch.randint(0, 1 << bits, (3, 2, n), generator=torch.Generator().manual_seed(bits))
     codes[0, 0] = (1 << bits) - 1  # every bit set, the top field's sign bit too
     words = field_words(codes, bits)
@@ -26,6 +27,9 @@ def test_field_words_hold_the_codes_in_order(bits: int) -> None:
     fields = _fields(words, bits)
     assert torch.equal(fields[..., :n], codes)
     assert not fields[..., n:].any()  # the last word's unused fields
+    # uint8 codes (what the packers pass), every other byte of a tensor: the same words.
+    strided = torch.stack((codes, codes), dim=-1).to(torch.uint8)[..., 0]
+    assert torch.equal(field_words(strided, bits), words)
 
 
 @pytest.mark.parametrize(
