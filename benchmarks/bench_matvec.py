@@ -1,5 +1,6 @@
 """One decode matvec per quantized type on the CPU: the packed layout's compiled kernel beside the
-dequantize-then-`F.linear` path it replaces, with the layout's bits a weight and the bandwidth it reaches.
+dequantize-then-`F.linear` path it replaces, with the layout's bits a weight and the bandwidth it reaches,
+and how long repacking a matrix from the file's blocks takes at load (median of the matrices).
 
 Random blocks (every code and sub-scale, tests/kernels/k_blocks.py; Q4_0 / Q4_1 / Q8_0 quantized from
 random weights by gguf), `--matrices` of them cycled so that, as in a decoded token, each one's weights
@@ -71,11 +72,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.out}x{args.columns}, {args.matrices} matrices cycled, {args.threads} threads, copy bandwidth "
         f"{bandwidth / 1e9:.1f} GB/s"
     )
-    print(f"{'type':8} {'bits':>6} {'packed µs (median/best)':>24} {'GB/s':>6} {'dequantize+linear µs':>21}")
+    print(
+        f"{'type':8} {'bits':>6} {'packed µs (median/best)':>24} {'GB/s':>6} {'dequantize+linear µs':>21} "
+        f"{'repack ms':>10}"
+    )
     for name in args.types:
         qtype = Q[name]
         raws = [_blocks(qtype, args.out, args.columns, seed) for seed in range(args.matrices)]
-        packed = [pack_for_cpu(raw, qtype) for raw in raws]
+        packed, repack_seconds = [], []
+        for raw in raws:
+            start = time.perf_counter()
+            packed.append(pack_for_cpu(raw, qtype))
+            repack_seconds.append(time.perf_counter() - start)
         if any(p is None for p in packed):
             print(f"{name:8} not packed here (type, size or memory)")
             continue
@@ -91,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         bits = stored * 8 / (args.out * args.columns)
         print(
             f"{name:8} {bits:6.3f} {fast[0] * 1e6:13.0f} / {fast[1] * 1e6:<8.0f} {stored / fast[0] / 1e9:6.1f} "
-            f"{plain[0] * 1e6:21.0f}"
+            f"{plain[0] * 1e6:21.0f} {statistics.median(repack_seconds) * 1e3:10.2f}"
         )
     return 0
 
