@@ -89,6 +89,16 @@ class SlotCollector:
         yield GaugeMetricFamily(
             "llamacpp:requests_deferred", "Number of requests deferred.", value=stats.requests_deferred
         )
+        yield counter(
+            "bubo_requests_deferred_total",
+            "Requests that waited for a free slot (llamacpp:requests_deferred is how many wait now).",
+            stats.requests_deferred_total,
+        )
+        yield counter(
+            "bubo_images_encoded_total",
+            "Images run through the vision tower (not those a prompt cache already held).",
+            stats.images_encoded_total,
+        )
         # The share of the KV pool's blocks held; a model without a block pool holds its positions.
         if pool is not None:
             used = 1 - pool.free_blocks / pool.num_blocks

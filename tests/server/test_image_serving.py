@@ -178,10 +178,18 @@ def test_usage_counts_the_image_tokens(server: VisionServer) -> None:
     assert with_image == without + 6
 
 
+def _images_encoded(server: VisionServer) -> float:
+    """bubo_images_encoded_total from /metrics."""
+    lines = httpx.get(server.url + "/metrics", timeout=30).text.splitlines()
+    return float(next(line.split()[1] for line in lines if line.startswith("bubo_images_encoded_total ")))
+
+
 def test_a_resent_image_comes_from_the_prompt_cache(server: VisionServer) -> None:
     # An image no other test sends, so the first request has it uncached.
     server.model.forwards.clear()
+    counted = _images_encoded(server)
     first = server.post("/v1/chat/completions", _openai(GREEN)).json()
+    assert _images_encoded(server) == counted + 1
     (prefill,) = _image_prefills(server.model)
     image_end = prefill.start + int(prefill.multimodal.rows[-1]) + 1
     encoded = len(server.tower.encoded)
@@ -193,11 +201,13 @@ def test_a_resent_image_comes_from_the_prompt_cache(server: VisionServer) -> Non
     second = server.post("/v1/chat/completions", body).json()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= image_end
     assert len(server.tower.encoded) == encoded and not _image_prefills(server.model)
+    assert _images_encoded(server) == counted + 1  # the cached image is not counted again
     other = _openai(BLUE)
     other["messages"] += follow_up
     third = server.post("/v1/chat/completions", other).json()
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == image_end - 4  # up to the image
     assert len(server.tower.encoded) == encoded + 1
+    assert _images_encoded(server) == counted + 2
 
 
 @pytest.mark.parametrize("path", DIALECTS)

@@ -22,6 +22,8 @@ COUNTERS = (
     "llamacpp:spec_decode_num_draft_tokens_total",
     "llamacpp:spec_decode_num_accepted_tokens_total",
     "bubo_requests_total",
+    "bubo_requests_deferred_total",
+    "bubo_images_encoded_total",
 )
 GAUGES = (
     "llamacpp:prompt_tokens_seconds",
@@ -124,6 +126,7 @@ def test_processing_and_deferred(
                 time.sleep(0.02)
             assert values["llamacpp:requests_deferred"] == 1
             assert values["llamacpp:requests_processing"] == 1
+            deferred_before = values["bubo_requests_deferred_total"]
             gated.gate.set()
             last = json.loads(
                 [line for line in lines if line.startswith("data: ")][-1].removeprefix("data: ")
@@ -132,7 +135,10 @@ def test_processing_and_deferred(
             assert second.result().json()["stop_type"] == "eos"
     finally:
         gated.gate.set()
-    assert settled(gated_client)["llamacpp:requests_deferred"] == 0
+    after = settled(gated_client)
+    assert after["llamacpp:requests_deferred"] == 0
+    # The wait is over, but it happened: the counter keeps it.
+    assert after["bubo_requests_deferred_total"] == deferred_before >= 1
 
 
 def test_each_server_counts_its_own(gated_client: httpx.Client, tiny_llama: LoadedModel) -> None:
