@@ -30,8 +30,9 @@ def main() -> int:
         print("no CUDA device: nothing to measure")
         return 1
 
-    from bubo.engine.graph_decode import GraphDecodeStep, graph_step_for
+    from bubo.engine.graph_decode import GraphDecodeStep
     from bubo.engine.loaded_model import load_model
+    from bubo.engine.runner import runner_for
 
     if args.model is None:
         from bubo.default_model import default_model_path
@@ -49,7 +50,7 @@ def main() -> int:
         return cache
 
     with torch.inference_mode():
-        step = graph_step_for(model, prefilled())
+        step = runner_for(model).graph_step(prefilled())
         if not isinstance(step, GraphDecodeStep):
             print(f"no captured step for {model.config.architecture} (see the log): nothing to compare")
             return 1

@@ -141,8 +141,8 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    from bubo.engine.compiled_decode import prepare_decode_step
     from bubo.engine.loaded_model import load_model
+    from bubo.engine.runner import runner_for
 
     if args.model is None:
         from bubo.default_model import default_model_path
@@ -154,7 +154,7 @@ def main() -> int:
     loaded = load_model(args.model, device=args.device, cache_dtypes=(cache, cache))
     print(f"load (compiled step included): {time.perf_counter() - started:.1f} s")
     model = loaded.model
-    compiled = prepare_decode_step(model)
+    compiled = runner_for(model).decode_step(model.new_cache(max_len=2))
     max_len = args.prompt_tokens + (args.rounds + 2) * args.steps + 1
     prompt = torch.arange(args.prompt_tokens, device=model.device)[None] % model.config.vocab_size
 

@@ -24,11 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
 from bubo.default_model import default_model_path  # noqa: E402
-from bubo.engine.compiled_decode import decode_step_for  # noqa: E402
 from bubo.engine.drafters import prepare_drafting  # noqa: E402
 from bubo.engine.generate import GenerationResult, generate  # noqa: E402
 from bubo.engine.loaded_model import load_model  # noqa: E402
 from bubo.engine.ngram_drafter import DEFAULT_NGRAM_SIZE, NgramDrafter  # noqa: E402
+from bubo.engine.runner import runner_for  # noqa: E402
 from bubo.engine.sampler import SamplingParams  # noqa: E402
 
 PASSAGE = (
@@ -88,7 +88,7 @@ def print_pass_times(model: torch.nn.Module, most: int, cached: int = 500, repea
     cache = model.new_cache(max_len=cached + most)
     with torch.inference_mode():
         model(torch.arange(cached)[None] % model.config.vocab_size, cache, last_only=True)
-        step = decode_step_for(model, cache)
+        step = runner_for(model).decode_step(cache)
         if step is None:
             print("no compiled step for this model: verify passes run the eager forward")
             return

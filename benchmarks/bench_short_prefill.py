@@ -1,5 +1,5 @@
 """Prefill time of short prompts, one eager forward pass beside one compiled decode step per token
-(bubo/engine/compiled_decode.py): the measurement behind generate's SHORT_PROMPT_TOKENS. Both paths run
+(bubo/engine/compiled_decode.py): the measurement behind the runner's SHORT_PROMPT_TOKENS. Both paths run
 in one process, interleaved, on the same random token ids; each figure is the best of `--rounds`.
 
     python benchmarks/bench_short_prefill.py                          # default model, 2 threads
@@ -28,13 +28,12 @@ def main() -> int:
 
     configure_cpu_process()
     from bubo.default_model import default_model_path
-    from bubo.engine.compiled_decode import decode_step_for
-    from bubo.engine.generate import SHORT_PROMPT_TOKENS
     from bubo.engine.loaded_model import load_model
+    from bubo.engine.runner import SHORT_PROMPT_TOKENS, runner_for
 
     torch.set_num_threads(args.threads)
     model = load_model(args.model or default_model_path(), dtype=torch.float32).model
-    step = decode_step_for(model, model.new_cache(max_len=8))
+    step = runner_for(model).decode_step(model.new_cache(max_len=8))
     if step is None:
         print("no compiled decode step covers this model here: every prompt prefills eagerly")
         return 1

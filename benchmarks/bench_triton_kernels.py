@@ -5,7 +5,7 @@
     python benchmarks/bench_triton_kernels.py --quick               # tiny shapes: a smoke run of the script
     python benchmarks/bench_triton_kernels.py --bandwidth-gbs 3350  # "% of bandwidth" against an H100's
 
-Both columns run Bubo's own modules, switched with BUBO_TRITON: QuantizedLinear (Triton GEMV up to
+Both columns run Bubo's own modules, switched with the `triton` runtime option: QuantizedLinear (Triton GEMV up to
 4 rows, GEMM beyond; or dequantize + F.linear) per type, matrix shape and row count, with the weight
 bandwidth the kernels reach (the file's bytes read once per call) and its share of the GPU's
 (--bandwidth-gbs, default an H200's 4800 GB/s); SparseMoE (fused kernel, or the
@@ -16,7 +16,6 @@ the torch path: the kernels only run on CUDA.
 
 import argparse
 import functools
-import os
 import time
 from collections.abc import Callable
 
@@ -26,6 +25,7 @@ from torch import nn
 
 from bubo.model.moe import QuantizedExpertMatrices, SparseMoE
 from bubo.model.quantized_linear import QuantizedLinear
+from bubo.options import current_options, use_options
 
 # (out_features, in_features): Qwen3-8B's q/o, gate/up and down projections.
 LINEAR_SHAPES = [(4096, 4096), (12288, 4096), (4096, 12288)]
@@ -46,7 +46,7 @@ def _blocks(qtype: GGMLQuantizationType, shape: tuple[int, ...], device: torch.d
 
 
 def _microseconds(fn: Callable[[], object], device: torch.device, triton_on: bool) -> float:
-    os.environ["BUBO_TRITON"] = "1" if triton_on else "0"
+    use_options(current_options().changed(triton=triton_on))
     if device.type == "cuda":
         import triton.testing
 

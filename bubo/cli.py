@@ -15,6 +15,7 @@ from bubo import __version__
 from bubo.default_model import DefaultModelMissingError, default_model_path
 from bubo.gguf.config import MlpKind, ModelConfig, UnsupportedArchitectureError, config_from_gguf
 from bubo.gguf.reader import GGUFError, GGUFFile
+from bubo.options import RuntimeOptions, use_options
 from bubo.process_memory import configure_cpu_process
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -198,6 +199,48 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", "-t", type=int, default=None, help="CPU threads (default: torch's choice)"
     )
+    _add_runtime_args(parser)
+
+
+def _add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    """The fields of bubo.options.RuntimeOptions (each also set by a BUBO_* variable: see that module)."""
+    group = parser.add_argument_group(
+        "runtime paths (`bubo generate --stats` and `bubo serve` print the plan)"
+    )
+    for flag, what in (
+        ("--no-compile-decode", "decode eagerly on the CPU instead of through the compiled step"),
+        ("--no-cuda-graphs", "launch CUDA decode steps eagerly instead of replaying a captured graph"),
+        ("--no-triton", "use the torch reference paths on CUDA instead of the Triton kernels"),
+        ("--no-triton-autotune", "each Triton kernel takes its first config (a faster first start)"),
+        ("--no-pack-experts", "keep CPU expert stacks as the file's blocks (less memory, slower)"),
+    ):
+        group.add_argument(flag, action="store_true", default=None, help=what)
+    group.add_argument(
+        "--prefill-bf16",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="CPU prefill GEMMs in bfloat16 (auto: where the CPU has bf16 dot products; default auto)",
+    )
+    group.add_argument(
+        "--kernel-cache",
+        default=None,
+        metavar="DIR|off",
+        help="where compiled CPU kernels are kept between runs (default: inside inductor's cache)",
+    )
+
+
+def _runtime_options(args: argparse.Namespace) -> RuntimeOptions:
+    """The environment's options (bubo.options), with the flags given on the command line applied."""
+    changes: dict[str, Any] = {
+        field: False
+        for field in ("compile_decode", "cuda_graphs", "triton", "triton_autotune", "pack_experts")
+        if getattr(args, f"no_{field}")
+    }
+    if args.prefill_bf16 is not None:
+        changes["prefill_bf16"] = args.prefill_bf16
+    if args.kernel_cache is not None:
+        changes["kernel_cache"] = args.kernel_cache
+    return RuntimeOptions.from_environment().changed(**changes)
 
 
 def _add_speculation_args(parser: argparse.ArgumentParser) -> None:
@@ -243,9 +286,11 @@ def _resolve_model(args: argparse.Namespace) -> Path:
 
 
 def _prepare_process(args: argparse.Namespace) -> None:
-    """Process settings that must precede importing the model code (see bubo.process_memory)."""
+    """Process settings that must precede importing the model code (see bubo.process_memory), and the
+    runtime options."""
     if args.device.split(":")[0] == "cpu":
         configure_cpu_process()
+    use_options(_runtime_options(args))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -253,6 +298,7 @@ def _generate(args: argparse.Namespace) -> int:
     from bubo.engine.drafters import drafter_for, prepare_drafting
     from bubo.engine.generate import GenerationResult, TextDelta, generate
     from bubo.engine.loaded_model import load_model
+    from bubo.engine.runner import runner_for
     from bubo.engine.sampler import SamplingParams
     from bubo.model.mtp_weights import load_mtp_weights
 
@@ -287,6 +333,8 @@ def _generate(args: argparse.Namespace) -> int:
     drafter = drafter_for(loaded.model, args.spec_type, args.spec_draft, args.spec_ngram_simple_size_n)
     prepare_drafting(loaded.model, drafter)
     load_seconds = time.perf_counter() - started
+    if args.stats:
+        print(runner_for(loaded.model).plan, file=sys.stderr)
     prompt_ids = loaded.tokenizer.encode(args.prompt)
     events = generate(
         loaded.model, loaded.tokenizer, prompt_ids, params, special=args.special, drafter=drafter

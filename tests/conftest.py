@@ -5,7 +5,7 @@ import atexit
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # Triton reads TRITON_INTERPRET when it is first imported (transformers and torch._dynamo import it),
@@ -36,6 +36,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bubo.default_model import DefaultModelMissingError, default_model_path
 from bubo.engine.loaded_model import LoadedModel, load_model
+from bubo.options import current_options, use_options
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 
 INSTALL_HINT = "run scripts/install_test_models.sh"
@@ -131,3 +132,12 @@ def tiny_llama(tiny_llama_path: Path) -> LoadedModel:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path: Path) -> LoadedModel:
     return load_model(smollm2_path)
+
+
+@pytest.fixture
+def runtime_options() -> Iterator[Callable[..., None]]:
+    """A setter of `RuntimeOptions` fields for one test (`runtime_options(compile_decode=False)`); the
+    options in force before are put back after it."""
+    before = current_options()
+    yield lambda **fields: use_options(current_options().changed(**fields))
+    use_options(before)

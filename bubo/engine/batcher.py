@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from bubo.engine.compiled_decode import CompiledDecodeStep, decode_step_for, prepare_passes
+from bubo.engine.compiled_decode import CompiledDecodeStep
 from bubo.engine.kv_cache import CacheBatch, KVCache
+from bubo.engine.runner import runner_for
 from bubo.model.quantized_linear import MATVEC_ROWS
 
 __all__ = ["BatchedModel", "DecodeBatcher"]
@@ -137,22 +138,17 @@ class DecodeBatcher:
     def _compiled_steps(self, batch: list[_Call]) -> dict[_Call, CompiledDecodeStep]:
         """The compiled decode step for each call of `batch`, when every one is a forward pass it covers
         and there are at most MATVEC_ROWS of them; else none (the batch runs as one pass)."""
-        if not batch or len(batch) > MATVEC_ROWS or any(c.method != "forward" for c in batch):
+        if any(c.method != "forward" for c in batch):
             return {}
-        steps = {}
-        for call in batch:
-            step = decode_step_for(self.model, call.cache)
-            if step is None:
-                return {}
-            steps[call] = step
-        return steps
+        step = runner_for(self.model).batch_steps([c.cache for c in batch])
+        return {} if step is None else dict.fromkeys(batch, step)
 
     def prepare(self, rows: int) -> None:
         """Compile the compiled step's passes of 2 .. `rows` rows (where the step covers the model), so
         that the first batches of a first burst of requests don't wait for them. On the compute thread,
         as every pass: torch's CPU work on another thread would leave it an OpenMP team of its own."""
 
-        self._compute.submit(prepare_passes, self.model, min(rows, MATVEC_ROWS)).result()
+        self._compute.submit(runner_for(self.model).prepare_passes, min(rows, MATVEC_ROWS)).result()
 
     def _run_steps(self, steps: dict[_Call, CompiledDecodeStep]) -> None:
         """The single-token calls through the model's compiled step: one call alone, several as the rows

@@ -26,13 +26,10 @@ mixture-of-experts layers whose expert stacks are repacked (bubo/model/moe.py): 
 ends at the router's top-k; each routed expert runs as a compiled graph of its own
 (`SparseMoE.one_token`), and a second graph adds their sum and goes on to the next attention. Anything
 else (a hybrid's DeltaNet or gated attention, a shared expert, qwen4exp, another compute dtype, a weight
-format the matvecs don't read) keeps the eager step: `decode_step_for` says None and logs why once.
+format the matvecs don't read) keeps the eager step: the runner (bubo/engine/runner.py) says why in its plan.
 """
 
 import logging
-import os
-import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +51,6 @@ from bubo.model.quantized_linear import (
     MIN_PACKED_WEIGHTS,
     Packed,
     QuantizedLinear,
-    has_packed_weights,
     packed_graph_inputs,
     packed_graph_matvec,
     packed_graph_tensors,
@@ -62,20 +58,11 @@ from bubo.model.quantized_linear import (
 
 __all__ = [
     "CompiledDecodeStep",
-    "compile_decode_enabled",
-    "decode_step_for",
-    "prepare_decode_step",
-    "prepare_passes",
 ]
 
 log = logging.getLogger(__name__)
 
 Tensors = tuple[torch.Tensor, ...]
-
-
-def compile_decode_enabled() -> bool:
-    """Whether CPU decode steps run compiled: on unless BUBO_COMPILE_DECODE is 0."""
-    return os.environ.get("BUBO_COMPILE_DECODE", "1") != "0"
 
 
 class UnsupportedModelError(ValueError):
@@ -585,46 +572,3 @@ class CompiledDecodeStep:
         cache = self.model.new_cache(max_len=tokens + 1)
         with torch.inference_mode():
             self(torch.zeros(() if tokens == 1 else (tokens,), dtype=torch.long), cache)
-
-
-_steps: "weakref.WeakKeyDictionary[nn.Module, CompiledDecodeStep | None]" = weakref.WeakKeyDictionary()
-
-
-def decode_step_for(model: nn.Module, cache: object) -> CompiledDecodeStep | None:
-    """The compiled decode step for `model` when it covers this model and `cache` (one sequence's
-    KVCache, no snapshots wanted inside the step) and compiling is on; else None: decode eagerly."""
-    if not isinstance(cache, KVCache) or cache.batch != 1 or cache.snapshot_at:
-        return None
-    return prepare_decode_step(model)
-
-
-def prepare_decode_step(model: nn.Module) -> CompiledDecodeStep | None:
-    """Build (and compile, on first use) the compiled decode step of `model`, or None when it doesn't
-    cover the model or compiling is off. Called at load, so the compile isn't paid on a first token."""
-    if not compile_decode_enabled() or not isinstance(model, Decoder) or model.device.type != "cpu":
-        return None
-    if not has_packed_weights(model):
-        # Only repacked weights make the eager step slow (small float models run it in microseconds):
-        # not worth a compile, which the many tiny test models would each pay.
-        return None
-    if model not in _steps:
-        started = time.perf_counter()
-        try:
-            step: CompiledDecodeStep | None = CompiledDecodeStep(model)
-            step.warm_up()
-            log.info("compiled decode step ready in %.1f s", time.perf_counter() - started)
-        except UnsupportedModelError as reason:
-            log.info("decoding %s eagerly: %s", model.config.architecture, reason)
-            step = None
-        _steps[model] = step
-    return _steps[model]
-
-
-def prepare_passes(model: nn.Module, rows: int) -> None:
-    """`prepare_decode_step`, with its passes of 2 .. `rows` tokens compiled too (a verify pass's tokens,
-    a batch's sequences), so that a first request doesn't wait for them; nothing where the step doesn't
-    cover the model. Run it on the thread that will run the passes (bubo/engine/compute_threads.py)."""
-    step = prepare_decode_step(model)
-    if step is not None:
-        for count in range(2, rows + 1):
-            step.warm_up(count)

@@ -4,8 +4,8 @@ the model's MTP block (bubo/engine/speculative.py) or the context's own n-grams
 
 from torch import nn
 
-from bubo.engine.compiled_decode import prepare_passes
 from bubo.engine.ngram_drafter import DEFAULT_NGRAM_DRAFT, DEFAULT_NGRAM_SIZE, NgramDrafter
+from bubo.engine.runner import runner_for
 from bubo.engine.speculative import DEFAULT_SPEC_DRAFT, Drafter, DraftModel, mtp_drafter
 
 __all__ = ["SPEC_TYPES", "check_mtp_block", "drafter_for", "prepare_drafting"]
@@ -58,4 +58,4 @@ def prepare_drafting(model: nn.Module, drafter: Drafter | None) -> None:
     verified through it (a drafter without hidden states, on a model the step covers), so that the
     first rounds of a first request don't wait for them."""
     if drafter is not None and not drafter.needs_hidden:
-        prepare_passes(model, drafter.max_draft + 1)
+        runner_for(model).prepare_passes(drafter.max_draft + 1)

@@ -12,11 +12,10 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from bubo.engine.compiled_decode import decode_step_for
 from bubo.engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from bubo.engine.graph_decode import graph_step_for
 from bubo.engine.kv_cache import KVCache
 from bubo.engine.run_ahead import run_ahead_tokens
+from bubo.engine.runner import runner_for
 from bubo.engine.sampler import Sampler, SamplingParams
 from bubo.engine.speculative import Drafter, SpeculativeDecoder
 from bubo.engine.token_choice import TokenChooser
@@ -323,14 +322,6 @@ def generate(
     )
 
 
-# Prompts (or uncached prompt suffixes: a chat's new turn) of up to this many tokens go through the
-# compiled decode step one token at a time instead of one eager forward pass, where the step covers the
-# model: the eager pass pays some 25 ms of op dispatch on the default model before its matvecs (and past
-# MATVEC_ROWS tokens unpacks every weight for GEMMs). Default model, 2 threads, best of 4, eager /
-# stepped: 1 token 38 / 14 ms, 4: 82 / 49, 8: 80 / 78, 12: 116 / 117 (benchmarks/bench_short_prefill.py).
-SHORT_PROMPT_TOKENS = 8
-
-
 # A longer prompt (without images) prefills in pieces of this many tokens, each continuing the cache, so
 # its activations stay those of a 2048-token pass however long it is. Default model, 2 threads: an
 # 8192-token prompt peaks at 1068 MB instead of 1271 (377 MB of it the cache), in 28.2 s instead of 23.2
@@ -349,9 +340,7 @@ def _prefill(
 ) -> torch.Tensor | None:
     """Run the prompt tokens [1, T] into `cache`; the logits [vocab] of the last position, or None when
     `cancelled` said so before a piece after the first (the cache then holds the pieces that ran)."""
-    step = None
-    if not images and tokens.shape[1] <= SHORT_PROMPT_TOKENS:
-        step = decode_step_for(model, cache)
+    step = runner_for(model).prefill_step(cache, tokens.shape[1], bool(images))
     if step is None:
         # Only the last position's logits are needed; a long prompt's [T, vocab] logits would be large.
         # Image embeddings and their positions come with the whole prompt: one pass.
@@ -369,14 +358,15 @@ def _prefill(
 def _plain_tokens(
     model: Model, cache: Cache, chooser: TokenChooser, logits: torch.Tensor
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """One token per forward pass, each with the logits row it was chosen from; the pass is the compiled
-    decode step where it covers the model and cache (bubo/engine/compiled_decode.py, CPU), or the decode
-    step captured as a CUDA graph (bubo/engine/graph_decode.py), each launched before the previous token
-    is read back (bubo/engine/run_ahead.py)."""
-    step = decode_step_for(model, cache)
-    graph = graph_step_for(model, cache) if step is None else None
+    """One token per forward pass, each with the logits row it was chosen from; the pass is the path the
+    model's runner chooses (bubo/engine/runner.py): the compiled decode step (CPU), the decode step
+    captured as a CUDA graph, each launched before the previous token is read back
+    (bubo/engine/run_ahead.py), or the eager forward."""
+    runner = runner_for(model)
+    step = runner.decode_step(cache)
+    graph = runner.graph_step(cache) if step is None else None
     if graph is not None:
-        assert isinstance(cache, KVCache)  # graph_step_for says None for any other cache
+        assert isinstance(cache, KVCache)  # the runner has no captured step for any other cache
         yield from run_ahead_tokens(graph, cache, chooser, logits)
         return
     while True:

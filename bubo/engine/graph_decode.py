@@ -22,11 +22,10 @@ device); not the CPU's expert loop (it reads the ids back) or qwen4exp's streams
 Capture follows PyTorch's recipe (warm-up runs on a side stream, then `torch.cuda.graph`); it happens on
 a cache's first decoded token, with that token's inputs loaded, so the warm-up runs write the same keys
 and values the replay will (a DeltaNet layer's state is restored after them: they advance it). A failed capture logs a warning once and the model decodes eagerly.
-BUBO_CUDA_GRAPHS=0 turns the path off.
+--no-cuda-graphs (`RuntimeOptions.cuda_graphs`) turns the path off.
 """
 
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -50,8 +49,6 @@ __all__ = [
     "StepInputs",
     "UnsupportedGraphModelError",
     "capture_cuda_graph",
-    "cuda_graphs_enabled",
-    "graph_step_for",
     "masked_attention",
     "paged_attention",
     "static_decode_step",
@@ -65,11 +62,6 @@ WARM_UP_RUNS = 3
 
 Run = Callable[[], torch.Tensor]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "StepInputs", int], torch.Tensor]
-
-
-def cuda_graphs_enabled() -> bool:
-    """Whether CUDA decode steps are captured as graphs: on unless BUBO_CUDA_GRAPHS is 0."""
-    return os.environ.get("BUBO_CUDA_GRAPHS", "1") != "0"
 
 
 class UnsupportedGraphModelError(ValueError):
@@ -244,7 +236,7 @@ class GraphDecodeStep:
     `attend` is the static attention (`paged_attention` on CUDA with Triton)."""
 
     def __init__(self, model: nn.Module, attend: Attend, capture: Callable[[Run], Run] = capture_cuda_graph):
-        # Held weakly: `graph_step_for` keeps steps in a dict keyed weakly by their model.
+        # Held weakly: the model's runner (bubo/engine/runner.py), kept weakly by model, holds the step.
         self._model = weakref.ref(check_supported(model))
         self.attend = attend
         self.capture = capture
@@ -307,25 +299,3 @@ class GraphDecodeStep:
         cache.advance(1)
         # The replay's output is overwritten by the next one; the caller may hold these logits longer.
         return logits.clone()
-
-
-_steps: "weakref.WeakKeyDictionary[nn.Module, GraphDecodeStep | None]" = weakref.WeakKeyDictionary()
-
-
-def graph_step_for(model: nn.Module, cache: object) -> GraphDecodeStep | None:
-    """The CUDA-graph decode step for `model` when the model is on CUDA, the step covers it and `cache`
-    (one sequence's KVCache, no snapshots wanted inside the step) and BUBO_CUDA_GRAPHS isn't 0; else
-    None: decode eagerly."""
-    if not cuda_graphs_enabled() or not isinstance(model, Decoder) or model.device.type != "cuda":
-        return None
-    if not isinstance(cache, KVCache) or cache.batch != 1 or cache.snapshot_at:
-        return None
-    if model not in _steps:
-        attend = paged_attention if triton_enabled(model.device) else masked_attention
-        try:
-            step: GraphDecodeStep | None = GraphDecodeStep(model, attend)
-        except UnsupportedGraphModelError as reason:
-            log.info("decoding %s without CUDA graphs: %s", model.config.architecture, reason)
-            step = None
-        _steps[model] = step
-    return _steps[model]

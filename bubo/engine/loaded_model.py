@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from bubo.engine.compiled_decode import prepare_decode_step
+from bubo.engine.runner import runner_for
 from bubo.gguf.config import ModelConfig, config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
@@ -60,26 +60,13 @@ def load_model(
         if cache_dtypes is not None:
             # Before the decode step is prepared: its warm-up compiles attention for these dtypes.
             model.cache_dtypes = cache_dtypes
-        if prepare_decode_step(model) is not None:
-            drop_trace_caches()
-        elif model.device.type == "cpu" and (
-            model.cache_dtypes != (dtype, dtype) or has_packed_weights(model)
-        ):
-            _warm_up_eager_step(model)
-            drop_trace_caches()
+        runner_for(model).prepare()
+        drop_trace_caches()
         _report_cpu_precision(model, dtype)
     except BaseException:
         file.close()
         raise
     return LoadedModel(Path(path), file, config, model, tokenizer)
-
-
-def _warm_up_eager_step(model: Decoder) -> None:
-    """Decode one token on a scratch cache, so that what the eager step compiles on first use does so now
-    rather than on a first request: the kernel it reads a narrower cache with (Attention.attend:
-    bubo/kernels/decode_attention.py), a mixture of experts' one-token graph (SparseMoE.one_token)."""
-    with torch.inference_mode():
-        model(torch.zeros(1, 1, dtype=torch.long, device=model.device), model.new_cache(max_len=2))
 
 
 def _report_cpu_precision(model: Decoder, dtype: torch.dtype) -> None:
@@ -89,7 +76,7 @@ def _report_cpu_precision(model: Decoder, dtype: torch.dtype) -> None:
     if model.device.type != "cpu":
         return
     if dtype == torch.float32:
-        precision = "bfloat16 (BUBO_PREFILL_BF16=0 for float32)" if bf16_prefill() else "float32"
+        precision = "bfloat16 (--prefill-bf16 off for float32)" if bf16_prefill() else "float32"
         log.info("CPU prefill GEMMs in %s; decode in float32", precision)
         return
     if has_packed_weights(model):

@@ -38,8 +38,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from bubo.engine.compiled_decode import decode_step_for
 from bubo.engine.kv_cache import CacheSnapshot, KVCache
+from bubo.engine.runner import runner_for
 from bubo.engine.sampler import draw
 from bubo.engine.token_choice import TokenChooser
 
@@ -228,7 +228,7 @@ class SpeculativeDecoder:
         hidden, cache = self._hidden, self.cache
         # A drafter without hidden states has its rounds checked by the compiled step where it covers the
         # model and cache (one pass over the round's tokens; the plain decode step when nothing was drafted).
-        step = None if self.drafter.needs_hidden else decode_step_for(self.model, cache)
+        step = runner_for(self.model).verify_step(cache, self.drafter.needs_hidden)
         token = self.chooser.pick(logits)
         context.append(token)
         emitted = 1

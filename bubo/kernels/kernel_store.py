@@ -13,10 +13,10 @@ name: the next load reads it back in ~0.1 s a kernel, tracing nothing (the defau
 A name covers a function of a `bubo.` module whose closure holds only plain data (numbers, strings,
 enums, dtypes, tuples, dataclasses of those, other such functions); anything else is compiled as
 before and not stored. What else a kernel's function reads while tracing must be fixed for a version
-of the code and a machine: module constants, `BUBO_*` / `TORCHINDUCTOR_*` settings (in the name). Each
+of the code and a machine: module constants, Bubo's options and `TORCHINDUCTOR_*` settings (in the name). Each
 version of Bubo's source (all its files, hashed as the package is imported) has a directory of its
-own; those of other versions untouched for a week are removed. `BUBO_KERNEL_CACHE` sets the store's
-place (by default `bubo-kernels` in inductor's cache directory), `BUBO_KERNEL_CACHE=0` turns it off.
+own; those of other versions untouched for a week are removed. `--kernel-cache DIR` sets the store's
+place (by default `bubo-kernels` in inductor's cache directory), `--kernel-cache off` turns it off.
 """
 
 import dataclasses
@@ -37,6 +37,8 @@ import torch
 from torch._inductor import CompiledArtifact
 from torch._inductor.codecache import write_atomic
 from torch.utils import _pytree as pytree
+
+from bubo.options import current_options
 
 __all__ = ["KernelStore", "kernel_store"]
 
@@ -87,12 +89,11 @@ _SOURCE = _source_hash()
 
 @functools.cache
 def _machine() -> tuple:
-    """What the generated code depends on besides the graph: torch, the vector ISA inductor picked,
-    inductor's and Bubo's settings from the environment (a setting read while tracing would otherwise
-    go unseen)."""
+    """What the generated code depends on besides the graph and Bubo's options: torch, the vector ISA
+    inductor picked, inductor's settings from the environment."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith(("TORCHINDUCTOR_", "BUBO_")))
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_"))
     return (torch.__version__, str(pick_vec_isa()), settings)
 
 
@@ -116,7 +117,11 @@ class KernelStore:
         except _Undescribable as error:
             log.debug("%s is not stored: it is or holds a %s", fn.__qualname__, error)
             return None
-        text = repr((described, layout, sorted(options.items()), torch.get_num_threads(), _machine()))
+        # Bubo's options too: one read while tracing (bf16 prefill) would otherwise go unseen.
+        runtime = current_options().changed(kernel_cache="")
+        text = repr(
+            (described, layout, sorted(options.items()), torch.get_num_threads(), runtime, _machine())
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:40]
 
     def load(self, name: str, options: dict) -> Callable[..., Any] | None:
@@ -176,11 +181,14 @@ def _structured(compiled: Callable[..., Any], spec: pytree.TreeSpec) -> Callable
     return lambda *args: pytree.tree_unflatten(compiled(*args), spec)
 
 
-@functools.cache
 def kernel_store() -> KernelStore | None:
-    """The process's store (`BUBO_KERNEL_CACHE`), or None where it is turned off."""
-    setting = os.environ.get("BUBO_KERNEL_CACHE", "")
-    if setting == "0":
+    """The process's store (`RuntimeOptions.kernel_cache`, --kernel-cache), or None where it is off."""
+    return _store_at(current_options().kernel_cache)
+
+
+@functools.cache
+def _store_at(setting: str) -> KernelStore | None:
+    if setting == "off":
         return None
     if setting:
         return KernelStore(Path(setting))

@@ -10,7 +10,7 @@ but y. On CUDA the tile shape is autotuned per (N, K, type); the interpreter get
 Q4_K, the most common decode type, has its own kernel that reads the blocks as int32 words (a Q4_K block
 is 144 bytes with its codes at byte 16, so every word is 4-byte aligned): one load brings 8 weights
 instead of one byte load per weight, which is what lets a GPU stream near its memory bandwidth.
-BUBO_TRITON_AUTOTUNE=0 (triton_support.autotune_configs) makes every kernel use its first config.
+--no-triton-autotune (triton_support.autotune_configs) makes every kernel use its first config.
 """
 
 import torch

@@ -1,18 +1,19 @@
-"""When the Triton kernels run: on CUDA, triton importable, and BUBO_TRITON not set to 0.
+"""When the Triton kernels run: on CUDA, triton importable, and `RuntimeOptions.triton` on (--no-triton).
 
 This module never imports triton (CPU installs have none); the kernel modules (triton_gemv,
 triton_gemm, triton_moe, triton_paged_attention, triton_gated_delta) do, so callers import those only once `triton_enabled` said yes.
 
-BUBO_TRITON_AUTOTUNE=0 makes every autotuned kernel use only its first (known-good) config
+--no-triton-autotune (`RuntimeOptions.triton_autotune`) makes every autotuned kernel use only its first config
 (`autotune_configs`): no autotuning sweep at first launch, for tests and a fast start.
 """
 
 import functools
 import importlib.util
-import os
 
 import torch
 from gguf import GGMLQuantizationType
+
+from bubo.options import current_options
 
 __all__ = ["TRITON_TYPES", "autotune_configs", "triton_enabled"]
 
@@ -32,12 +33,12 @@ def _triton_importable() -> bool:
 def triton_enabled(device: torch.device) -> bool:
     """Whether quantized matmuls on `device` go through the Triton kernels.
 
-    BUBO_TRITON=0 turns them off (the dequantize-then-matmul torch path runs instead), for
-    comparing the two or working around a kernel problem on some GPU.
+    --no-triton turns them off (the dequantize-then-matmul torch path runs instead), for comparing the
+    two or working around a kernel problem on some GPU.
     """
-    return device.type == "cuda" and os.environ.get("BUBO_TRITON", "1") != "0" and _triton_importable()
+    return device.type == "cuda" and current_options().triton and _triton_importable()
 
 
 def autotune_configs(configs: list) -> list:
-    """`configs`, or only the first when BUBO_TRITON_AUTOTUNE=0 (read when a kernel module is imported)."""
-    return configs[:1] if os.environ.get("BUBO_TRITON_AUTOTUNE", "1") == "0" else configs
+    """`configs`, or only the first with autotuning off (read when a kernel module is imported)."""
+    return configs if current_options().triton_autotune else configs[:1]

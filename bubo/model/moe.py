@@ -17,7 +17,7 @@ gate (Qwen3_5MoeSparseMoeBlock / Qwen3NextSparseMoeBlock; llama.cpp's ffn_*_shex
 
     y += sigmoid(g · x) * down_s(silu(gate_s(x)) * up_s(x))      g: ffn_gate_inp_shexp [1, hidden]
 
-On CUDA, quantized experts (with triton installed, BUBO_TRITON not 0) go through the fused Triton
+On CUDA, quantized experts (with triton installed and not turned off by --no-triton) go through the fused Triton
 kernel of bubo/kernels/triton_moe.py instead of the per-expert loop below. On the CPU, a stack of a type
 the compiled matvecs read is repacked at load as one matrix of experts x rows rows (bubo/kernels/), and
 an expert's product runs on its slice of whole tiles: a decoded token's few rows as matvecs on the codes,
@@ -30,7 +30,6 @@ every token made decode ~13x slower than llama.cpp's on Qwen3-30B-A3B's widths
 """
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +53,7 @@ from bubo.model.quantized_linear import (
     scratch_buffer,
     warm_up_packed,
 )
+from bubo.options import current_options
 
 __all__ = [
     "ExpertMatrices",
@@ -125,11 +125,11 @@ class QuantizedExpertMatrices(nn.Module):
 
 
 def pack_experts_enabled() -> bool:
-    """Whether CPU expert stacks are repacked (on unless BUBO_PACK_EXPERTS is 0). The packed layouts take
+    """Whether CPU expert stacks are repacked (`RuntimeOptions.pack_experts`, --no-pack-experts). The packed layouts take
     more memory than the file's blocks (Q4_K 4.75 bits a weight against 4.5, Q6_K 7.125 against 6.56: a
     Qwen3-30B-A3B Q4_K_M's experts grow from ~17 to ~18 GB); 0 keeps the file's bytes, mapped and
     dequantized per routed expert, which decodes several times slower."""
-    return os.environ.get("BUBO_PACK_EXPERTS", "1") != "0"
+    return current_options().pack_experts
 
 
 def pack_experts(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed | None:
@@ -137,7 +137,7 @@ def pack_experts(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed |
     matrix of experts x rows rows, or None: where `pack_for_cpu` takes the type, each expert's rows fill
     whole tiles (so that an expert is a slice of the tiles), and an expert alone is a matrix large enough
     to pack (quantized_linear.MIN_PACKED_WEIGHTS: every shape compiles its own kernels), unless
-    BUBO_PACK_EXPERTS=0 (`pack_experts_enabled`)."""
+    --no-pack-experts (`pack_experts_enabled`)."""
     experts, rows, row_bytes = raw.shape
     weights = rows * row_bytes // type_size(ggml_type) * block_size(ggml_type)
     if rows % TILE or weights < quantized_linear.MIN_PACKED_WEIGHTS or not pack_experts_enabled():

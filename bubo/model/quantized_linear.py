@@ -11,13 +11,12 @@ allows (`pack_for_cpu`): a single row (decode) goes through a compiled matvec th
 directly; several rows (prefill) multiply column chunks unpacked from the repacked words, in bfloat16
 where the CPU multiplies bfloat16 natively (`bf16_prefill`), else in float32.
 
-On CUDA (with triton installed, BUBO_TRITON not 0) the product runs in the Triton kernels of
+On CUDA (with triton installed and not turned off by --no-triton) the product runs in the Triton kernels of
 bubo/kernels/triton_gemm.py, which read the blocks as stored: no float weight is ever materialized.
 """
 
 import functools
 import logging
-import os
 import threading
 from dataclasses import dataclass
 
@@ -33,6 +32,7 @@ from bubo.kernels.q8_matvec import PackedQ8Offset, pack_q8, q8_matvec_bits, q8_o
 from bubo.kernels.repack import REPACKABLE, Packed, repack
 from bubo.kernels.super_block_matvec import PackedSuperBlocks, super_block_matvec_bits
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
+from bubo.options import current_options
 from bubo.process_memory import meminfo
 
 __all__ = [
@@ -95,14 +95,14 @@ def native_bf16() -> bool:
 
 def bf16_prefill() -> bool:
     """Whether the GEMMs of a float32 prefill (more than MATVEC_ROWS rows) multiply in bfloat16, with the
-    activations and the unpacked weights rounded to it and float32 accumulation: BUBO_PREFILL_BF16=1 / 0,
-    or by default where the CPU has bfloat16 dot products (AVX512-BF16 or AMX), on which that GEMM runs
+    activations and the unpacked weights rounded to it and float32 accumulation: --prefill-bf16 on / off,
+    or by default ("auto") where the CPU has bfloat16 dot products (AVX512-BF16 or AMX), on which that GEMM runs
     2.5-3x faster than float32's (2 threads, 512x576 by 576x1536: 2.5 ms against 8.0). transformers' bf16
     path rounds the same operands, and more (its norms, attention and residual stream stay bf16 too);
     llama.cpp rounds the activations of Q4_1 products to 8 bits. Decode (compiled matvecs on the codes)
     stays float32 throughout."""
-    setting = os.environ.get("BUBO_PREFILL_BF16", "auto")
-    return setting == "1" or (setting != "0" and native_bf16())
+    setting = current_options().prefill_bf16
+    return setting == "on" or (setting == "auto" and native_bf16())
 
 
 def pack_for_cpu(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed | None:

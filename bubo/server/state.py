@@ -30,6 +30,7 @@ from bubo.engine.ngram_drafter import DEFAULT_NGRAM_SIZE
 from bubo.engine.prompt_cache import SnapshotPolicy
 from bubo.engine.prompt_images import PromptImage
 from bubo.engine.request import Finished, GenerationRequest, OutputEvent
+from bubo.engine.runner import runner_for
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import DeviceLostError
 from bubo.engine.slot_pool import SlotPool
@@ -206,6 +207,8 @@ class ServerState:
             )
             if self.settings.mtp_weights is not None:
                 load_mtp_weights(loaded.model, self.settings.mtp_weights)
+            for line in runner_for(loaded.model).plan.lines():
+                log.info("%s", line)
             tower = None
             if self.settings.mmproj is not None:
                 # Imported here: only a server with a vision tower needs the vision package.

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from bubo.engine import compiled_decode
-from bubo.engine.compiled_decode import CompiledDecodeStep, prepare_decode_step
+from bubo.engine.compiled_decode import CompiledDecodeStep
 from bubo.engine.loaded_model import LoadedModel
+from bubo.engine.runner import runner_for
 from bubo.model import quantized_linear
 from bubo.model.decoder import Decoder
 from bubo.model.moe import SparseMoE
@@ -58,7 +59,7 @@ def test_breakdown_times_every_part_of_the_default_model_step(
     smollm2: LoadedModel, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bench, model = _bench(), smollm2.model
-    step = prepare_decode_step(model)
+    step = runner_for(model).decode_step(model.new_cache(max_len=2))
     assert step is not None
     originals = _originals()
     expected, _ = _steps(model, step, None)

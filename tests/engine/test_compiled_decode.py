@@ -10,9 +10,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bubo.engine.compiled_decode import CompiledDecodeStep, UnsupportedModelError, decode_step_for
+from bubo.engine.compiled_decode import CompiledDecodeStep, UnsupportedModelError
 from bubo.engine.generate import (
-    SHORT_PROMPT_TOKENS,
     GenerationResult,
     TextDelta,
     TokenLogprob,
@@ -21,6 +20,7 @@ from bubo.engine.generate import (
 from bubo.engine.kv_cache import KVCache
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.request import Finished, GenerationRequest
+from bubo.engine.runner import SHORT_PROMPT_TOKENS, runner_for
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot_pool import SlotPool
 from bubo.gguf.config import config_from_gguf
@@ -226,21 +226,21 @@ def _greedy(loaded: LoadedModel, prompt: str, tokens: int) -> list[int]:
 
 
 def test_default_model_generates_the_same_tokens(
-    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch, runtime_options
 ) -> None:
     """The default model's projections are packed: `generate` decodes it compiled, token for token as
     the eager decoder does."""
-    assert decode_step_for(smollm2.model, smollm2.model.new_cache(max_len=8)) is not None
+    assert runner_for(smollm2.model).decode_step(smollm2.model.new_cache(max_len=8)) is not None
     compiled = _greedy(smollm2, "The capital of France is", 24)
-    monkeypatch.setenv("BUBO_COMPILE_DECODE", "0")
-    assert decode_step_for(smollm2.model, smollm2.model.new_cache(max_len=8)) is None
+    runtime_options(compile_decode=False)
+    assert runner_for(smollm2.model).decode_step(smollm2.model.new_cache(max_len=8)) is None
     eager = _greedy(smollm2, "The capital of France is", 24)
     assert compiled == eager
     assert smollm2.tokenizer.decode(compiled).startswith(" Paris")
 
 
 def test_default_model_logits_match_the_eager_step(smollm2: LoadedModel) -> None:
-    step = decode_step_for(smollm2.model, smollm2.model.new_cache(max_len=8))
+    step = runner_for(smollm2.model).decode_step(smollm2.model.new_cache(max_len=8))
     assert step is not None
     _compare(smollm2.model, step)
 
@@ -266,7 +266,7 @@ def step_calls(monkeypatch: pytest.MonkeyPatch) -> list[KVCache]:
 
 
 def test_short_prompts_prefill_through_the_compiled_step(
-    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch, step_calls: list[KVCache]
+    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch, step_calls: list[KVCache], runtime_options
 ) -> None:
     """A prompt of up to SHORT_PROMPT_TOKENS runs one compiled step per token (the eager forward costs
     more for so few), a longer one the eager forward; the first token's log probability is the eager
@@ -285,14 +285,14 @@ def test_short_prompts_prefill_through_the_compiled_step(
     assert len(step_calls) == len(short)
     first_token(long)
     assert len(step_calls) == len(short)
-    monkeypatch.setenv("BUBO_COMPILE_DECODE", "0")
+    runtime_options(compile_decode=False)
     eager = first_token(short)
     assert stepped.token_id == eager.token_id
     assert abs(stepped.logprob - eager.logprob) <= LOGIT_TOLERANCE
 
 
 def test_parallel_slots_decode_through_the_compiled_step(
-    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch, step_calls: list[KVCache]
+    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch, step_calls: list[KVCache], runtime_options
 ) -> None:
     """With several slots (`--parallel`) the decode steps run compiled, the sequences' tokens as the rows
     of one pass, and every stream gets the tokens it gets alone; with compiling off they run as one
@@ -325,7 +325,7 @@ def test_parallel_slots_decode_through_the_compiled_step(
     assert sum(len(c) if isinstance(c, tuple) else 1 for c in step_calls) == 2 * (params.max_tokens - 1)
     assert len(batches) >= params.max_tokens // 2 and all(len(c) == 2 for c in batches)
     assert pool.batcher is not None and pool.batcher.steps == len(batches)
-    monkeypatch.setenv("BUBO_COMPILE_DECODE", "0")
+    runtime_options(compile_decode=False)
     batched, pool = asyncio.run(serve(2, prompts))
     assert pool.batcher is not None and pool.batcher.steps > 0
     assert [ids[:4] for ids in batched] == [ids[:4] for ids in alone]

@@ -26,13 +26,12 @@ from bubo.engine.graph_decode import (
     StepInputs,
     UnsupportedGraphModelError,
     check_supported,
-    cuda_graphs_enabled,
-    graph_step_for,
     masked_attention,
     paged_attention,
     static_decode_step,
 )
 from bubo.engine.kv_cache import KVCache
+from bubo.engine.runner import runner_for
 from bubo.engine.sampler import Sampler, SamplingParams
 from bubo.engine.token_choice import TokenChooser
 from bubo.gguf.config import config_from_gguf
@@ -432,13 +431,13 @@ def test_models_the_step_does_not_cover(tmp_path: Path) -> None:
 
 
 def test_graph_steps_are_for_cuda_models_and_can_be_turned_off(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime_options
 ) -> None:
     model = _model("llama-tied", tmp_path / "llama.gguf")
-    assert graph_step_for(model, model.new_cache(max_len=8)) is None  # a CPU model has its compiled step
-    assert cuda_graphs_enabled()
-    monkeypatch.setenv("BUBO_CUDA_GRAPHS", "0")
-    assert not cuda_graphs_enabled()
+    assert (
+        runner_for(model).graph_step(model.new_cache(max_len=8)) is None
+    )  # a CPU model has its compiled step
+    assert runner_for(model).plan.decode.path == "eager"
 
 
 def _greedy_tokens(model: Decoder, count: int) -> list[int]:
@@ -476,7 +475,7 @@ def cuda_model(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Decod
 def test_cuda_graph_replay_matches_eager(cuda_model: Decoder) -> None:
     """Captured once, then replayed with every later token's inputs loaded; the replays (and the loads
     before them) under CUDA's sync debug mode, which raises on any synchronising call."""
-    step = graph_step_for(cuda_model, _cache(cuda_model))
+    step = runner_for(cuda_model).graph_step(_cache(cuda_model))
     assert step is not None
 
     def strict(token: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -498,7 +497,7 @@ def test_cuda_graph_replay_over_a_float16_cache(tmp_path: Path) -> None:
     the narrowed pool inside the captured graph."""
     model = _model("qwen3-qk-norm", tmp_path / "qwen3.gguf", device="cuda")
     model.cache_dtypes = (torch.float16, torch.float16)
-    step = graph_step_for(model, _cache(model))
+    step = runner_for(model).graph_step(_cache(model))
     assert step is not None
     _compare(model, step, _cache(model), sample=True)
     assert not step.failed
@@ -509,7 +508,7 @@ def test_cuda_graph_replay_with_fused_experts(tmp_path: Path) -> None:
     from tests.model.test_moe import _EXPERTS_Q
 
     model = _moe_model(tmp_path / "moe-q.gguf", _EXPERTS_Q, device="cuda")
-    step = graph_step_for(model, _cache(model))
+    step = runner_for(model).graph_step(_cache(model))
     assert step is not None
     _compare(model, step, _cache(model), sample=True)
     assert not step.failed
@@ -523,14 +522,16 @@ def test_cuda_graph_replay_hybrid(arch: str, tmp_path: Path) -> None:
     from tests.model.test_moe import _EXPERTS_Q
 
     model = _hybrid(tmp_path / f"{arch}.gguf", arch, _EXPERTS_Q if arch == "qwen35moe" else None, "cuda")
-    step = graph_step_for(model, _cache(model))
+    step = runner_for(model).graph_step(_cache(model))
     assert step is not None
     _compare(model, step, _cache(model), sample=True)
     assert not step.failed
 
 
 @cuda
-def test_cuda_generate_with_and_without_graphs(cuda_model: Decoder, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_generate_with_and_without_graphs(
+    cuda_model: Decoder, monkeypatch: pytest.MonkeyPatch, runtime_options
+) -> None:
     graphed = _greedy_tokens(cuda_model, STEPS)
-    monkeypatch.setenv("BUBO_CUDA_GRAPHS", "0")
+    runtime_options(cuda_graphs=False)
     assert _greedy_tokens(cuda_model, STEPS) == graphed

@@ -6,11 +6,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from bubo.engine.compiled_decode import decode_step_for
 from bubo.engine.drafters import drafter_for
 from bubo.engine.generate import GenerationResult, generate
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.ngram_drafter import NgramDrafter
+from bubo.engine.runner import runner_for
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.speculative import Draft
 from bubo.gguf.config import config_from_gguf
@@ -93,10 +93,10 @@ def packed_llama(tmp_path_factory: pytest.TempPathFactory) -> Decoder:
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("max_draft", [1, 3])
 def test_greedy_output_and_cache_are_plain_decodings(
-    packed_llama: Decoder, compiled: bool, max_draft: int, monkeypatch: pytest.MonkeyPatch
+    packed_llama: Decoder, compiled: bool, max_draft: int, monkeypatch: pytest.MonkeyPatch, runtime_options
 ) -> None:
     if not compiled:
-        monkeypatch.setenv("BUBO_COMPILE_DECODE", "0")
+        runtime_options(compile_decode=False)
     # A repetitive prompt: the random model's greedy continuation soon repeats too, so rounds draft,
     # some drafts are kept and some are not.
     prompt = [5, 6, 7, 8, 9] * 4 + [5, 6]
@@ -132,17 +132,17 @@ class FirstRightDrafter:
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_rejected_drafts_are_rolled_back(
-    packed_llama: Decoder, compiled: bool, monkeypatch: pytest.MonkeyPatch
+    packed_llama: Decoder, compiled: bool, monkeypatch: pytest.MonkeyPatch, runtime_options
 ) -> None:
     if not compiled:
-        monkeypatch.setenv("BUBO_COMPILE_DECODE", "0")
+        runtime_options(compile_decode=False)
     prompt = [3, 17, 42, 7, 99]
     params = SamplingParams(temperature=0.0, max_tokens=20)
     plain, plain_cache = _run(packed_llama, ByteTokenizer(), prompt, params, None)
     drafter = FirstRightDrafter(prompt + plain.token_ids + [0] * 4, 3)
     spec, spec_cache = _run(packed_llama, ByteTokenizer(), prompt, params, drafter)
     assert spec.token_ids == plain.token_ids
-    assert (decode_step_for(packed_llama, spec_cache) is not None) == compiled
+    assert (runner_for(packed_llama).decode_step(spec_cache) is not None) == compiled
     assert spec.draft_tokens == sum(drafter.rounds) and spec.draft_accepted == sum(
         min(n, 1) for n in drafter.rounds
     )

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bubo.engine import generate as generate_module
 from bubo.engine.generate import GenerationResult, TextDelta, generate
 from bubo.engine.kv_cache import KVCache
+from bubo.engine.runner import Runner
 from bubo.engine.sampler import SamplingParams
 from bubo.model.decoder import Decoder
 from tests.engine.test_graph_decode import PROMPT, _Bytes, _model
@@ -66,7 +66,7 @@ def _both(
     """Plain decoding (no graph step on the CPU) and run-ahead decoding agree on everything; returns
     why both stopped."""
     plain = _run(model, params, tokenizer, max_len, cancel_after)
-    monkeypatch.setattr(generate_module, "graph_step_for", lambda m, c: _eager_step(m, []))
+    monkeypatch.setattr(Runner, "graph_step", lambda runner, c: _eager_step(runner.model, []))
     ahead = _run(model, params, tokenizer, max_len, cancel_after)
     assert ahead[1].token_ids == plain[1].token_ids
     assert ahead[1].stop_reason == plain[1].stop_reason
@@ -126,7 +126,7 @@ def test_the_next_step_is_queued_before_a_token_is_handed_out(
     model: Decoder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(generate_module, "graph_step_for", lambda m, c: _eager_step(m, calls))
+    monkeypatch.setattr(Runner, "graph_step", lambda runner, c: _eager_step(runner.model, calls))
     cache = model.new_cache(max_len=40)
     events = generate(model, _Bytes(), PROMPT[0].tolist(), GREEDY, cache=cache)
     seen = 0
@@ -152,7 +152,7 @@ def test_graph_step_in_generate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         return run
 
     step = GraphDecodeStep(model, masked_attention, capture=capture)
-    monkeypatch.setattr(generate_module, "graph_step_for", lambda m, c: step)
+    monkeypatch.setattr(Runner, "graph_step", lambda runner, c: step)
     graphed = _run(model, GREEDY, _Bytes())
     assert graphed[1].token_ids == plain[1].token_ids and graphed[2] == plain[2]
     assert len(captures) == 1

@@ -164,16 +164,11 @@ def test_a_damaged_stored_kernel_is_compiled_again(
     assert json.loads(next(store.root.rglob("*.json")).read_text())["outputs"]
 
 
-def test_the_store_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    kernel_store.kernel_store.cache_clear()
-    try:
-        monkeypatch.setenv("BUBO_KERNEL_CACHE", "0")
-        assert kernel_store.kernel_store() is None
-        kernel_store.kernel_store.cache_clear()
-        monkeypatch.setenv("BUBO_KERNEL_CACHE", str(tmp_path))
-        assert kernel_store.kernel_store().root == tmp_path
-    finally:
-        kernel_store.kernel_store.cache_clear()
+def test_the_store_can_be_turned_off(runtime_options, tmp_path: Path) -> None:
+    runtime_options(kernel_cache="off")
+    assert kernel_store.kernel_store() is None
+    runtime_options(kernel_cache=str(tmp_path))
+    assert kernel_store.kernel_store().root == tmp_path
 
 
 def test_directories_of_other_source_versions_are_removed_after_a_week(store: KernelStore) -> None:

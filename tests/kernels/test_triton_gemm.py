@@ -95,11 +95,10 @@ def test_gemv_configs_are_pruned_to_what_fits_in_registers() -> None:
     assert fitting_configs(configs[1:], {}, BLOCK_M=4) == configs[1:2]  # none fits: the smallest
 
 
-def test_switch(monkeypatch) -> None:
-    monkeypatch.delenv("BUBO_TRITON", raising=False)
+def test_switch(runtime_options) -> None:
     assert not triton_enabled(torch.device("cpu"))
     assert triton_enabled(torch.device("cuda"))
-    monkeypatch.setenv("BUBO_TRITON", "0")
+    runtime_options(triton=False)
     assert not triton_enabled(torch.device("cuda"))
 
 
@@ -133,9 +132,9 @@ def test_q4_k_word_gemv_matches_float64_reference(rows: int, blocks: int) -> Non
     assert_product_close(got - bias, x, weight, FLOAT32_REL)
 
 
-def test_autotune_switch_keeps_only_the_first_config(monkeypatch) -> None:
+def test_autotune_switch_keeps_only_the_first_config(runtime_options) -> None:
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": 256}) for n in (8, 16)]
-    monkeypatch.delenv("BUBO_TRITON_AUTOTUNE", raising=False)
+    runtime_options(triton_autotune=True)
     assert autotune_configs(configs) == configs
-    monkeypatch.setenv("BUBO_TRITON_AUTOTUNE", "0")
+    runtime_options(triton_autotune=False)
     assert autotune_configs(configs) == configs[:1]

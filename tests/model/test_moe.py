@@ -236,15 +236,15 @@ def test_packed_experts_match_transformers(tmp_path: Path, monkeypatch: pytest.M
     assert len(graphs) == DECODE * 3
 
 
-def test_experts_are_packed_only_in_whole_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_experts_are_packed_only_in_whole_tiles(monkeypatch: pytest.MonkeyPatch, runtime_options) -> None:
     monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     raw = torch.zeros(4, TILE + 4, 18, dtype=torch.uint8)  # Q4_0 rows of 32 weights, not whole tiles
     assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is None
     raw = torch.zeros(4, 2 * TILE, 18, dtype=torch.uint8)
     assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is not None
-    monkeypatch.setenv("BUBO_PACK_EXPERTS", "0")  # the file's bytes, for the memory
+    runtime_options(pack_experts=False)  # the file's bytes, for the memory
     assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is None
-    monkeypatch.delenv("BUBO_PACK_EXPERTS")
+    runtime_options(pack_experts=True)
     monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 2 * TILE * 32 + 1)
     # An expert below the threshold stays unpacked however many experts there are.
     assert QuantizedExpertMatrices(raw, Q.Q4_0, in_features=32).packed is None

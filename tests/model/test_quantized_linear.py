@@ -1,6 +1,6 @@
 """QuantizedLinear's row-chunked forward against a plain linear on gguf's own dequantization.
 
-The products are checked in float32 (BUBO_PREFILL_BF16=0, set for every test here) against float64
+The products are checked in float32 (prefill_bf16 off, set for every test here) against float64
 references; `test_bf16_gemms_round_operands_once` checks the bfloat16 prefill GEMMs on their own."""
 
 import gguf
@@ -17,8 +17,8 @@ Q = gguf.GGMLQuantizationType
 
 
 @pytest.fixture(autouse=True)
-def float32_gemms(monkeypatch) -> None:
-    monkeypatch.setenv("BUBO_PREFILL_BF16", "0")
+def float32_gemms(runtime_options) -> None:
+    runtime_options(prefill_bf16="off")
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q5_0])
@@ -202,8 +202,10 @@ def test_other_layouts_stay_apart(monkeypatch, types: tuple[Q, Q]) -> None:
     ("qtype", "packed"), [(Q.Q4_1, True), (Q.Q8_0, True), (Q.Q4_K, True), (Q.Q5_K, True), (Q.Q4_1, False)]
 )
 @pytest.mark.parametrize("rows", [17, 40])
-def test_bf16_gemms_round_operands_once(monkeypatch, qtype: Q, packed: bool, rows: int) -> None:
-    monkeypatch.setenv("BUBO_PREFILL_BF16", "1")
+def test_bf16_gemms_round_operands_once(
+    monkeypatch, runtime_options, qtype: Q, packed: bool, rows: int
+) -> None:
+    runtime_options(prefill_bf16="on")
     if packed:
         monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     monkeypatch.setattr(quantized_linear, "CHUNK_VALUES", 256 * 24)  # 16 or 24 columns a chunk, of 40
@@ -227,12 +229,12 @@ def test_bf16_gemms_round_operands_once(monkeypatch, qtype: Q, packed: bool, row
     torch.testing.assert_close(product.double(), expected, rtol=2**-8, atol=1e-4)
 
 
-@pytest.mark.parametrize("setting", ["0", "1"])
-def test_bf16_prefill_setting(monkeypatch, setting: str) -> None:
-    monkeypatch.setenv("BUBO_PREFILL_BF16", setting)
-    assert quantized_linear.bf16_prefill() is (setting == "1")
+@pytest.mark.parametrize("setting", ["off", "on"])
+def test_bf16_prefill_setting(runtime_options, setting: str) -> None:
+    runtime_options(prefill_bf16=setting)
+    assert quantized_linear.bf16_prefill() is (setting == "on")
     x = torch.randn(quantized_linear.MATVEC_ROWS + 1, 8)
-    assert quantized_linear.gemm_operand(x).dtype == (torch.bfloat16 if setting == "1" else torch.float32)
+    assert quantized_linear.gemm_operand(x).dtype == (torch.bfloat16 if setting == "on" else torch.float32)
     # A decode step's few rows, and a bfloat16 model's rows, are left as they are.
     few, half = x[: quantized_linear.MATVEC_ROWS], x.bfloat16()
     assert quantized_linear.gemm_operand(few) is few and quantized_linear.gemm_operand(half) is half

@@ -94,13 +94,13 @@ BF16_MAX_TOP_LOGPROB_DIFF = 0.25
 
 
 def test_bf16_prefill_stays_near_float32_reference(
-    models: tuple[PreTrainedModel, AutoTokenizer, Decoder], monkeypatch: pytest.MonkeyPatch
+    models: tuple[PreTrainedModel, AutoTokenizer, Decoder], monkeypatch: pytest.MonkeyPatch, runtime_options
 ) -> None:
     reference, tokenizer, model = models
     ids = tokenizer(LONG_PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         expected = reference(ids).logits[0]
-        monkeypatch.setenv("BUBO_PREFILL_BF16", "1")
+        runtime_options(prefill_bf16="on")
         got = model(ids, model.new_cache(batch=1, max_len=ids.shape[1]))[0]
     diff = (got - expected).abs().max().item()
     top = expected.argmax(-1, keepdim=True)
