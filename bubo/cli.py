@@ -13,14 +13,11 @@ import torch
 
 from bubo import __version__
 from bubo.default_model import DefaultModelMissingError, default_model_path
+from bubo.dtypes import CACHE_TYPES, DTYPES
 from bubo.gguf.config import MlpKind, ModelConfig, UnsupportedArchitectureError, config_from_gguf
 from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.options import RuntimeOptions, use_options
 from bubo.process_memory import configure_cpu_process
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# KV cache storage types, by llama.cpp's names for them (`--cache-type-k/-v`).
-CACHE_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -295,16 +292,30 @@ def _prepare_process(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     _prepare_process(args)
-    from bubo.engine.drafters import drafter_for, prepare_drafting
-    from bubo.engine.generate import GenerationResult, TextDelta, generate
-    from bubo.engine.loaded_model import load_model
-    from bubo.engine.runner import runner_for
-    from bubo.engine.sampler import SamplingParams
-    from bubo.model.mtp_weights import load_mtp_weights
+    import bubo
+    from bubo.engine.request import Finished, OutputDelta
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    params = SamplingParams(
+    path = _resolve_model(args)
+    started = time.perf_counter()
+    model = bubo.load(
+        path,
+        device=args.device,
+        dtype=args.dtype,
+        cache_type=(args.cache_type_k, args.cache_type_v),
+        threads=args.threads,
+        progress=sys.stderr.isatty(),
+        spec_type=args.spec_type,
+        spec_draft=args.spec_draft,
+        spec_ngram_size=args.spec_ngram_simple_size_n,
+        mtp_weights=args.mtp_weights,
+    )
+    load_seconds = time.perf_counter() - started
+    if args.stats:
+        print(model.plan, file=sys.stderr)
+    events = model.generate(
+        args.prompt,
+        stream=True,
+        special=args.special,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -318,36 +329,15 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         stop=list(args.stop),
     )
-    params.validate()
-    path = _resolve_model(args)
-    started = time.perf_counter()
-    loaded = load_model(
-        path,
-        dtype=DTYPES[args.dtype],
-        device=args.device,
-        progress=sys.stderr.isatty(),
-        cache_dtypes=_cache_dtypes(args),
-    )
-    if args.mtp_weights is not None:
-        load_mtp_weights(loaded.model, args.mtp_weights)
-    drafter = drafter_for(loaded.model, args.spec_type, args.spec_draft, args.spec_ngram_simple_size_n)
-    prepare_drafting(loaded.model, drafter)
-    load_seconds = time.perf_counter() - started
-    if args.stats:
-        print(runner_for(loaded.model).plan, file=sys.stderr)
-    prompt_ids = loaded.tokenizer.encode(args.prompt)
-    events = generate(
-        loaded.model, loaded.tokenizer, prompt_ids, params, special=args.special, drafter=drafter
-    )
     for event in events:
-        if isinstance(event, TextDelta):
+        if isinstance(event, OutputDelta):
             sys.stdout.write(event.text)
             sys.stdout.flush()
-        elif isinstance(event, GenerationResult):
+        elif isinstance(event, Finished):
             sys.stdout.write("\n")
             sys.stdout.flush()
             if args.stats:
-                _print_stats(event, load_seconds)
+                _print_stats(event.result, load_seconds)
     return 0
 
 

@@ -23,7 +23,8 @@ class GenerationRequest:
     (None: off) asks for each token's log probability and that many alternatives. `constraints`
     (a grammar, a reasoning budget) and `tool_parser` (which turns the answer's tool-call markup into
     tool-call events) belong to this one request: they keep state as it runs. `images` are the
-    prompt's images, whose pad tokens `prompt_ids` holds (bubo/engine/prompt_images.py).
+    prompt's images, whose pad tokens `prompt_ids` holds (bubo/engine/prompt_images.py). `special` keeps
+    the text of special tokens such as <|im_end|> in the output, which is otherwise dropped.
     """
 
     request_id: str
@@ -37,6 +38,7 @@ class GenerationRequest:
     tool_parser: ToolCallParser | None = None
     cache_prompt: bool = True
     images: tuple[PromptImage, ...] = ()
+    special: bool = False  # keep the text of special tokens (`bubo generate --special`)
 
     @property
     def cache_key(self) -> list[int | ImageToken]:

@@ -197,6 +197,13 @@ class SessionSlot:
         finally:
             cancelled.set()
 
+    def events(
+        self, request: GenerationRequest, cancelled: threading.Event | None = None
+    ) -> Iterator[OutputEvent]:
+        """The request's events, generated on the calling thread (the Python API's path; `run` runs the
+        same in the slot's worker thread for the server). Closing the iterator stops the generation."""
+        yield from self._generate(request, threading.Event() if cancelled is None else cancelled)
+
     def _work(
         self,
         request: GenerationRequest,
@@ -275,6 +282,7 @@ class SessionSlot:
                 prompt,
                 request.params,
                 cache=pc.cache,
+                special=request.special,
                 cancelled=cancelled.is_set,
                 logprobs=request.logprobs,
                 constraints=request.constraints,

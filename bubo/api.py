@@ -1,0 +1,240 @@
+"""The public Python API: `bubo.load(...)` opens a GGUF file into a `Model`, which generates text, runs
+forward passes step by step on explicit state, and says which path each kind of step takes.
+
+The CLI and the server are clients of the same pieces: `Model.generate` runs a request on a session
+slot (bubo/engine/slot.py) exactly as a server slot does, with its prompt cache, and yields the same
+protocol-neutral events the server formats (bubo/engine/request.py).
+"""
+
+import itertools
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal, overload
+
+import torch
+
+from bubo.default_model import default_model_path
+from bubo.dtypes import CACHE_TYPES, DTYPES
+from bubo.engine.drafters import drafter_for, prepare_drafting
+from bubo.engine.kv_cache import KVCache
+from bubo.engine.loaded_model import LoadedModel, load_model
+from bubo.engine.ngram_drafter import DEFAULT_NGRAM_SIZE
+from bubo.engine.request import Finished, GenerationRequest, OutputEvent
+from bubo.engine.runner import Plan, runner_for
+from bubo.engine.sampler import SamplingParams
+from bubo.engine.slot import SessionSlot
+from bubo.engine.speculative import Drafter
+from bubo.gguf.config import ModelConfig
+from bubo.model.decoder import Decoder
+from bubo.model.mtp_weights import load_mtp_weights
+from bubo.model.tokenizer import Tokenizer
+from bubo.options import RuntimeOptions, use_options
+
+__all__ = ["Model", "load"]
+
+
+def load(
+    path: str | Path | None = None,
+    *,
+    device: str = "cpu",
+    dtype: str | torch.dtype = "float32",
+    ctx_size: int | None = None,
+    cache_type: str | tuple[str, str] = "f16",
+    threads: int | None = None,
+    options: RuntimeOptions | None = None,
+    progress: bool = False,
+    spec_type: str | None = None,
+    spec_draft: int | None = None,
+    spec_ngram_size: int = DEFAULT_NGRAM_SIZE,
+    mtp_weights: str | Path | None = None,
+) -> "Model":
+    """Open the GGUF file at `path` (None: the default model, SmolLM2-135M-Instruct Q4_1) on `device`.
+
+    `dtype` is the compute dtype ("float32" is the fast CPU path); `ctx_size` caps the context (default:
+    the model's trained context); `cache_type` is the KV cache's storage ("f16", "bf16" or "f32", or a
+    (keys, values) pair);
+    `threads` sets torch's CPU threads; `options` installs the runtime options for the process
+    (bubo.options.RuntimeOptions; default: the environment's). Speculative decoding as `bubo serve`'s
+    flags of the same names set it (bubo/engine/drafters.py): `spec_type` "mtp" (the model's MTP block,
+    the default where it has one), "ngram-simple" or "none", `spec_draft` tokens a round (0: off), and
+    `mtp_weights`, a checkpoint shard holding the MTP block the GGUF lacks. Raises FileNotFoundError,
+    GGUFError or UnsupportedArchitectureError for a file it can't serve, ValueError for a bad argument.
+    """
+    compute = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if compute not in DTYPES.values():
+        raise ValueError(f"dtype: one of {', '.join(DTYPES)}, not {dtype!r}")
+    storage = (cache_type, cache_type) if isinstance(cache_type, str) else tuple(cache_type)
+    if len(storage) != 2 or any(part not in CACHE_TYPES for part in storage):
+        raise ValueError(f"cache_type: one of {', '.join(CACHE_TYPES)} (or a pair), not {cache_type!r}")
+    if ctx_size is not None and ctx_size < 2:
+        raise ValueError(f"ctx_size must be at least 2, got {ctx_size}")
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+    if options is not None:
+        use_options(options)
+    file = Path(path) if path is not None else default_model_path()
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"model file not found: {file}" if not file.exists() else f"not a file: {file}"
+        )
+    loaded = load_model(
+        file,
+        dtype=compute,
+        device=device,
+        progress=progress,
+        cache_dtypes=(CACHE_TYPES[storage[0]], CACHE_TYPES[storage[1]]),
+    )
+    try:
+        if mtp_weights is not None:
+            load_mtp_weights(loaded.model, Path(mtp_weights))
+        drafter = drafter_for(loaded.model, spec_type, spec_draft, spec_ngram_size)
+        prepare_drafting(loaded.model, drafter)
+    except BaseException:
+        loaded.file.close()
+        raise
+    return Model(loaded, ctx_size, drafter)
+
+
+class Model:
+    """A loaded model: its tokenizer, its decoder (a torch module), and one session slot that runs its
+    generations one at a time, keeping the prompt cache between them (a continued conversation is
+    computed once). Not for use from several threads at once."""
+
+    def __init__(
+        self, loaded: LoadedModel, ctx_size: int | None = None, drafter: Drafter | None = None
+    ) -> None:
+        self.loaded = loaded
+        self.drafter = drafter  # speculative decoding's drafter (bubo/engine/speculative.py); None: off
+        trained = loaded.config.context_length
+        self.ctx_size = min(ctx_size or trained, trained)
+        self._slot: SessionSlot | None = None
+        self._busy = threading.Lock()
+        self._ids = itertools.count(1)
+
+    @property
+    def path(self) -> Path:
+        return self.loaded.path
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.loaded.config
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.loaded.tokenizer
+
+    @property
+    def decoder(self) -> Decoder:
+        """The torch module (bubo/model/decoder.py): hooks, parameters and submodules are all its own."""
+        return self.loaded.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.device
+
+    @property
+    def plan(self) -> Plan:
+        """Which path each kind of step runs (eager, compiled, CUDA graph) and why."""
+        return runner_for(self.decoder).plan
+
+    # Step by step
+
+    def new_state(self, max_len: int | None = None) -> KVCache:
+        """An empty decode state (KV cache, recurrent and indexer states) for up to `max_len` positions
+        (default: the context size), for `forward`."""
+        return self.decoder.new_cache(max_len=self.ctx_size if max_len is None else max_len)
+
+    def forward(self, ids: Sequence[int] | torch.Tensor, state: KVCache | None = None) -> torch.Tensor:
+        """The float32 logits [len(ids), vocab] of `ids` continuing `state` (None: a fresh state sized
+        for `ids`), which advances past them. This is the eager forward: hooks on the decoder's modules
+        see every call."""
+        tokens = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(1, -1)
+        if tokens.shape[1] == 0:
+            raise ValueError("forward needs at least one token")
+        if state is None:
+            state = self.new_state(max_len=tokens.shape[1])
+        if state.length + tokens.shape[1] > state.max_len:
+            raise ValueError(
+                f"the state holds {state.length} of {state.max_len} positions: no room for {tokens.shape[1]} more"
+            )
+        with torch.inference_mode():
+            return self.decoder(tokens, state)[0].float()
+
+    # Generation
+
+    @overload
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        stream: Literal[False] = False,
+        special: bool = False,
+        **sampling: Any,
+    ) -> Finished: ...
+
+    @overload
+    def generate(
+        self, prompt: str | Sequence[int], *, stream: Literal[True], special: bool = False, **sampling: Any
+    ) -> Iterator[OutputEvent]: ...
+
+    def generate(
+        self, prompt: str | Sequence[int], *, stream: bool = False, special: bool = False, **sampling: Any
+    ) -> Finished | Iterator[OutputEvent]:
+        """Continue `prompt` (text, tokenized with the file's BOS, or token ids). `sampling` are
+        SamplingParams fields (temperature, top_k, top_p, min_p, seed, max_tokens, stop, ...; llama-server's
+        defaults). Returns the `Finished` event (its `content_text`, `usage`, `finish_reason`), or with
+        `stream=True` yields `OutputDelta` pieces as they are generated and then the `Finished` event.
+        `special` keeps the text of special tokens (<|im_end|>), which is dropped by default."""
+        params = SamplingParams(**sampling)
+        params.validate()
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            ids = [int(t) for t in prompt]
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+                raise ValueError(f"token ids must be in [0, {self.tokenizer.vocab_size})")
+            text = self.tokenizer.decode(ids)
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(ids) >= self.ctx_size:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the context holds {self.ctx_size} "
+                "(prompt plus at least one generated token)"
+            )
+        request = GenerationRequest(f"gen-{next(self._ids)}", text, ids, params, special=special)
+        events = self._run(request)
+        if stream:
+            return events
+        for event in events:
+            if isinstance(event, Finished):
+                return event
+        raise RuntimeError("the generation ended without a result")
+
+    def _run(self, request: GenerationRequest) -> Iterator[OutputEvent]:
+        """The request's events from the model's slot; one generation at a time. Closing the iterator
+        stops the generation before its next forward pass."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this model is generating already: finish or close the other generation first")
+        try:
+            if self._slot is None:
+                self._slot = SessionSlot(self.decoder, self.tokenizer, self.ctx_size, drafter=self.drafter)
+            yield from self._slot.events(request)
+        finally:
+            self._busy.release()
+
+    def close(self) -> None:
+        """Release the file's memory map (the model can't be used after)."""
+        self.loaded.file.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<bubo.Model {self.config.architecture} from {self.path.name} on {self.device}>"
