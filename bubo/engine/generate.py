@@ -325,18 +325,16 @@ def generate(
 
 # Prompts (or uncached prompt suffixes: a chat's new turn) of up to this many tokens go through the
 # compiled decode step one token at a time instead of one eager forward pass, where the step covers the
-# model: the eager pass pays some 25 ms of op dispatch on the default model before its matvecs (and past
-# MATVEC_ROWS tokens unpacks every weight for GEMMs). Default model, 2 threads, best of 4, eager /
-# stepped: 1 token 38 / 14 ms, 4: 82 / 49, 8: 80 / 78, 12: 116 / 117 (benchmarks/bench_short_prefill.py).
+# model: the eager pass pays a fixed cost of op dispatch before its matvecs (and past MATVEC_ROWS tokens
+# unpacks every weight for GEMMs); benchmarks/bench_short_prefill.py measures where the two cross.
 SHORT_PROMPT_TOKENS = 8
 
 
 # A longer prompt (without images) prefills in pieces of this many tokens, each continuing the cache, so
-# its activations stay those of a 2048-token pass however long it is. Default model, 2 threads: an
-# 8192-token prompt peaks at 1068 MB instead of 1271 (377 MB of it the cache), in 28.2 s instead of 23.2
+# its activations stay those of a 2048-token pass however long it is. Long prompts pay some speed for it
 # (each piece unpacks the weights again, and attends under an explicit mask where one pass skips the
-# masked blocks); 512-token pieces, llama.cpp's ubatch, cost 20-30 % at 2048 tokens, so only prompts
-# past 2048 pay anything.
+# masked blocks); smaller pieces, such as llama.cpp's 512-token ubatch, would slow prompts of ordinary
+# length too, so only prompts past 2048 pay anything.
 PREFILL_CHUNK_TOKENS = 2048
 
 
