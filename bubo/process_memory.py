@@ -12,13 +12,11 @@ Measured on SmolLM2-135M Q4_1 (97 MB of weights), 2 threads: torch's import alon
 
 - a prefill's activations are fresh multi-MB tensors, op after op; glibc serves blocks above its mmap
   threshold (128 KB, rising with what is freed) by mmap and returns the top of its heap past the trim
-  threshold at every free, so each such tensor's pages fault in anew: ~0.5 ms for a [512, 1536] float32
-  one, 10-13 % of a 512-token prefill. `configure_cpu_process` keeps blocks up to 32 MB on the heap and
-  the heap untrimmed (prefill 0.64-0.70 -> 0.56-0.62 s; the benchmark's peak RSS unchanged at ~580 MB,
-  freed blocks being reused, but a server keeps its peak resident, and after an 801-token request its
-  high-water mark rose 640 -> 654 MB); `trim_heap` still returns free pages when asked. (A low fixed mmap threshold,
-  which unmaps every large block when it is freed, took 5-10 MB off the prefill peak but cost 25 % of
-  prefill speed: not used.)
+  threshold at every free, so each such tensor's pages fault in anew, about a tenth of a prefill's time.
+  `configure_cpu_process` keeps blocks up to 32 MB on the heap and the heap untrimmed: prefill gets that
+  time back and the peak stays the same (freed blocks are reused), but a server keeps its peak resident;
+  `trim_heap` still returns free pages when asked. (A low fixed mmap threshold, which unmaps every large
+  block when it is freed, saved a few MB of peak but cost a quarter of prefill speed: not used.)
 """
 
 import ctypes

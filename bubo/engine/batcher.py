@@ -14,8 +14,8 @@ the CPU a second OpenMP team slows every parallel region (bubo/engine/compute_th
 the compiled decode step covers the model (bubo/engine/compiled_decode.py), the single-token steps of
 up to MATVEC_ROWS sequences run through it as the rows of one pass (`CompiledDecodeStep.batch`: each
 matvec expands the weights' codes once for all rows, each row attends over its own cache) rather than
-as an eager batched pass, which dispatches its glue op by op (~25 ms a pass on the default model,
-against ~10 ms for a whole compiled step). The passes of 2 .. min(slots, MATVEC_ROWS) rows are compiled
+as an eager batched pass, which dispatches its glue op by op (on the default model that dispatch alone
+costs more than a whole compiled step). The passes of 2 .. min(slots, MATVEC_ROWS) rows are compiled
 when the batcher is made (`prepare`).
 """
 

@@ -4,8 +4,8 @@ libgomp, the OpenMP runtime of torch's Linux CPU builds, gives every OS thread t
 region a team of worker threads of its own, kept while that thread lives. Once it manages more threads
 than there are CPUs it stops spinning between regions: a worker sleeps on a futex after ~100 spins, and
 the next region wakes it with a system call. A decode step opens a few hundred regions, so two OS threads
-with teams on 2 cores made the default model decode ~3x slower (~125 -> 35-40 tok/s, with an idle thread
-that had once added two 1M-element tensors; the same thread kept to one OpenMP thread: no change).
+with teams on 2 cores made the default model decode about three times slower (even when the second thread
+sat idle after one parallel op; kept to one OpenMP thread, it costs nothing).
 
 So one thread runs the model with the process's thread count (the only slot's worker, or with several
 slots the batcher's compute thread, bubo/engine/batcher.py), and every other thread that touches torch

@@ -323,11 +323,10 @@ def generate(
 
 
 # A longer prompt (without images) prefills in pieces of this many tokens, each continuing the cache, so
-# its activations stay those of a 2048-token pass however long it is. Default model, 2 threads: an
-# 8192-token prompt peaks at 1068 MB instead of 1271 (377 MB of it the cache), in 28.2 s instead of 23.2
+# its activations stay those of a 2048-token pass however long it is. Long prompts pay some speed for it
 # (each piece unpacks the weights again, and attends under an explicit mask where one pass skips the
-# masked blocks); 512-token pieces, llama.cpp's ubatch, cost 20-30 % at 2048 tokens, so only prompts
-# past 2048 pay anything.
+# masked blocks); smaller pieces, such as llama.cpp's 512-token ubatch, would slow prompts of ordinary
+# length too, so only prompts past 2048 pay anything.
 PREFILL_CHUNK_TOKENS = 2048
 
 

@@ -177,7 +177,7 @@ class KVCache:
     def single_run(self, end: int) -> int | None:
         """For one sequence whose blocks form one run once positions up to `end` are reserved: the pool
         position of its position 0 (a layer's keys are then `pool.keys[layer][:, run : run + end]`, and a
-        decode step can write and read them as plain views, some 20 µs a layer less than `update`); None
+        decode step can write and read them as plain views, cheaper than `update`); None
         for a batch or scattered blocks. Takes the blocks, as `write` would."""
         if self.batch != 1:
             return None

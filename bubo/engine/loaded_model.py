@@ -71,7 +71,7 @@ def load_model(
 
 def _report_cpu_precision(model: Decoder, dtype: torch.dtype) -> None:
     """The CPU's repacked matvec kernels are float32: in another compute dtype every product takes the
-    dense dequantizing path, which on the default model ran 2.5 decode tok/s in bf16 against 60-90.
+    dense dequantizing path, which decodes many times slower.
     In float32, says which precision the prefill GEMMs take (`bf16_prefill`)."""
     if model.device.type != "cpu":
         return

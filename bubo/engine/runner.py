@@ -38,8 +38,9 @@ __all__ = ["PathChoice", "Plan", "Runner", "runner_for"]
 log = logging.getLogger(__name__)
 
 # Prompts (or uncached prompt suffixes: a chat's new turn) of up to this many tokens go through the
-# compiled decode step one token at a time instead of one eager forward pass: the eager pass pays its op
-# dispatch before any matvec (benchmarks/bench_short_prefill.py measures where the two cross).
+# compiled decode step one token at a time instead of one eager forward pass: the eager pass pays a fixed
+# cost of op dispatch before its matvecs (and past MATVEC_ROWS tokens unpacks every weight for GEMMs);
+# benchmarks/bench_short_prefill.py measures where the two cross.
 SHORT_PROMPT_TOKENS = 8
 
 Path = Literal["eager", "compiled", "cuda-graph"]

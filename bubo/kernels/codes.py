@@ -20,8 +20,7 @@ time, bubo/kernels/super_block_matvec.py), not 4 or 8.
 
 Per-block fields: a matvec streams as few arrays as it can. A block's scale and offset (PackedQ4,
 PackedQ8Offset) lie next to each other, [tiles, blocks, 2, TILE], so the words and the fields are two
-arrays rather than three: on the default model's gate/up matrix (3072x576 Q4_1, 2 threads, weights not
-in cache) 63-79 -> 51-73 µs. They are float16 where every value survives the round trip
+arrays rather than three, which streams faster. They are float16 where every value survives the round trip
 (`half_if_exact`: the fp16 d and m of Q4_0/Q4_1/Q5_1, the file's own bytes), float32 otherwise (Q4_0's
 offset -8d where it overflows float16); the kernels widen them as they load them. A scale alone
 (PackedQ8) rides in the block's words as one more word of float32 bits. K-quant super-blocks keep their
@@ -194,9 +193,8 @@ def sub_block_dots(
     per tile with nothing stored between the words and the result. The products of one run and one field
     position form a chain (one FMA per word) scaled once by its placement factor. With several rows (a
     verify pass's few tokens, batched slots) the codes are expanded once for all of them, and that
-    expansion is what a matvec's time goes to when its weights are in cache: 3072x576 Q4_1, 2 threads,
-    2 / 4 / 8 rows 100 / 258 / 391 µs a row at a time against 69 / 148 / 222 µs together (best of 30,
-    another process running)."""
+    expansion is what a matvec's time goes to when its weights are in cache, so the rows after the first
+    cost little."""
     n_groups, n_words = words.shape[1], words.shape[2]
     group = x.shape[-1] // n_groups
     per_word = fields_a_word(bits)

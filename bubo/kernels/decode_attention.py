@@ -3,11 +3,8 @@
 A decode step attends one query per head over the T positions cached so far. On the CPU torch's
 scaled_dot_product_attention spends most of that call on its own machinery: choosing a backend,
 transposes and buffers, then a flash-attention loop built for many queries, which for one query runs
-small GEMMs per head and block. Measured on the default model (SmolLM2-135M, 9 heads over 3 KV heads
-of 64, 2 threads), its compiled decode step with SDPA and with this kernel, alternated in one process
-(medians of 8 rounds of 24 tokens, on a noisy machine): level up to ~900 positions (64-450: 9.9 vs
-9.3 ms a token; 512-900: 13.4 vs 12.5, 9.3 vs 9.3, 12.2 vs 12.4), ahead past it (1000-1400: 16.4 vs
-14.4; 2000-2400: 23.9 vs 18.7).
+small GEMMs per head and block. In the default model's compiled decode step this kernel is level with
+SDPA up to ~900 positions and ahead past it (benchmarks/RESULTS.md).
 
 Here it is one inductor kernel (bubo/kernels/compiled.py's DynamicKernel: T and the cache's strides
 are read from the arguments, so one compile serves every length and every cache layout): the scores of
@@ -16,8 +13,7 @@ head h, as SDPA's enable_gqa and repeat_interleave order them), a softmax whose 
 applied once to the weighted sum of values rather than to every weight (one division per output
 instead of one per position), in q's dtype (float32) throughout. Keys and values stored narrower
 (a float16 cache: `bubo serve --cache-type-k/-v`) are widened as they are loaded, so the kernel reads
-half the bytes: at 512 / 2000 positions, 16 heads over 8 KV heads of 64, 2 threads, 24 layers' caches
-cycled (not in cache), 164 -> 110 / 513 -> 331 µs a layer.
+half the bytes, and takes about a third less time when the cache is not in the CPU's caches.
 """
 
 from collections.abc import Callable

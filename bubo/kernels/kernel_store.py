@@ -1,14 +1,13 @@
 """Compiled kernels kept on disk, so that the next process loads them instead of tracing them again.
 
 Inductor's own caches key a graph on the graph itself, so every load of a model first traces each of
-its kernels (make_fx on fake tensors, ~0.7 ms a graph node) and then hashes the graph to find it: 3.2
-+ 3.2 s of the default model's 7.8 s load (warm caches, a slow hour). Bubo knows what a kernel's
+its kernels (make_fx on fake tensors) and then hashes the graph to find it: most of a load with warm
+caches went to that. Bubo knows what a kernel's
 graph is made from before tracing it: the function's code (all of it is Bubo's source), the values
 its closure holds (a layer's plan, a quantization format, a dtype), the layout of its arguments, and
 the inductor options and machine it is compiled for. `KernelStore` names a compiled kernel by those
 and keeps inductor's standalone artifact of it (`torch._inductor.standalone_compile`) under that
-name: the next load reads it back in ~0.1 s a kernel, tracing nothing (the default model's load
-5.3-5.5 -> 2.2-2.8 s, alternated processes).
+name: the next load reads it back, tracing nothing.
 
 A name covers a function of a `bubo.` module whose closure holds only plain data (numbers, strings,
 enums, dtypes, tuples, dataclasses of those, other such functions); anything else is compiled as

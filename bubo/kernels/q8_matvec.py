@@ -6,18 +6,15 @@ of output row t * TILE + i, and the block's last word is the float32 bits of its
 code * scale. Q8_0 has 8 code words (32 weights) a block, its bytes as in the file but for the sign
 bit; other types whose weights are a signed code of at most 8 bits times a per-block scale are
 repacked into it (bubo/kernels/repack.py: Q5_0, IQ4_NL). The scale rides in the
-words so that the matvec streams one array: the output head (49152x576 Q8_0, 2 threads, not in
-cache) takes 1.35 ms where a float16 scale beside the words took 1.56 (a float32 one 1.60), for
-2 bytes a block more. `PackedQ8Offset` keeps a per-block offset next to the scale, `scale_offset`
+words so that the matvec streams one array, which measured faster than a scale array beside the words
+(float16 or float32), for 2 bytes a block more. `PackedQ8Offset` keeps a per-block offset next to the scale, `scale_offset`
 [tiles, blocks, 2, TILE] (float16 where exact, codes.half_if_exact), weight = code * scale + offset,
 for codes with a per-block minimum (Q5_1).
 
 PackedQ8 stores each signed code c (-128..127) as the unsigned byte c + 128 (the file's byte with its
 sign bit flipped), PackedQ8Offset its codes (0..31) as they are: every byte is then an unsigned field,
 which the matvec isolates with one AND in place (bubo/kernels/codes.py), where a signed byte needs two
-shifts to sign-extend; the bias comes back as one term a block, 128 * scale * sum(x_b). Measured at 1
-thread: Q8_0 1536x576 64-72 -> 41-56 µs, 576x1536 67-75 -> 43-55, 49152x576 (the output head)
-1.9-2.1 -> 1.7-1.8 ms.
+shifts to sign-extend; the bias comes back as one term a block, 128 * scale * sum(x_b).
 """
 
 import functools

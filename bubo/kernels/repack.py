@@ -14,7 +14,7 @@ layouts of the Q8_0 matvec, which then runs them, the decode step included. A Q4
 - IQ4_NL -> PackedQ8 (8-word blocks): w = d * codebook[q], the 4-bit q indexing a table of 16 signed
   bytes (ggml's kvalues_iq4nl): the looked-up value is the byte code, so no table is read at run time.
   9 bits a weight against 4.5. A matvec that kept the 4-bit indices would have to gather from the table
-  per weight: inductor leaves such a gather scalar, 16x slower than this layout's (3072x1024, 2 threads).
+  per weight: inductor leaves such a gather scalar, many times slower than this layout.
 
 Every layout takes more memory than the file's blocks: bubo/model/quantized_linear.py checks the memory
 available before it repacks a matrix.

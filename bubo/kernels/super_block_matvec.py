@@ -24,15 +24,13 @@ is stored minus its format's bias (Q6_K's code q - 32 as q, its int8 sc as sc + 
 the bias back: code_bias * scale * sum(x_j) once a sub-block, scale_bias exactly in the scale.
 
 The matvec's loop takes one group a step. Why 128 weights for the packed widths: a whole super-block a
-step (52 words of 6-bit codes) ran Q6_K 3072x1024 (2 threads, 24 matrices cycled) at 153-180 µs against
-111-145 for the byte layout before it; 64 weights a step (13 words) 142-310 µs; 128 weights 71-188 µs
-against the byte layout's 156-231 in the same sweep, and in cache 67-69 against 52-69 (this VM's noise is
-±30 %).
+step (52 words of 6-bit codes) and 64 weights a step both streamed slower than 128, which kept pace with
+the byte layout it replaced (benchmarks/RESULTS.md).
 
 Bits a weight, against the file's: Q4_K 4.75 (4.5), Q5_K 6.25 (5.5), Q6_K 7.125 (6.56), Q3_K 3.875
 (3.44), Q2_K 3.25 (2.63), IQ4_XS 8.375 (4.25: the codebook value as a byte, as IQ4_NL's PackedQ8 holds it,
 since a kernel that looked the 4-bit index up in the table would gather per weight, which inductor leaves
-scalar: 16x slower). Q5_K, Q6_K and Q3_K took 8.75, 8.625 and 4.625 with their codes in bytes or nibbles.
+scalar: many times slower). Q5_K, Q6_K and Q3_K took 8.75, 8.625 and 4.625 with their codes in bytes or nibbles.
 """
 
 import functools

@@ -65,10 +65,8 @@ _scratch = threading.local()
 # new shape of compiled matvec costs seconds of compiling (tiny test models have many shapes).
 MIN_PACKED_WEIGHTS = 1 << 16
 # Up to this many rows a product runs as that many matvecs; more (a prefill) unpack float columns for a
-# GEMM, which pays for the unpacking once the rows share it. Measured on SmolLM2-135M, 2 threads, a whole
-# eager forward of N tokens, best of 5, as matvecs / unpacked: 9 tokens 55 / 59 ms, 10: 50 / 51, 11: 53 /
-# 51, 12: 60 / 58, 13: 61 / 54, 14: 69 / 56, 16: 71 / 57 (with the compiled unpacking; before it, 12
-# tokens 138 / 269 ms, 16: 193 / 275, 24: 300 / 297, and the threshold was 16).
+# GEMM, which pays for the unpacking once the rows share it. On the default model the two cross at 10-12
+# rows of an eager forward (benchmarks/RESULTS.md, "MATVEC_ROWS").
 MATVEC_ROWS = 12
 
 
@@ -97,7 +95,7 @@ def bf16_prefill() -> bool:
     """Whether the GEMMs of a float32 prefill (more than MATVEC_ROWS rows) multiply in bfloat16, with the
     activations and the unpacked weights rounded to it and float32 accumulation: --prefill-bf16 on / off,
     or by default ("auto") where the CPU has bfloat16 dot products (AVX512-BF16 or AMX), on which that GEMM runs
-    2.5-3x faster than float32's (2 threads, 512x576 by 576x1536: 2.5 ms against 8.0). transformers' bf16
+    several times faster than float32's. transformers' bf16
     path rounds the same operands, and more (its norms, attention and residual stream stay bf16 too);
     llama.cpp rounds the activations of Q4_1 products to 8 bits. Decode (compiled matvecs on the codes)
     stays float32 throughout."""

@@ -464,8 +464,8 @@ class Tokenizer:
             ids.append(self.bos_id)
         backend = self._backend if parse_special else self._literal_backend
         # encode_batch lets go of the GIL while it works; encode holds it throughout (tokenizers 0.23), so
-        # a long text (1.7 s for 2.3 MB) would stop every other thread, the server's event loop included,
-        # even when tokenized on a thread of its own. For one text both take the same time.
+        # a long text (megabytes take seconds) would stop every other thread, the server's event loop
+        # included, even when tokenized on a thread of its own. For one text both take the same time.
         ids += backend.encode_batch([text], add_special_tokens=False)[0].ids
         if self.add_eos if add_eos is None else add_eos:
             if self.eos_id is None:
