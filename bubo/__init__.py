@@ -12,13 +12,15 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Model", "RuntimeOptions", "SamplingParams", "__version__", "load"]
+__all__ = ["Finished", "Model", "OutputDelta", "RuntimeOptions", "SamplingParams", "__version__", "load"]
 
 _EXPORTS = {
     "load": "bubo.api",
     "Model": "bubo.api",
     "RuntimeOptions": "bubo.options",
     "SamplingParams": "bubo.engine.sampler",
+    "OutputDelta": "bubo.engine.request",
+    "Finished": "bubo.engine.request",
 }
 
 

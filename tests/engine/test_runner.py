@@ -1,0 +1,108 @@
+"""The runner (bubo/engine/runner.py) decides each step's path in one place and says why; the runtime
+options (bubo/options.py) switch paths, from the command line or the environment."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from bubo.cli import _parser, _runtime_options
+from bubo.engine.compiled_decode import CompiledDecodeStep
+from bubo.engine.loaded_model import LoadedModel
+from bubo.engine.runner import SHORT_PROMPT_TOKENS, runner_for
+from bubo.gguf.config import config_from_gguf
+from bubo.gguf.reader import GGUFFile
+from bubo.model import quantized_linear
+from bubo.model.loader import load_decoder
+from bubo.options import RuntimeOptions
+from tests.fixtures.gguf_writer import write_gguf
+from tests.fixtures.hybrid_models import tiny_hybrid
+
+
+def test_default_model_plan_is_compiled(smollm2: LoadedModel, runtime_options) -> None:
+    model = smollm2.model
+    runner = runner_for(model)
+    plan = runner.plan
+    assert (plan.decode.path, plan.batch.path, plan.verify.path) == ("compiled", "compiled", "compiled")
+    assert "llama on cpu" in str(plan)
+    cache = model.new_cache(max_len=16)
+    step = runner.decode_step(cache)
+    assert isinstance(step, CompiledDecodeStep)
+    assert runner.prefill_step(cache, SHORT_PROMPT_TOKENS, images=False) is step
+    assert runner.prefill_step(cache, SHORT_PROMPT_TOKENS + 1, images=False) is None
+    assert runner.prefill_step(cache, 1, images=True) is None
+    assert runner.verify_step(cache, needs_hidden=True) is None
+    assert runner.verify_step(cache, needs_hidden=False) is step
+    assert runner.batch_steps([cache, model.new_cache(max_len=16)]) is step
+    assert runner.batch_steps([model.new_cache(batch=2, max_len=16)]) is None
+    cache.snapshot_at = (4,)  # a recurrent-state snapshot wanted inside the step: eager
+    assert runner.decode_step(cache) is None
+    assert runner.graph_step(model.new_cache(max_len=16)) is None  # a CPU model has no captured step
+    # Turned off, every later choice says eager, with the flag as the reason.
+    runtime_options(compile_decode=False)
+    assert runner.decode_step(model.new_cache(max_len=16)) is None
+    assert runner.plan.decode.path == "eager" and "--no-compile-decode" in runner.plan.decode.reason
+
+
+def test_float_models_decode_eagerly(tiny_llama: LoadedModel) -> None:
+    plan = runner_for(tiny_llama.model).plan
+    assert plan.decode.path == "eager" and "no repacked" in plan.decode.reason
+
+
+def test_the_plan_says_why_a_hybrid_decodes_eagerly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    reference = tiny_hybrid("qwen35", ["linear_attention", "full_attention"])
+    file = GGUFFile(write_gguf(reference, tmp_path / "hybrid.gguf", quantize={"blk.*.ffn_*.weight": Q.Q8_0}))
+    model = load_decoder(file, config_from_gguf(file), dtype=torch.float32)
+    plan = runner_for(model).plan
+    assert plan.decode.path == "eager"
+    assert plan.decode.reason.startswith("the compiled step does not cover it:")
+    assert runner_for(model).decode_step(model.new_cache(max_len=8)) is None
+
+
+def test_options_from_the_environment() -> None:
+    assert RuntimeOptions.from_environment({}) == RuntimeOptions()
+    options = RuntimeOptions.from_environment(
+        {
+            "BUBO_COMPILE_DECODE": "0",
+            "BUBO_CUDA_GRAPHS": "0",
+            "BUBO_TRITON": "0",
+            "BUBO_TRITON_AUTOTUNE": "0",
+            "BUBO_PACK_EXPERTS": "0",
+            "BUBO_PREFILL_BF16": "1",
+            "BUBO_KERNEL_CACHE": "0",
+        }
+    )
+    assert options == RuntimeOptions(False, False, False, False, False, "on", "off")
+    assert RuntimeOptions.from_environment({"BUBO_PREFILL_BF16": "0", "BUBO_KERNEL_CACHE": "/k"}) == (
+        RuntimeOptions(prefill_bf16="off", kernel_cache="/k")
+    )
+    with pytest.raises(ValueError, match="prefill_bf16"):
+        RuntimeOptions(prefill_bf16="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_every_option_has_a_flag(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("BUBO_COMPILE_DECODE", "BUBO_PREFILL_BF16", "BUBO_KERNEL_CACHE", "BUBO_PACK_EXPERTS"):
+        monkeypatch.delenv(name, raising=False)
+    extra = ["-p", "x"] if command == "generate" else []
+    args = _parser().parse_args([command, *extra])
+    assert _runtime_options(args) == RuntimeOptions()
+    flags = [
+        "--no-compile-decode",
+        "--no-cuda-graphs",
+        "--no-triton",
+        "--no-triton-autotune",
+        "--no-pack-experts",
+        "--prefill-bf16",
+        "on",
+        "--kernel-cache",
+        "off",
+    ]
+    args = _parser().parse_args([command, *extra, *flags])
+    assert _runtime_options(args) == RuntimeOptions(False, False, False, False, False, "on", "off")
+    # A flag changes the environment's options, which stay where no flag is given.
+    monkeypatch.setenv("BUBO_PACK_EXPERTS", "0")
+    args = _parser().parse_args([command, *extra, "--prefill-bf16", "off"])
+    assert _runtime_options(args) == RuntimeOptions(pack_experts=False, prefill_bf16="off")

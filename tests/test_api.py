@@ -1,0 +1,121 @@
+"""The public Python API (bubo/api.py): the README's example runs as written, `forward` on explicit state
+agrees with itself and with `generate`, and bad arguments are refused with a message."""
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import bubo
+from bubo.api import Model
+from bubo.engine.loaded_model import LoadedModel
+from bubo.engine.request import Finished, OutputDelta
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_python_api_example_runs(smollm2_path: Path) -> None:
+    """The README's Python API section, run exactly as a user would paste it."""
+    section = README.read_text().split("## Python API", 1)[1].split("\n## ", 1)[0]
+    (example,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(example, "README.md", "exec"), {})
+    text = printed.getvalue()
+    assert "plan for llama on cpu:" in text
+    assert " Paris" in text  # the greedy answer, and the token `forward` picks
+
+
+@pytest.fixture
+def model(tiny_llama: LoadedModel) -> Model:
+    return Model(tiny_llama, ctx_size=64)
+
+
+def test_forward_continues_its_state(model: Model) -> None:
+    ids = [3, 17, 42, 7, 99, 5]
+    whole = model.forward(ids)
+    state = model.new_state()
+    first = model.forward(ids[:4], state)
+    rest = model.forward(ids[4:], state)
+    assert whole.dtype == torch.float32 and whole.shape == (6, model.config.vocab_size)
+    assert state.length == 6
+    torch.testing.assert_close(torch.cat([first, rest]), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_agrees_with_greedy_generate(model: Model) -> None:
+    ids = [3, 17, 42, 7, 99]
+    logits = model.forward(ids)
+    answer = model.generate(ids, max_tokens=3, temperature=0)
+    assert isinstance(answer, Finished)
+    assert answer.result.token_ids[0] == int(logits[-1].argmax())
+    assert answer.usage.prompt_tokens == 5 and answer.usage.completion_tokens == 3
+
+
+def test_generate_streams_the_events_it_returns(model: Model) -> None:
+    whole = model.generate("hello", max_tokens=6, temperature=0, ignore_eos=True)
+    events = list(model.generate("hello", max_tokens=6, temperature=0, ignore_eos=True, stream=True))
+    assert isinstance(events[-1], Finished) and all(isinstance(e, OutputDelta) for e in events[:-1])
+    assert "".join(e.text for e in events[:-1]) == whole.content_text == events[-1].content_text
+    # The second call continued the first's prompt: the slot's prompt cache served it.
+    assert events[-1].usage.cached_tokens > 0
+
+
+def test_one_generation_at_a_time(model: Model) -> None:
+    first = model.generate("hello", max_tokens=4, temperature=0, stream=True)
+    next(first)
+    with pytest.raises(RuntimeError, match="generating already"):
+        model.generate("hello", max_tokens=4)
+    first.close()
+    assert isinstance(model.generate("hello", max_tokens=2), Finished)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "fields", "message"),
+    [
+        ("", {}, "empty"),
+        ([10**9], {}, "token ids must be in"),
+        ([1] * 64, {}, "context holds 64"),
+        ("hi", {"top_p": 0.0}, "top_p"),
+    ],
+)
+def test_generate_refuses_bad_input(model: Model, prompt: object, fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        model.generate(prompt, **fields)
+
+
+def test_generate_refuses_unknown_sampling_fields(model: Model) -> None:
+    with pytest.raises(TypeError, match="temprature"):
+        model.generate("hi", temprature=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"dtype": "float64"}, ValueError, "dtype"),
+        ({"cache_type": "q8"}, ValueError, "cache_type"),
+        ({"ctx_size": 1}, ValueError, "ctx_size"),
+        ({"threads": 0}, ValueError, "threads"),
+    ],
+)
+def test_load_refuses_bad_arguments(tiny_llama_path: Path, kwargs: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        bubo.load(tiny_llama_path, **kwargs)
+
+
+def test_load_refuses_a_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="model file not found"):
+        bubo.load(tmp_path / "absent.gguf")
+    with pytest.raises(FileNotFoundError, match="not a file"):
+        bubo.load(tmp_path)
+
+
+def test_load_with_options_and_context(tiny_llama_path: Path, runtime_options) -> None:
+    runtime_options()  # the options in force are put back after the test
+    with bubo.load(tiny_llama_path, ctx_size=32, options=bubo.RuntimeOptions(compile_decode=False)) as model:
+        assert model.ctx_size == 32
+        assert model.plan.decode.path == "eager"
+        assert "--no-compile-decode" in model.plan.decode.reason
+        assert model.generate("hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
