@@ -1,4 +1,4 @@
-"""Token constraints applied during generation (see `TokenConstraint` in generate.py).
+"""Token constraints applied during generation (see `TokenConstraint` in token_choice.py).
 
 Two kinds: a `GrammarConstraint` keeps the answer inside a grammar (JSON schema output, a forced tool
 call), and a `ReasoningBudget` closes a reasoning block whose token budget ran out by forcing the

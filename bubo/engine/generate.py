@@ -18,7 +18,7 @@ from bubo.engine.run_ahead import run_ahead_tokens
 from bubo.engine.runner import runner_for
 from bubo.engine.sampler import Sampler, SamplingParams
 from bubo.engine.speculative import Drafter, SpeculativeDecoder
-from bubo.engine.token_choice import TokenChooser
+from bubo.engine.token_choice import TokenChooser, TokenConstraint
 
 FinishReason = Literal["stop", "length"]
 # Why generation ended, in more detail than finish_reason: "eos" (a stop token), "stop_string",
@@ -57,19 +57,6 @@ class Model(Protocol):
     def __call__(self, tokens: torch.Tensor, cache: Cache, last_only: bool = False) -> torch.Tensor: ...
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> Cache: ...
-
-
-class TokenConstraint(Protocol):
-    """Narrows the next token's choices: a grammar (structured output, a forced tool call) or a forced
-    sequence (closing reasoning whose budget ran out). See bubo/engine/constraints.py."""
-
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits with every token this constraint forbids now set to -inf."""
-        ...
-
-    def accept(self, token_id: int) -> None:
-        """Record the token that was chosen."""
-        ...
 
 
 class Tokenizer(Protocol):

@@ -7,9 +7,10 @@ about any one API's field names.
 
 from dataclasses import dataclass, field
 
-from bubo.engine.generate import GenerationResult, TokenConstraint, TokenLogprob
+from bubo.engine.generate import GenerationResult, TokenLogprob
 from bubo.engine.prompt_images import ImageToken, PromptImage, cache_key
 from bubo.engine.sampler import SamplingParams
+from bubo.engine.token_choice import TokenConstraint
 from bubo.templates.reasoning import Channel
 from bubo.templates.tool_calls import ToolCall, ToolCallArguments, ToolCallEnd, ToolCallParser, ToolCallStart
 

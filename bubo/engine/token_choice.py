@@ -2,23 +2,33 @@
 decoding and by speculative decoding's verification (which also needs the distribution itself)."""
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from bubo.engine.sampler import Sampler, draw
 
-if TYPE_CHECKING:  # generate imports this module
-    from bubo.engine.generate import TokenConstraint
+__all__ = ["TokenChooser", "TokenConstraint"]
 
-__all__ = ["TokenChooser"]
+
+class TokenConstraint(Protocol):
+    """Narrows the next token's choices: a grammar (structured output, a forced tool call) or a forced
+    sequence (closing reasoning whose budget ran out). See bubo/engine/constraints.py."""
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with every token this constraint forbids now set to -inf."""
+        ...
+
+    def accept(self, token_id: int) -> None:
+        """Record the token that was chosen."""
+        ...
 
 
 class TokenChooser:
     """The sampler and the constraints of one request: masks a logits row, draws, and records the
     chosen token in both (penalty window, grammar state)."""
 
-    def __init__(self, sampler: Sampler, constraints: Sequence["TokenConstraint"] = ()) -> None:
+    def __init__(self, sampler: Sampler, constraints: Sequence[TokenConstraint] = ()) -> None:
         self.sampler = sampler
         self.constraints = tuple(constraints)
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from bubo.gguf import quants
+from bubo.gguf.quants import SUPPORTED_TYPES, dequantize
 
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor"]
 
@@ -83,14 +83,14 @@ class GGUFTensor:
         self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
     ) -> torch.Tensor:
         """The tensor as `dtype` with `shape`, on `device` (the raw bytes move, not the floats)."""
-        if self.ggml_type not in quants.SUPPORTED_TYPES:
+        if self.ggml_type not in SUPPORTED_TYPES:
             where = f"{self.file}: " if self.file is not None else ""
             raise GGUFError(
                 f"{where}tensor {self.name!r} has ggml type {self.ggml_type.name}, which Bubo cannot dequantize "
-                f"(supported: {', '.join(sorted(t.name for t in quants.SUPPORTED_TYPES))})"
+                f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
             )
         raw = self.raw if device is None else self.raw.to(device)
-        return quants.dequantize(raw, self.ggml_type, dtype)
+        return dequantize(raw, self.ggml_type, dtype)
 
 
 class _Cursor:
