@@ -36,7 +36,6 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
-from bubo.engine.kv_cache import KVCache  # noqa: E402
 from bubo.gguf.config import (  # noqa: E402
     DeltaNetSizes,
     IndexerSizes,
@@ -51,6 +50,7 @@ from bubo.model.decoder import Decoder, DeltaNetMixer, HyperConnectedLayer, Inde
 from bubo.model.hyper_connections import expand_streams  # noqa: E402
 from bubo.model.moe import Experts, QuantizedExpertMatrices, SparseMoE  # noqa: E402
 from bubo.model.quantized_linear import QuantizedEmbedding, QuantizedLinear  # noqa: E402
+from bubo.model.state import KVCache  # noqa: E402
 
 T = GGMLQuantizationType
 

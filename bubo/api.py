@@ -17,7 +17,6 @@ import torch
 from bubo.default_model import default_model_path
 from bubo.dtypes import CACHE_TYPES, DTYPES
 from bubo.engine.drafters import drafter_for, prepare_drafting
-from bubo.engine.kv_cache import KVCache
 from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.ngram_drafter import DEFAULT_NGRAM_SIZE
 from bubo.engine.request import Finished, GenerationRequest, OutputEvent
@@ -28,6 +27,7 @@ from bubo.engine.speculative import Drafter
 from bubo.gguf.config import ModelConfig
 from bubo.model.decoder import Decoder
 from bubo.model.mtp_weights import load_mtp_weights
+from bubo.model.state import KVCache
 from bubo.model.tokenizer import Tokenizer
 from bubo.options import RuntimeOptions, use_options
 

@@ -62,7 +62,7 @@ def test_lazy_zeros_of_no_elements() -> None:
 
 
 def test_a_cpu_block_pool_starts_zeroed_and_lazy() -> None:
-    from bubo.engine.block_pool import BlockPool
+    from bubo.model.block_pool import BlockPool
 
     pool = BlockPool(2, 3, 64, 4, 16, torch.float32, "cpu")
     assert all(t.shape == (3, 64, 64) and not t.any() for t in (*pool.keys, *pool.values))

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from bubo.engine.compiled_decode import CompiledDecodeStep
-from bubo.engine.kv_cache import CacheBatch, KVCache
 from bubo.engine.runner import runner_for
 from bubo.model.quantized_linear import MATVEC_ROWS
+from bubo.model.state import CacheBatch, KVCache
 
 __all__ = ["BatchedModel", "DecodeBatcher"]
 

@@ -39,7 +39,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch._inductor.inductor_prims import force_stride_order
 
-from bubo.engine.kv_cache import KVCache
 from bubo.gguf.config import RopeStyle
 from bubo.kernels.compiled import StaticKernel
 from bubo.kernels.decode_attention import decode_attention_kernel
@@ -55,6 +54,7 @@ from bubo.model.quantized_linear import (
     packed_graph_matvec,
     packed_graph_tensors,
 )
+from bubo.model.state import KVCache
 
 __all__ = [
     "CompiledDecodeStep",

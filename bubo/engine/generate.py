@@ -13,12 +13,12 @@ from typing import Any, Literal, Protocol
 import torch
 
 from bubo.engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from bubo.engine.kv_cache import KVCache
 from bubo.engine.run_ahead import run_ahead_tokens
 from bubo.engine.runner import runner_for
 from bubo.engine.sampler import Sampler, SamplingParams
 from bubo.engine.speculative import Drafter, SpeculativeDecoder
 from bubo.engine.token_choice import TokenChooser, TokenConstraint
+from bubo.model.state import KVCache
 
 FinishReason = Literal["stop", "length"]
 # Why generation ended, in more detail than finish_reason: "eos" (a stop token), "stop_string",

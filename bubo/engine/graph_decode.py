@@ -35,14 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bubo.engine.block_pool import BlockPool
-from bubo.engine.kv_cache import KVCache
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
 from bubo.model.attention import Attention
+from bubo.model.block_pool import BlockPool
 from bubo.model.decoder import Decoder, DecoderLayer, DeltaNetMixer
 from bubo.model.deltanet import DeltaNetState
 from bubo.model.layers import MLP, RMSNorm
 from bubo.model.moe import QuantizedExpertMatrices, SparseMoE
+from bubo.model.state import KVCache
 
 __all__ = [
     "GraphDecodeStep",

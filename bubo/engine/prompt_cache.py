@@ -23,8 +23,8 @@ differ; `cache_history_rewritten` is true when that token lies in what the previ
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from bubo.engine.kv_cache import CacheSnapshot, KVCache
 from bubo.engine.request import CacheReport
+from bubo.model.state import CacheSnapshot, KVCache
 
 __all__ = ["PromptCache", "SnapshotPolicy", "common_prefix"]
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from bubo.engine.kv_cache import KVCache
 from bubo.engine.token_choice import TokenChooser
+from bubo.model.state import KVCache
 
 __all__ = ["run_ahead_tokens"]
 

@@ -27,10 +27,10 @@ from bubo.engine.graph_decode import (
     masked_attention,
     paged_attention,
 )
-from bubo.engine.kv_cache import KVCache
 from bubo.kernels.triton_support import triton_enabled
 from bubo.model.decoder import Decoder
 from bubo.model.quantized_linear import MATVEC_ROWS, has_packed_weights
+from bubo.model.state import KVCache
 from bubo.options import current_options
 
 __all__ = ["PathChoice", "Plan", "Runner", "runner_for"]

@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from bubo.engine.batcher import BatchedModel, DecodeBatcher
-from bubo.engine.block_pool import BlockPool
 from bubo.engine.compute_threads import use_one_thread
 from bubo.engine.generate import GenerationResult, Model, Tokenizer, generate
 from bubo.engine.output import OutputStream
@@ -31,6 +30,7 @@ from bubo.engine.prompt_images import PromptVision, VisionEncoder
 from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputEvent, Usage
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.speculative import Drafter
+from bubo.model.block_pool import BlockPool
 
 __all__ = ["DeviceLostError", "SessionSlot", "SlotStats"]
 

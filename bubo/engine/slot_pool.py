@@ -1,7 +1,7 @@
 """The server's slots (`--parallel N`): which slot a request runs on, the queue when all are busy, and
 the KV blocks they share.
 
-All slots keep their KV in one block pool (bubo/engine/block_pool.py): `kv_tokens` positions, by
+All slots keep their KV in one block pool (bubo/model/block_pool.py): `kv_tokens` positions, by
 default a whole context per slot; with fewer, one slot can still use the whole context while the
 others are short. Their decode steps run as one batch
 (bubo/engine/batcher.py). A request goes to:
@@ -25,13 +25,13 @@ from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import fields
 
 from bubo.engine.batcher import DecodeBatcher
-from bubo.engine.block_pool import DEFAULT_BLOCK_SIZE
 from bubo.engine.generate import Model, Tokenizer
 from bubo.engine.prompt_cache import SnapshotPolicy, common_prefix
 from bubo.engine.prompt_images import VisionEncoder
 from bubo.engine.request import GenerationRequest, OutputEvent
 from bubo.engine.slot import DeviceLostError, SessionSlot, SlotStats
 from bubo.engine.speculative import Drafter
+from bubo.model.block_pool import DEFAULT_BLOCK_SIZE
 
 __all__ = ["SlotPool"]
 

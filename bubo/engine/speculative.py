@@ -38,10 +38,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from bubo.engine.kv_cache import CacheSnapshot, KVCache
 from bubo.engine.runner import runner_for
 from bubo.engine.sampler import draw
 from bubo.engine.token_choice import TokenChooser
+from bubo.model.state import CacheSnapshot, KVCache
 
 __all__ = [
     "DEFAULT_SPEC_DRAFT",

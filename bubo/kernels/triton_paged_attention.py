@@ -1,5 +1,5 @@
 """Paged-attention decode in Triton: one query token per sequence against keys and values that lie in
-the blocks of a `BlockPool` (bubo/engine/block_pool.py), read in place through each sequence's block
+the blocks of a `BlockPool` (bubo/model/block_pool.py), read in place through each sequence's block
 table, with no gather into a contiguous copy.
 
 Split-K ("flash-decoding"): a long sequence at batch 1 is only a few (sequence, KV head) pairs, far

@@ -4,13 +4,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bubo.engine.kv_cache import CacheBatch, KVCache
 from bubo.gguf.config import ModelConfig
 from bubo.kernels.decode_attention import decode_attention
 from bubo.kernels.triton_support import triton_enabled
 from bubo.model.layers import RMSNorm, apply_rotary
 from bubo.model.paged_decode import paged_decode_attention
 from bubo.model.quantized_linear import project_rows
+from bubo.model.state import CacheBatch, KVCache
 
 __all__ = ["Attention", "causal_mask"]
 

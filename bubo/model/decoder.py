@@ -21,10 +21,9 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from bubo.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
-from bubo.engine.kv_cache import CacheBatch, KVCache
 from bubo.gguf.config import MlpKind, ModelConfig
 from bubo.model.attention import Attention
+from bubo.model.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from bubo.model.deltanet import DeltaNetState, GatedDeltaNet
 from bubo.model.hyper_connections import HyperConnection, StreamMixer, expand_streams
 from bubo.model.indexed_attention import IndexedAttention, QSAIndexer
@@ -34,6 +33,7 @@ from bubo.model.mtp import MultiTokenPredictor
 from bubo.model.multimodal_inputs import MultimodalInputs
 from bubo.model.ngram_embedding import NGramEmbedding, NGramHash, PLELayer
 from bubo.model.quantized_linear import QuantizedLinear, group_rows
+from bubo.model.state import CacheBatch, KVCache
 
 __all__ = [
     "Decoder",

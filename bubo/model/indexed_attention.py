@@ -35,12 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bubo.engine.kv_cache import KVCache
 from bubo.gguf.config import ModelConfig, RopeStyle
 from bubo.kernels.triton_support import triton_enabled
 from bubo.model.attention import Attention
 from bubo.model.layers import RMSNorm, apply_rotary
 from bubo.model.paged_decode import paged_decode_attention
+from bubo.model.state import KVCache
 
 __all__ = ["IndexedAttention", "IndexerState", "QSAIndexer"]
 

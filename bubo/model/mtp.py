@@ -18,8 +18,8 @@ in like every other RMSNorm of these models. The MTP layer's attention is dense 
 import torch
 from torch import nn
 
-from bubo.engine.kv_cache import KVCache
 from bubo.model.layers import RMSNorm
+from bubo.model.state import KVCache
 
 __all__ = ["MultiTokenPredictor"]
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from bubo.engine.kv_cache import KVCache
+from bubo.model.state import KVCache
 
 __all__ = ["paged_decode_attention"]
 

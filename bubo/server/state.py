@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from bubo.engine.block_pool import BlockPool, KVPoolExhaustedError
 from bubo.engine.compute_threads import use_one_thread
 from bubo.engine.constraints import GrammarConstraint, ReasoningBudget, ReasoningTracker
 from bubo.engine.drafters import check_mtp_block, drafter_for, prepare_drafting
@@ -34,8 +33,10 @@ from bubo.engine.runner import runner_for
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import DeviceLostError
 from bubo.engine.slot_pool import SlotPool
+from bubo.engine.tool_grammar import tool_call_grammar
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
+from bubo.model.block_pool import BlockPool, KVPoolExhaustedError
 from bubo.model.mtp_weights import check_mtp_file, load_mtp_weights
 from bubo.server.chat import ChatRequest, without_image_sources
 from bubo.server.errors import ApiError, bad_field
@@ -58,7 +59,6 @@ from bubo.templates.chat_template import (
     TemplateSandboxError,
 )
 from bubo.templates.tool_calls import ToolCallParser, tool_call_format
-from bubo.templates.tool_grammar import tool_call_grammar
 from bubo.templates.tool_prompt import with_tools_in_messages
 
 __all__ = [

@@ -17,7 +17,6 @@ from bubo.engine.generate import (
     TokenLogprob,
     generate,
 )
-from bubo.engine.kv_cache import KVCache
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.request import Finished, GenerationRequest
 from bubo.engine.runner import SHORT_PROMPT_TOKENS, runner_for
@@ -28,6 +27,7 @@ from bubo.gguf.reader import GGUFFile
 from bubo.model import quantized_linear
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
+from bubo.model.state import KVCache
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.fixtures.hybrid_models import tiny_hybrid
 from tests.model.test_decoder import CASES

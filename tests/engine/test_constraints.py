@@ -14,8 +14,8 @@ from bubo.engine.generate import GenerationResult, TextDelta, generate
 from bubo.engine.grammar import GrammarError, GrammarMatcher, json_schema_grammar, lark_grammar
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.sampler import SamplingParams
+from bubo.engine.tool_grammar import tool_call_grammar
 from bubo.templates.tool_calls import ToolCallParser
-from bubo.templates.tool_grammar import tool_call_grammar
 from tests.server.live_server import ScriptedModel
 
 SCHEMA = {

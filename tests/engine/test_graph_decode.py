@@ -30,7 +30,6 @@ from bubo.engine.graph_decode import (
     paged_attention,
     static_decode_step,
 )
-from bubo.engine.kv_cache import KVCache
 from bubo.engine.runner import runner_for
 from bubo.engine.sampler import Sampler, SamplingParams
 from bubo.engine.token_choice import TokenChooser
@@ -39,6 +38,7 @@ from bubo.gguf.reader import GGUFFile
 from bubo.model import moe
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
+from bubo.model.state import KVCache
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.fixtures.hybrid_models import tiny_hybrid
 from tests.model.test_decoder import CASES

@@ -1,4 +1,4 @@
-"""Paged KV (bubo/engine/block_pool.py, KVCache's block tables) and batched decode across caches
+"""Paged KV (bubo/model/block_pool.py, KVCache's block tables) and batched decode across caches
 (CacheBatch, bubo/engine/batcher.py), checked against the same model run through a private cache one
 sequence at a time — which tests/model/test_decoder.py checks against transformers."""
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from bubo.engine.batcher import BatchedModel, DecodeBatcher
-from bubo.engine.block_pool import BlockPool, KVPoolExhaustedError
 from bubo.engine.generate import GenerationResult, generate
-from bubo.engine.kv_cache import CacheBatch
 from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.sampler import SamplingParams
+from bubo.model.block_pool import BlockPool, KVPoolExhaustedError
+from bubo.model.state import CacheBatch
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.fixtures.hybrid_models import tiny_hybrid
 

@@ -16,7 +16,6 @@ import torch
 from PIL import Image
 
 from bubo.engine.batcher import _Call
-from bubo.engine.kv_cache import KVCache
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.prompt_cache import PromptCache
 from bubo.engine.prompt_images import ImageToken, PromptImage, PromptVision, cache_key
@@ -24,6 +23,7 @@ from bubo.engine.request import Finished, GenerationRequest
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import SessionSlot
 from bubo.engine.speculative import SpeculativeDecoder
+from bubo.model.state import KVCache
 from tests.fixtures.vision_doubles import (
     FakeTower,
     RecordingCache,

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from bubo.engine.generate import GenerationResult, TextDelta, generate
-from bubo.engine.kv_cache import KVCache
 from bubo.engine.runner import Runner
 from bubo.engine.sampler import SamplingParams
 from bubo.model.decoder import Decoder
+from bubo.model.state import KVCache
 from tests.engine.test_graph_decode import PROMPT, _Bytes, _model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

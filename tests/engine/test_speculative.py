@@ -16,13 +16,13 @@ import torch
 from transformers.models.qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
 from bubo.engine.generate import GenerationResult, TextDelta, generate
-from bubo.engine.kv_cache import KVCache
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.speculative import Draft, DrawDraft, MTPDrafter, accept_or_resample
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
+from bubo.model.state import KVCache
 from tests.fixtures.gguf_writer import randomize_
 from tests.fixtures.mtp_models import mtp_model
 from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG, write_qwen4exp_gguf

@@ -23,7 +23,6 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bubo.engine.block_pool import DEFAULT_BLOCK_SIZE
 from bubo.kernels import (
     triton_gated_delta,
     triton_gemm,
@@ -33,6 +32,7 @@ from bubo.kernels import (
 )
 from bubo.kernels.triton_quant import interpreting
 from bubo.kernels.triton_support import TRITON_TYPES
+from bubo.model.block_pool import DEFAULT_BLOCK_SIZE
 
 SM_90 = GPUTarget("cuda", 90, 32)
 # Pointer arguments by name: the weights' bytes, their fp16 view, the codebook, routing tables,

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from bubo.engine.block_pool import BlockPool
-from bubo.engine.kv_cache import KVCache
 from bubo.kernels.triton_paged_attention import COMBINE_PARTITIONS, paged_attention_decode
+from bubo.model.block_pool import BlockPool
+from bubo.model.state import KVCache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYER = 1

@@ -8,9 +8,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from bubo.engine.kv_cache import CacheBatch
 from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.model import attention, deltanet, indexed_attention
+from bubo.model.state import CacheBatch
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.fixtures.hybrid_models import tiny_hybrid
 from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG, write_qwen4exp_gguf

@@ -21,7 +21,6 @@ from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
 from bubo import cli
 from bubo.engine.generate import GenerationResult, generate
-from bubo.engine.kv_cache import KVCache
 from bubo.engine.loaded_model import load_model
 from bubo.engine.sampler import SamplingParams
 from bubo.gguf.config import config_from_gguf
@@ -30,6 +29,7 @@ from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DeltaNetMixer, HyperConnectedLayer, IndexedAttentionMixer
 from bubo.model.hyper_connections import StreamMixer
 from bubo.model.loader import load_decoder
+from bubo.model.state import KVCache
 from tests.fixtures.compare import prefill_and_decode_deltas
 from tests.fixtures.gguf_writer import randomize_
 from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG, write_qwen4exp_gguf

@@ -13,12 +13,12 @@ from PIL import Image
 from transformers import PreTrainedModel, Qwen3_5ForConditionalGeneration, Qwen4ExpForCausalLM
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from bubo.engine.kv_cache import CacheBatch
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
 from bubo.model.multimodal_inputs import MultimodalInputs
+from bubo.model.state import CacheBatch
 from bubo.vision.loader import load_vision_tower
 from bubo.vision.positions import ImageSpan, mrope_positions
 from bubo.vision.tower import VisionTower

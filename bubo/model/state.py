@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bubo.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool, KVPoolExhaustedError
+from bubo.model.block_pool import DEFAULT_BLOCK_SIZE, BlockPool, KVPoolExhaustedError
 from bubo.model.deltanet import DeltaNetState
 
 if TYPE_CHECKING:  # these modules import KVCache themselves
@@ -46,7 +46,7 @@ class KVCache:
     DeltaNet states (one per recurrent layer, empty for a plain transformer); for qwen4exp also
     `indexers` (one per QSA layer, the compressed block keys) and `ple` (the PLE layer's token and conv
     history). Without a `pool` the cache makes its own, big enough for `max_len` positions per sequence;
-    the server's slots share one (bubo/engine/block_pool.py).
+    the server's slots share one (bubo/model/block_pool.py).
 
     `length` positions are filled. During a forward pass every layer writes its T new positions
     at `length` (`update`) or advances its recurrent state; the model then calls `advance(T)` once,
