@@ -39,10 +39,9 @@ from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
 from bubo.model.attention import Attention
 from bubo.model.block_pool import BlockPool
 from bubo.model.decoder import Decoder, DecoderLayer, DeltaNetMixer
-from bubo.model.deltanet import DeltaNetState
 from bubo.model.layers import MLP, RMSNorm
 from bubo.model.moe import QuantizedExpertMatrices, SparseMoE
-from bubo.model.state import KVCache
+from bubo.model.state import DeltaNetState, KVCache
 
 __all__ = [
     "GraphDecodeStep",

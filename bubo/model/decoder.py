@@ -24,7 +24,7 @@ from torch import nn
 from bubo.gguf.config import MlpKind, ModelConfig
 from bubo.model.attention import Attention
 from bubo.model.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
-from bubo.model.deltanet import DeltaNetState, GatedDeltaNet
+from bubo.model.deltanet import GatedDeltaNet
 from bubo.model.hyper_connections import HyperConnection, StreamMixer, expand_streams
 from bubo.model.indexed_attention import IndexedAttention, QSAIndexer
 from bubo.model.layers import MLP, RMSNorm, RotaryEmbedding
@@ -33,7 +33,7 @@ from bubo.model.mtp import MultiTokenPredictor
 from bubo.model.multimodal_inputs import MultimodalInputs
 from bubo.model.ngram_embedding import NGramEmbedding, NGramHash, PLELayer
 from bubo.model.quantized_linear import QuantizedLinear, group_rows
-from bubo.model.state import CacheBatch, KVCache
+from bubo.model.state import CacheBatch, DeltaNetState, KVCache
 
 __all__ = [
     "Decoder",

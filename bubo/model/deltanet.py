@@ -23,7 +23,6 @@ mapping depends on it, since the per-head math is the same.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -31,8 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from bubo.kernels.triton_support import triton_enabled
+from bubo.model.state import DeltaNetState
 
-__all__ = ["DeltaNetState", "GatedDeltaNet", "chunked_gated_delta_rule", "recurrent_gated_delta_rule"]
+__all__ = ["GatedDeltaNet", "chunked_gated_delta_rule", "recurrent_gated_delta_rule"]
 
 ValueHeadOrder = Literal["grouped", "tiled"]
 GateActivation = Literal["silu", "sigmoid"]
@@ -43,52 +43,6 @@ L2NORM_EPS = 1e-6
 # transformers' chunk length; it only trades the size of the intra-chunk matrices against the
 # number of sequential steps, the result is the same recurrence.
 CHUNK_SIZE = 64
-
-
-@dataclass
-class DeltaNetState:
-    """What one Gated DeltaNet layer carries from one call to the next, for a batch of sequences.
-
-    conv_state: [B, conv_channels, K-1], the last K-1 pre-conv qkv vectors (oldest first), in the
-        activation dtype; zeros stand for the positions before the sequence start, as the
-        zero-padded convolution of transformers' prefill assumes.
-    recurrent_state: [B, Hv, dk, dv] float32, the delta-rule memory S of each value head.
-    """
-
-    conv_state: torch.Tensor
-    recurrent_state: torch.Tensor
-
-    @classmethod
-    def zeros(
-        cls,
-        batch: int,
-        conv_channels: int,
-        conv_kernel: int,
-        num_v_heads: int,
-        head_k_dim: int,
-        head_v_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> "DeltaNetState":
-        return cls(
-            conv_state=torch.zeros(batch, conv_channels, conv_kernel - 1, dtype=dtype, device=device),
-            recurrent_state=torch.zeros(
-                batch, num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=device
-            ),
-        )
-
-    def reset(self) -> None:
-        """Back to an empty sequence (the state of a fresh prompt)."""
-        self.conv_state.zero_()
-        self.recurrent_state.zero_()
-
-    def snapshot(self) -> "DeltaNetState":
-        """A copy to come back to: the state cannot be rewound, only restored."""
-        return DeltaNetState(self.conv_state.clone(), self.recurrent_state.clone())
-
-    def restore(self, snapshot: "DeltaNetState") -> None:
-        self.conv_state.copy_(snapshot.conv_state)
-        self.recurrent_state.copy_(snapshot.recurrent_state)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

@@ -40,65 +40,9 @@ from bubo.kernels.triton_support import triton_enabled
 from bubo.model.attention import Attention
 from bubo.model.layers import RMSNorm, apply_rotary
 from bubo.model.paged_decode import paged_decode_attention
-from bubo.model.state import KVCache
+from bubo.model.state import IndexerState, KVCache
 
-__all__ = ["IndexedAttention", "IndexerState", "QSAIndexer"]
-
-
-class IndexerState:
-    """What one QSA indexer carries from one call to the next, for a batch of sequences.
-
-    block_keys: [B, max_len // r, Di], the compressed key of every complete block (pooled, normed,
-        roped), filled up to `num_blocks`. A complete block's key never changes, so it is computed once.
-    tail_keys: [B, r - 1, Di], the raw keys of the tokens after the last complete block (`tail_len` of
-        them), and tail_cos / tail_sin [r - 1, rope_dim / 2] their rotary angles: the first one ropes
-        the block's key once the block completes.
-    """
-
-    def __init__(
-        self,
-        batch: int,
-        max_len: int,
-        head_dim: int,
-        compress_ratio: int,
-        rope_pairs: int,
-        dtype: torch.dtype,
-        device: torch.device | str | None = None,
-    ) -> None:
-        self.compress_ratio = compress_ratio
-        self.block_keys = torch.zeros(batch, max_len // compress_ratio, head_dim, dtype=dtype, device=device)
-        self.tail_keys = torch.zeros(batch, compress_ratio - 1, head_dim, dtype=dtype, device=device)
-        self.tail_cos = torch.zeros(compress_ratio - 1, rope_pairs, dtype=dtype, device=device)
-        self.tail_sin = torch.zeros_like(self.tail_cos)
-        self.num_blocks = 0
-        self.tail_len = 0
-
-    @property
-    def length(self) -> int:
-        """Tokens seen so far."""
-        return self.num_blocks * self.compress_ratio + self.tail_len
-
-    def reset(self) -> None:
-        """Back to an empty sequence."""
-        self.num_blocks = 0
-        self.tail_len = 0
-
-    def snapshot(self) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What restoring needs: complete blocks never change, so their count is enough; the tail is
-        copied."""
-        return (
-            self.num_blocks,
-            self.tail_len,
-            self.tail_keys.clone(),
-            self.tail_cos.clone(),
-            self.tail_sin.clone(),
-        )
-
-    def restore(self, snapshot: tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-        self.num_blocks, self.tail_len, keys, cos, sin = snapshot
-        self.tail_keys.copy_(keys)
-        self.tail_cos.copy_(cos)
-        self.tail_sin.copy_(sin)
+__all__ = ["IndexedAttention", "QSAIndexer"]
 
 
 class QSAIndexer(nn.Module):

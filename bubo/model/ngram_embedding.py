@@ -32,8 +32,9 @@ from torch import nn
 
 from bubo.gguf.quants import dequantize
 from bubo.model.hyper_connections import grouped_rms_norm
+from bubo.model.state import PLEState
 
-__all__ = ["NGramEmbedding", "NGramHash", "PLELayer", "PLEState", "derive_ngram_hash", "ngram_rows"]
+__all__ = ["NGramEmbedding", "NGramHash", "PLELayer", "derive_ngram_hash", "ngram_rows"]
 
 # transformers' constants (_build_layer_multipliers, _splitmix64; spec 4.4).
 _MASK64 = (1 << 64) - 1
@@ -215,33 +216,6 @@ class NGramEmbedding(nn.Module):
     def extra_repr(self) -> str:
         kind = "float" if self.table_type is None else self.table_type.name
         return f"rows={self.table.shape[0]}, heads={self.ngram_hash.num_heads}, table={kind}"
-
-
-@dataclass
-class PLEState:
-    """What the PLE layer carries from one call to the next, for a batch of sequences.
-
-    tokens: [B, n − 1] int64, the last n − 1 token ids, oldest first; EOS before the sequence start.
-    conv_state: [B, hc·hidden, (Kp − 1)·n], the last (Kp − 1)·n normalised gated values (oldest
-        first), zeros before the sequence start, in the activation dtype.
-    eos_token_id: what `tokens` holds before the sequence start.
-    """
-
-    tokens: torch.Tensor
-    conv_state: torch.Tensor
-    eos_token_id: int
-
-    def reset(self) -> None:
-        """Back to an empty sequence."""
-        self.tokens.fill_(self.eos_token_id)
-        self.conv_state.zero_()
-
-    def snapshot(self) -> "PLEState":
-        return PLEState(self.tokens.clone(), self.conv_state.clone(), self.eos_token_id)
-
-    def restore(self, snapshot: "PLEState") -> None:
-        self.tokens.copy_(snapshot.tokens)
-        self.conv_state.copy_(snapshot.conv_state)
 
 
 class PLELayer(nn.Module):

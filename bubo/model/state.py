@@ -1,22 +1,147 @@
-"""A decode state: keys and values of each attention layer in the blocks of a paged pool, the
-fixed-size recurrent state of each Gated DeltaNet layer of a hybrid model, and qwen4exp's QSA
-indexer states and PLE state."""
+"""The per-sequence decode state, below the model that reads and advances it: keys and values of each
+attention layer in the blocks of a paged pool (`KVCache`), the fixed-size recurrent state of each Gated
+DeltaNet layer of a hybrid model (`DeltaNetState`), and qwen4exp's QSA indexer states (`IndexerState`)
+and PLE state (`PLEState`)."""
 
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from bubo.model.block_pool import DEFAULT_BLOCK_SIZE, BlockPool, KVPoolExhaustedError
-from bubo.model.deltanet import DeltaNetState
 
-if TYPE_CHECKING:  # these modules import KVCache themselves
-    from bubo.model.indexed_attention import IndexerState
-    from bubo.model.ngram_embedding import PLEState
+__all__ = ["CacheBatch", "CacheSnapshot", "DeltaNetState", "IndexerState", "KVCache", "PLEState"]
 
-__all__ = ["CacheBatch", "CacheSnapshot", "KVCache"]
+
+@dataclass
+class DeltaNetState:
+    """What one Gated DeltaNet layer carries from one call to the next, for a batch of sequences.
+
+    conv_state: [B, conv_channels, K-1], the last K-1 pre-conv qkv vectors (oldest first), in the
+        activation dtype; zeros stand for the positions before the sequence start, as the
+        zero-padded convolution of transformers' prefill assumes.
+    recurrent_state: [B, Hv, dk, dv] float32, the delta-rule memory S of each value head.
+    """
+
+    conv_state: torch.Tensor
+    recurrent_state: torch.Tensor
+
+    @classmethod
+    def zeros(
+        cls,
+        batch: int,
+        conv_channels: int,
+        conv_kernel: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> "DeltaNetState":
+        return cls(
+            conv_state=torch.zeros(batch, conv_channels, conv_kernel - 1, dtype=dtype, device=device),
+            recurrent_state=torch.zeros(
+                batch, num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=device
+            ),
+        )
+
+    def reset(self) -> None:
+        """Back to an empty sequence (the state of a fresh prompt)."""
+        self.conv_state.zero_()
+        self.recurrent_state.zero_()
+
+    def snapshot(self) -> "DeltaNetState":
+        """A copy to come back to: the state cannot be rewound, only restored."""
+        return DeltaNetState(self.conv_state.clone(), self.recurrent_state.clone())
+
+    def restore(self, snapshot: "DeltaNetState") -> None:
+        self.conv_state.copy_(snapshot.conv_state)
+        self.recurrent_state.copy_(snapshot.recurrent_state)
+
+
+class IndexerState:
+    """What one QSA indexer carries from one call to the next, for a batch of sequences.
+
+    block_keys: [B, max_len // r, Di], the compressed key of every complete block (pooled, normed,
+        roped), filled up to `num_blocks`. A complete block's key never changes, so it is computed once.
+    tail_keys: [B, r - 1, Di], the raw keys of the tokens after the last complete block (`tail_len` of
+        them), and tail_cos / tail_sin [r - 1, rope_dim / 2] their rotary angles: the first one ropes
+        the block's key once the block completes.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        max_len: int,
+        head_dim: int,
+        compress_ratio: int,
+        rope_pairs: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.compress_ratio = compress_ratio
+        self.block_keys = torch.zeros(batch, max_len // compress_ratio, head_dim, dtype=dtype, device=device)
+        self.tail_keys = torch.zeros(batch, compress_ratio - 1, head_dim, dtype=dtype, device=device)
+        self.tail_cos = torch.zeros(compress_ratio - 1, rope_pairs, dtype=dtype, device=device)
+        self.tail_sin = torch.zeros_like(self.tail_cos)
+        self.num_blocks = 0
+        self.tail_len = 0
+
+    @property
+    def length(self) -> int:
+        """Tokens seen so far."""
+        return self.num_blocks * self.compress_ratio + self.tail_len
+
+    def reset(self) -> None:
+        """Back to an empty sequence."""
+        self.num_blocks = 0
+        self.tail_len = 0
+
+    def snapshot(self) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What restoring needs: complete blocks never change, so their count is enough; the tail is
+        copied."""
+        return (
+            self.num_blocks,
+            self.tail_len,
+            self.tail_keys.clone(),
+            self.tail_cos.clone(),
+            self.tail_sin.clone(),
+        )
+
+    def restore(self, snapshot: tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        self.num_blocks, self.tail_len, keys, cos, sin = snapshot
+        self.tail_keys.copy_(keys)
+        self.tail_cos.copy_(cos)
+        self.tail_sin.copy_(sin)
+
+
+@dataclass
+class PLEState:
+    """What the PLE layer carries from one call to the next, for a batch of sequences.
+
+    tokens: [B, n − 1] int64, the last n − 1 token ids, oldest first; EOS before the sequence start.
+    conv_state: [B, hc·hidden, (Kp − 1)·n], the last (Kp − 1)·n normalised gated values (oldest
+        first), zeros before the sequence start, in the activation dtype.
+    eos_token_id: what `tokens` holds before the sequence start.
+    """
+
+    tokens: torch.Tensor
+    conv_state: torch.Tensor
+    eos_token_id: int
+
+    def reset(self) -> None:
+        """Back to an empty sequence."""
+        self.tokens.fill_(self.eos_token_id)
+        self.conv_state.zero_()
+
+    def snapshot(self) -> "PLEState":
+        return PLEState(self.tokens.clone(), self.conv_state.clone(), self.eos_token_id)
+
+    def restore(self, snapshot: "PLEState") -> None:
+        self.tokens.copy_(snapshot.tokens)
+        self.conv_state.copy_(snapshot.conv_state)
 
 
 @dataclass(frozen=True)

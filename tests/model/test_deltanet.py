@@ -18,7 +18,8 @@ from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from bubo.model.deltanet import DeltaNetState, GatedDeltaNet
+from bubo.model.deltanet import GatedDeltaNet
+from bubo.model.state import DeltaNetState
 from tests.fixtures.gguf_writer import randomize_
 from tests.fixtures.qwen_hybrid_weights import (
     HybridArch,

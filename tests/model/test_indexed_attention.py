@@ -19,9 +19,9 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import (
 )
 
 from bubo.gguf.config import ModelConfig, RopeStyle
-from bubo.model.indexed_attention import IndexedAttention, IndexerState, QSAIndexer
+from bubo.model.indexed_attention import IndexedAttention, QSAIndexer
 from bubo.model.layers import RMSNorm, RotaryEmbedding
-from bubo.model.state import KVCache
+from bubo.model.state import IndexerState, KVCache
 from tests.fixtures.gguf_writer import randomize_
 from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG
 
