@@ -1,6 +1,6 @@
 """Speculative decoding behind the server: on by default for a model with an MTP block, the same
 greedy answers as without it, and the draft counts in the OpenAI `usage`, llama-server `timings` and
-`/metrics`. `--spec-draft` / `--mtp-weights` at start-up: a model without an MTP block is refused, a
+`/metrics` (for qwen4exp's block too). `--spec-draft` / `--mtp-weights` at start-up: a model without an MTP block is refused, a
 checkpoint's block is attached."""
 
 import subprocess
@@ -20,6 +20,7 @@ from bubo.model.mtp_weights import MTPWeightsError
 from bubo.server.state import ServerSettings, ServerState
 from tests.fixtures.gguf_writer import write_gguf
 from tests.fixtures.mtp_models import OracleDrafter, mtp_model
+from tests.fixtures.qwen4exp_mtp import qwen4exp_mtp_model
 from tests.server.live_server import LiveServer, serve_loaded
 
 MAIN = ["linear_attention", "full_attention"] * 2
@@ -106,6 +107,46 @@ def test_counts_reach_usage_timings_and_metrics(servers: list[LiveServer], model
     decoded = timings["predicted_n"] - 1 + usage["completion_tokens"] - 1
     assert passes == decoded - accepted
     assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == decoded + 2
+
+
+@pytest.fixture(scope="module")
+def qwen4exp(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny qwen4exp with its MTP block (tests/fixtures/qwen4exp_mtp.py)."""
+    _, path = qwen4exp_mtp_model(tmp_path_factory.mktemp("q4exp") / "qwen4exp-mtp.gguf")
+    return load_model(path)
+
+
+def test_qwen4exp_drafts_with_its_block_by_default_and_counts(
+    servers: list[LiveServer], qwen4exp: LoadedModel
+) -> None:
+    plain = _serve(servers, qwen4exp, spec_draft=0)
+    server = _serve(servers, qwen4exp)
+    drafter = server.state.slots.slots[0].drafter
+    assert isinstance(drafter, MTPDrafter) and drafter.max_draft == DEFAULT_SPEC_DRAFT
+    expected = httpx.post(plain.url + "/completion", json={"prompt": PROMPT}, timeout=60).json()
+
+    before = _metrics(server)
+    llama = httpx.post(server.url + "/completion", json={"prompt": PROMPT}, timeout=60).json()
+    body = {"model": "bubo", "prompt": PROMPT}
+    openai = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    after = _metrics(server)
+
+    assert llama["content"] == expected["content"]
+    timings = llama["timings"]
+    assert timings["predicted_n"] == 8 and timings["draft_n"] > 0
+    assert timings["draft_n_accepted"] <= timings["draft_n"]
+    usage = openai["usage"]
+    assert usage["draft_tokens"] == timings["draft_n"]  # the same prompt and answer, the same rounds
+    details = usage["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] == usage["draft_tokens_accepted"]
+    assert details["rejected_prediction_tokens"] == usage["draft_tokens"] - usage["draft_tokens_accepted"]
+    drafted, accepted = (
+        after[f"llamacpp:spec_decode_num_{kind}_tokens_total"]
+        - before[f"llamacpp:spec_decode_num_{kind}_tokens_total"]
+        for kind in ("draft", "accepted")
+    )
+    assert drafted == timings["draft_n"] + usage["draft_tokens"]
+    assert accepted == timings["draft_n_accepted"] + usage["draft_tokens_accepted"]
 
 
 def test_the_mtp_drafter_gives_the_same_answers(servers: list[LiveServer], model: LoadedModel) -> None:
