@@ -17,6 +17,7 @@ from bubo import cli
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.model import hyper_connected_mtp
+from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, IndexedAttentionMixer
 from bubo.model.hyper_connected_mtp import HyperConnectedMTP
 from bubo.model.loader import load_decoder
@@ -110,6 +111,18 @@ def test_drafting_in_pieces_equals_drafting_at_once(block: tuple[ReferenceQwen4E
         ]
     assert cache.indexers[0].length == cache.length == LENGTH
     assert (torch.cat(pieces, dim=1) - whole).abs().max() <= 1e-4
+
+
+def test_a_file_that_runs_qsa_dense_runs_the_block_dense(tmp_path: Path) -> None:
+    """Every compress ratio 0 (spec 2.3): the trunk's attention layers run dense, as llama.cpp runs
+    them, and so does the block; the reference selects every block with a budget covering the sequence."""
+    zeros = {"qwen4exp.attention.compress_ratios": [0] * 9}
+    reference, path = qwen4exp_mtp_model(tmp_path / "dense.gguf", metadata=zeros, indexer_budget=LENGTH + 4)
+    with pytest.warns(UserWarning, match="compress_ratios"):
+        model = _load(path)
+    assert model.mtp is not None and type(model.mtp.layer.attention) is Attention
+    logits, streams = _deltas(reference, model)
+    assert logits <= TOLERANCE and streams <= TOLERANCE
 
 
 def test_the_gguf_block_is_refused_with_one_line(

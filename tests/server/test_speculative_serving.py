@@ -1,7 +1,7 @@
 """Speculative decoding behind the server: on by default for a model with an MTP block, the same
 greedy answers as without it, and the draft counts in the OpenAI `usage`, llama-server `timings` and
-`/metrics` (for qwen4exp's block too). `--spec-draft` / `--mtp-weights` at start-up: a model without an MTP block is refused, a
-checkpoint's block is attached."""
+`/metrics` (for qwen4exp's block too). `--spec-draft` / `--mtp-weights` at start-up: a model without
+an MTP block is refused, a checkpoint's block is attached."""
 
 import subprocess
 import sys
