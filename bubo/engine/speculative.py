@@ -3,8 +3,9 @@ forward pass, and the agreeing prefix is kept, plus one token of the model's own
 
 Two drafters: the model's MTP block (bubo/model/mtp.py, bubo/model/hyper_connected_mtp.py; here):
 from the main model's final hidden state at position t (qwen4exp: its residual streams) and token t+1
-it predicts token t+2, and chained on its own hidden states it proposes N tokens; and the context's own history (bubo/engine/ngram_drafter.py: what followed the last
-earlier occurrence of the newest n-gram), for any model. One round, with the cache holding L positions
+it predicts token t+2, and chained on its own hidden states it proposes N tokens; and the context's
+own history (bubo/engine/ngram_drafter.py: what followed the last earlier occurrence of the newest
+n-gram), for any model. One round, with the cache holding L positions
 and `last` the newest token, not yet run:
 
     draft d_1..d_N;  one forward over [last, d_1..d_N] at positions L..L+N  ->  target rows p_0..p_N

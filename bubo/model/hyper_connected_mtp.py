@@ -71,10 +71,6 @@ class HyperConnectedMTP(nn.Module):
     ) -> None:
         super().__init__()
         self.hc_count = mixer.hc_count
-        if hnorm.shape[0] != self.hc_count * enorm.shape[0]:
-            raise ValueError(
-                f"MTP hnorm of {hnorm.shape[0]} values doesn't span {self.hc_count} streams of {enorm.shape[0]}"
-            )
         self.enorm = nn.Parameter(enorm, requires_grad=False)
         self.hnorm = nn.Parameter(hnorm, requires_grad=False)
         self.eh_proj = eh_proj
