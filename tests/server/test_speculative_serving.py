@@ -181,6 +181,17 @@ def test_mtp_weights_attach_the_checkpoint_block(files: dict[str, Path]) -> None
         twice.preflight()
 
 
+def test_mtp_weights_attach_qwen4exps_checkpoint_block(tmp_path: Path) -> None:
+    reference, without = qwen4exp_mtp_model(tmp_path / "qwen4exp.gguf", with_block=False)
+    save_file(reference.checkpoint_tensors(), tmp_path / "mtp.safetensors")
+    state = ServerState(ServerSettings(model_path=without, mtp_weights=tmp_path / "mtp.safetensors"))
+    state.preflight()
+    state.load()
+    assert state.loaded is not None and state.loaded.model.mtp is not None and state.slots is not None
+    drafter = state.slots.slots[0].drafter
+    assert isinstance(drafter, MTPDrafter) and drafter.max_draft == DEFAULT_SPEC_DRAFT
+
+
 def test_ngram_drafting_needs_no_mtp_block(files: dict[str, Path]) -> None:
     for settings, draft in (({}, DEFAULT_NGRAM_DRAFT), ({"spec_draft": 4, "parallel": 2}, 4)):
         state = ServerState(ServerSettings(model_path=files["without"], spec_type="ngram-simple", **settings))
