@@ -1,16 +1,19 @@
-"""Speculative decoding on a small random hybrid model with an MTP block: decode tokens/s and the
-acceptance rate with and without it, and whether the greedy output is identical.
+"""Speculative decoding on a small random model with an MTP block: decode tokens/s and the acceptance
+rate with and without it, and whether the greedy output is identical.
 
-The model (a qwen35 of 8 layers, Gated DeltaNet ×3 then gated attention, hidden 512, vocab 4096, plus
-one MTP layer) is written with the test fixture writer and has random weights, so its MTP block's
-drafts are almost never right: the MTP rows measure the cost of drafting and verifying when nothing
-is accepted. A trained MTP head's hit rate can't be measured offline, so replay drafters stand in for
-it: they propose the model's own greedy continuation (known from the plain run) and are right with
-probability 1.0 or 0.7 per token (seeded), at no drafting cost — the speed the verify/rollback
-machinery gives at that acceptance rate.
+Two models, written with the test fixture writers, random weights: `--model qwen35` (default), a qwen35
+of 8 layers (Gated DeltaNet ×3 then gated attention, hidden 512, vocab 4096) plus one MTP layer; and
+`--model qwen4exp`, spec 7.1's tiny qwen4exp (8 layers, 4 hyper-connected streams, QSA, PLE, 3-of-8
+MoE) widened to hidden 256 and vocab 4096, plus its MTP block (bubo/model/hyper_connected_mtp.py).
+Random MTP weights make drafts that are almost never right: the MTP rows measure the cost of drafting
+and verifying when nothing is accepted. A trained MTP head's hit rate can't be measured offline, so
+replay drafters stand in for it: they propose the model's own greedy continuation (known from the
+plain run) and are right with probability 1.0 or 0.7 per token (seeded), at no drafting cost — the
+speed the verify/rollback machinery gives at that acceptance rate (for qwen4exp, a rejected draft
+costs a second pass: its QSA indexer and PLE states are restored and the kept tokens rerun).
 
     python benchmarks/bench_speculative.py
-    python benchmarks/bench_speculative.py --threads 2 --repeats 5 --tokens 128
+    python benchmarks/bench_speculative.py --model qwen4exp --threads 2 --repeats 5 --tokens 128
 """
 
 import argparse
@@ -35,6 +38,7 @@ from bubo.gguf.reader import GGUFFile  # noqa: E402
 from bubo.model.decoder import Decoder  # noqa: E402
 from bubo.model.loader import load_decoder  # noqa: E402
 from tests.fixtures.mtp_models import mtp_model  # noqa: E402
+from tests.fixtures.qwen4exp_mtp import qwen4exp_mtp_model  # noqa: E402
 
 LAYERS = (["linear_attention"] * 3 + ["full_attention"]) * 2
 SIZES = {
@@ -48,6 +52,16 @@ SIZES = {
     "linear_value_head_dim": 64,
     "vocab_size": 4096,
     "max_position_embeddings": 4096,
+}
+
+
+# spec 7.1's tiny qwen4exp, wider (the PLE width must equal hidden)
+QWEN4EXP_SIZES = {
+    "hidden_size": 256,
+    "ple_embed_dim": 256,
+    "vocab_size": 4096,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
 }
 
 
@@ -65,6 +79,8 @@ class NoStops:
 
 class ReplayDrafter:
     """Proposes the known greedy continuation, each token right with probability `accuracy`."""
+
+    needs_hidden = False
 
     def __init__(self, expected: Sequence[int], accuracy: float, max_draft: int, vocab: int) -> None:
         self.expected, self.accuracy, self.max_draft, self.vocab = list(expected), accuracy, max_draft, vocab
@@ -96,6 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--model", choices=("qwen35", "qwen4exp"), default="qwen35")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens (random ids)")
@@ -104,10 +121,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as folder:
-        _, path = mtp_model("qwen35", LAYERS, Path(folder) / "spec.gguf", **SIZES)
+        if args.model == "qwen4exp":
+            _, path = qwen4exp_mtp_model(Path(folder) / "spec.gguf", **QWEN4EXP_SIZES)
+            vocab = QWEN4EXP_SIZES["vocab_size"]
+            title = f"qwen4exp, 8 layers + MTP, hidden {QWEN4EXP_SIZES['hidden_size']} x 4 streams"
+        else:
+            _, path = mtp_model("qwen35", LAYERS, Path(folder) / "spec.gguf", **SIZES)
+            vocab = SIZES["vocab_size"]
+            title = f"qwen35 hybrid, {len(LAYERS)} layers + MTP, hidden {SIZES['hidden_size']}"
         f = GGUFFile(path)
         model = load_decoder(f, config_from_gguf(f))
-    vocab = SIZES["vocab_size"]
     prompt = torch.randint(0, vocab, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     reference, _ = run(model, prompt, args.tokens, None)
     expected = prompt + reference.token_ids
@@ -133,9 +156,8 @@ def main() -> None:
 
     base = statistics.median(rates["off"])
     print(
-        f"qwen35 hybrid, {len(LAYERS)} layers + MTP, hidden {SIZES['hidden_size']}, vocab {vocab}; "
-        f"{args.prompt} prompt + {args.tokens} generated tokens, greedy, {args.threads} thread(s), "
-        f"median of {args.repeats}"
+        f"{title}, vocab {vocab}; {args.prompt} prompt + {args.tokens} generated tokens, greedy, "
+        f"{args.threads} thread(s), median of {args.repeats}"
     )
     print("| drafter | decode tok/s [min–max] | speed-up | drafted | accepted | acceptance | identical |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

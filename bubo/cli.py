@@ -494,8 +494,12 @@ def _print_layer_plan(f: GGUFFile) -> None:
     for span, mixer, mlp_kind in rows:
         print(f"  {span:<{width}}  {mixer:<{mixer_width}}  {mlp_kind}")
     if config.mtp_layers:
+        attention = "gated full attention"
+        if config.indexer is not None and any(config.indexer.compress_ratios):
+            attention = "hyper-connected QSA attention"
         print(
-            f"  + MTP block at blk.{config.num_layers} (gated full attention, {config.mlp_kind.value}): drafts the token after next"
+            f"  + MTP block at blk.{config.num_layers} ({attention}, {config.mlp_kind.value}): "
+            "drafts the token after next"
         )
 
 

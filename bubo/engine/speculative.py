@@ -1,10 +1,11 @@
 """Speculative decoding: a drafter proposes the next few tokens, the model checks them all in one
 forward pass, and the agreeing prefix is kept, plus one token of the model's own.
 
-Two drafters: the model's MTP block (bubo/model/mtp.py, here): from the main model's final hidden
-state at position t and token t+1 it predicts token t+2, and chained on its own hidden states it
-proposes N tokens; and the context's own history (bubo/engine/ngram_drafter.py: what followed the last
-earlier occurrence of the newest n-gram), for any model. One round, with the cache holding L positions
+Two drafters: the model's MTP block (bubo/model/mtp.py, bubo/model/hyper_connected_mtp.py; here):
+from the main model's final hidden state at position t (qwen4exp: its residual streams) and token t+1
+it predicts token t+2, and chained on its own hidden states it proposes N tokens; and the context's
+own history (bubo/engine/ngram_drafter.py: what followed the last earlier occurrence of the newest
+n-gram), for any model. One round, with the cache holding L positions
 and `last` the newest token, not yet run:
 
     draft d_1..d_N;  one forward over [last, d_1..d_N] at positions L..L+N  ->  target rows p_0..p_N
@@ -87,9 +88,10 @@ class Drafter(Protocol):
     def propose(
         self, context: Sequence[int], hidden: torch.Tensor | None, n: int, draw_draft: DrawDraft
     ) -> Draft:
-        """Up to `n` tokens to follow `context` (prompt and generated tokens so far). `hidden` [1, k, H]
-        holds the model's final hidden states of the k positions run since the last call; row j is
-        the state that `context[-k + j]` was chosen from (None for a drafter that doesn't need them)."""
+        """Up to `n` tokens to follow `context` (prompt and generated tokens so far). `hidden` [1, k, ..]
+        holds what the MTP block continues from (Decoder.hidden_and_mtp_input: the final hidden states,
+        or qwen4exp's residual streams) at the k positions run since the last call; row j is the state
+        that `context[-k + j]` was chosen from (None for a drafter that doesn't need them)."""
         ...
 
 
@@ -103,9 +105,15 @@ class DraftModel(Protocol):
         self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False, multimodal: Any = None
     ) -> torch.Tensor: ...
 
+    def hidden_and_mtp_input(
+        self, tokens: torch.Tensor, cache: KVCache, multimodal: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def draft_hidden(
         self, hidden: torch.Tensor, next_tokens: torch.Tensor, mtp_cache: KVCache
-    ) -> torch.Tensor: ...
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def draft_head(self, head_input: torch.Tensor) -> torch.Tensor: ...
 
     def new_mtp_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache: ...
 
@@ -115,7 +123,9 @@ class MTPDrafter:
 
     Its cache holds one row per position of the current sequence that has been run by the main model
     (from `start` on: a cached prompt prefix is not replayed, and attention under RoPE only sees
-    relative positions), plus the rows of the last round's chained guesses, dropped on the next call.
+    relative positions), plus the rows of the last round's chained guesses, dropped on the next call
+    (cut off, or for qwen4exp's block, whose QSA indexer state can't be cut, restored from a snapshot
+    taken after the settled rows).
     """
 
     needs_hidden = True
@@ -126,7 +136,7 @@ class MTPDrafter:
         self.model = model
         self.max_draft = max_draft
         self._cache: KVCache | None = None
-        self._settled = 0  # rows made from the main model's own hidden states
+        self._settled: CacheSnapshot | int = 0  # the rows made from the main model's own hidden states
 
     def start(self, max_len: int) -> None:
         if self._cache is None or self._cache.max_len < max_len:
@@ -140,21 +150,25 @@ class MTPDrafter:
         cache = self._cache
         if cache is None or hidden is None:
             raise RuntimeError("MTPDrafter.propose before start, or without hidden states")
-        cache.truncate(self._settled)
+        if isinstance(self._settled, CacheSnapshot):
+            cache.restore(self._settled)
+        else:
+            cache.truncate(self._settled)
         device = self.model.device
         k = hidden.shape[1]
         next_tokens = torch.tensor([list(context[-k:])], dtype=torch.long, device=device)
-        x = self.model.draft_hidden(hidden, next_tokens, cache)[:, -1:]
-        self._settled = cache.length
+        x, chained = self.model.draft_hidden(hidden, next_tokens, cache)
+        x, chained = x[:, -1:], chained[:, -1:]
+        self._settled = cache.length if cache.can_rewind else cache.snapshot()
         tokens: list[int] = []
         probs: list[torch.Tensor] = []  # stays empty when drafting greedily
         for i in range(n):
-            token, q = draw_draft(self.model.output(x)[0, -1].float())
+            token, q = draw_draft(self.model.draft_head(x)[0, -1])
             tokens.append(token)
             if q is not None:
                 probs.append(q)
             if i + 1 < n:
-                x = self.model.draft_hidden(x, torch.tensor([[token]], device=device), cache)
+                x, chained = self.model.draft_hidden(chained, torch.tensor([[token]], device=device), cache)
         return Draft(tokens, torch.stack(probs) if probs else None)
 
 
@@ -213,8 +227,8 @@ class SpeculativeDecoder:
         """Run the uncached prompt tokens [1, T] (with their image inputs, if any); the last position's
         logits [vocab]."""
         images = {} if multimodal is None else {"multimodal": multimodal}
-        self._hidden = self.model.hidden(tokens, self.cache, **images)
-        return self.model.output(self._hidden[:, -1:])[0, -1].float()
+        hidden, self._hidden = self.model.hidden_and_mtp_input(tokens, self.cache, **images)
+        return self.model.output(hidden[:, -1:])[0, -1].float()
 
     def tokens(
         self, logits: torch.Tensor, context: Sequence[int], limit: int | None
@@ -265,26 +279,27 @@ class SpeculativeDecoder:
     def _verify(
         self, start: int, tokens: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, CacheSnapshot]]:
-        """One forward over `tokens` at positions start..; their hidden states [1, n+1, H], logits
-        rows [n+1, vocab], and for a recurrent cache the states after each prefix, by length."""
+        """One forward over `tokens` at positions start..; what the MTP block continues from at them
+        ([1, n+1, H], or qwen4exp's residual streams), logits rows [n+1, vocab], and for a recurrent
+        cache the states after each prefix, by length."""
         cache = self.cache
         batch = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
         if cache.can_rewind:
-            hidden = self.model.hidden(batch, cache)
-            return hidden, self.model.output(hidden)[0].float(), {}
+            hidden, mtp_input = self.model.hidden_and_mtp_input(batch, cache)
+            return mtp_input, self.model.output(hidden)[0].float(), {}
         if not cache.snapshots_in_forward:
             # qwen4exp's QSA indexer tails and PLE history have no copies inside a pass: keep the states
             # as they are before it; a partial acceptance restores them and reruns the kept tokens.
             self._verified = tokens
             before = {start: cache.snapshot()}
-            hidden = self.model.hidden(batch, cache)
-            return hidden, self.model.output(hidden)[0].float(), before
+            hidden, mtp_input = self.model.hidden_and_mtp_input(batch, cache)
+            return mtp_input, self.model.output(hidden)[0].float(), before
         positions = tuple(range(start + 1, start + len(tokens)))
         # The prompt cache may have asked for copies at prompt positions; those stay where they are.
         wanted = cache.snapshot_at
         cache.snapshot_at = (*wanted, *positions)
         try:
-            hidden = self.model.hidden(batch, cache)
+            hidden, mtp_input = self.model.hidden_and_mtp_input(batch, cache)
         finally:
             cache.snapshot_at = wanted
         snapshots = {}
@@ -292,7 +307,7 @@ class SpeculativeDecoder:
             taken = cache.taken.pop(position)
             recurrent = tuple(taken[i] for i in range(len(cache.recurrent)))
             snapshots[position] = CacheSnapshot(position, recurrent, (), None)
-        return hidden, self.model.output(hidden)[0].float(), snapshots
+        return mtp_input, self.model.output(hidden)[0].float(), snapshots
 
     def _accept(self, draft: Draft, rows: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """The tokens this round yields, each with the logits row it was chosen from."""

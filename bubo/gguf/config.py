@@ -326,7 +326,7 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
     rope_dim = meta.get_int("rope.dimension_count", default=head_dim)
     num_layers, mtp_layers = _layer_counts(f, meta, arch)
     mlp_kind = _MLP_KIND.get(arch, MlpKind.DENSE)
-    hybrid = _hybrid_fields(f, meta, num_layers)
+    hybrid = _hybrid_fields(f, meta, num_layers, mtp_layers)
     # Which tensors a layer has says whether attention has biases and q/k norms; in a hybrid file
     # layer 0 is usually a DeltaNet layer, so ask the first attention layer.
     recurrent = hybrid.get("recurrent_layers", ())
@@ -358,16 +358,15 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         mtp_layers=mtp_layers,
         **_moe_fields(meta, mlp_kind),
         **hybrid,
-        **(_qwen4exp_fields(f, meta, recurrent) if arch == "qwen4exp" else {}),
+        **(_qwen4exp_fields(f, meta, recurrent, mtp_layers) if arch == "qwen4exp" else {}),
     )
     _validate(meta, config)
     return config
 
 
-# The architectures whose files may carry MTP blocks as `nextn` layers. qwen4exp's converter drops its
-# MTP block, and the open llama.cpp PRs that keep it give it its own hyper-connection mixer, not yet
-# settled (shared/spec/qwen4exp.md section 4.11): its nextn layer is left unloaded, as the spec advises.
-_MTP_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
+# The architectures whose files may carry MTP blocks as `nextn` layers (qwen4exp's: bubo/model/
+# hyper_connected_mtp.py).
+_MTP_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe", "qwen4exp")
 
 
 def _layer_counts(f: GGUFFile, meta: _Metadata, arch: str) -> tuple[int, int]:
@@ -390,21 +389,24 @@ def _layer_counts(f: GGUFFile, meta: _Metadata, arch: str) -> tuple[int, int]:
     )
 
 
-def _hybrid_fields(f: GGUFFile, meta: _Metadata, num_layers: int) -> dict[str, Any]:
+def _hybrid_fields(f: GGUFFile, meta: _Metadata, num_layers: int, mtp_layers: int) -> dict[str, Any]:
     order = _HYBRID_VALUE_HEAD_ORDER.get(f.architecture)
     if order is None:
         return {}
     if meta.has("attention.recurrent_layers"):
         recurrent = f.get(meta.key("attention.recurrent_layers"))
+        # llama.cpp sizes per-layer arrays by block_count, which counts an MTP block kept inside it.
+        lengths = {num_layers, num_layers + mtp_layers}
         if not (
             isinstance(recurrent, list)
-            and len(recurrent) == num_layers
+            and len(recurrent) in lengths
             and all(isinstance(x, bool) for x in recurrent)
         ):
             raise meta.error(
                 f"'{meta.key('attention.recurrent_layers')}' should be {num_layers} booleans "
                 f"(one per layer), got {recurrent!r}"
             )
+        recurrent = recurrent[:num_layers]
     else:
         interval = meta.get_int("full_attention_interval", default=_DEFAULT_FULL_ATTENTION_INTERVAL)
         if interval <= 0:
@@ -452,7 +454,12 @@ def _hybrid_fields(f: GGUFFile, meta: _Metadata, num_layers: int) -> dict[str, A
     return fields
 
 
-def _int_array(f: GGUFFile, meta: _Metadata, suffix: str, length: int | None = None) -> tuple[int, ...]:
+def _int_array(
+    f: GGUFFile, meta: _Metadata, suffix: str, length: int | None = None, extra: int = 0
+) -> tuple[int, ...]:
+    """The array `suffix`: `length` non-negative integers (any number if None), or `length + extra`
+    of which the first `length` are returned (a per-layer array sized by a block_count that counts
+    `extra` MTP blocks)."""
     key = meta.key(suffix)
     value = f.get(key)
     if value is None:
@@ -460,19 +467,23 @@ def _int_array(f: GGUFFile, meta: _Metadata, suffix: str, length: int | None = N
     if not (
         isinstance(value, list)
         and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
-        and (length is None or len(value) == length)
+        and (length is None or len(value) in (length, length + extra))
     ):
         count = "" if length is None else f"{length} "
         raise meta.error(f"'{key}' should be {count}non-negative integers, got {value!r}")
-    return tuple(value)
+    return tuple(value if length is None else value[:length])
 
 
-def _qwen4exp_fields(f: GGUFFile, meta: _Metadata, recurrent: tuple[bool, ...]) -> dict[str, Any]:
+def _qwen4exp_fields(
+    f: GGUFFile, meta: _Metadata, recurrent: tuple[bool, ...], mtp_layers: int
+) -> dict[str, Any]:
     num_layers = len(recurrent)
     hc_count = meta.get_int("hyper_connection.count")
     if hc_count < 2:
         raise meta.error(f"'{meta.key('hyper_connection.count')}' must be at least 2, got {hc_count}")
-    ratios = _int_array(f, meta, "attention.compress_ratios", num_layers)
+    # The converter writes ratio 0 for an MTP block (llama.cpp's draft attends densely); the block
+    # follows vLLM and reads the trunk's ratio instead (bubo/model/hyper_connected_mtp.py).
+    ratios = _int_array(f, meta, "attention.compress_ratios", num_layers, mtp_layers)
     indexer = IndexerSizes(
         num_heads=meta.get_int("attention.indexer.head_count"),
         head_dim=meta.get_int("attention.indexer.key_length"),

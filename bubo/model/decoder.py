@@ -25,6 +25,7 @@ from bubo.gguf.config import MlpKind, ModelConfig
 from bubo.model.attention import Attention
 from bubo.model.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from bubo.model.deltanet import GatedDeltaNet
+from bubo.model.hyper_connected_mtp import HyperConnectedMTP
 from bubo.model.hyper_connections import HyperConnection, StreamMixer, expand_streams
 from bubo.model.indexed_attention import IndexedAttention, QSAIndexer
 from bubo.model.layers import MLP, RMSNorm, RotaryEmbedding
@@ -241,24 +242,30 @@ def _attention(config: ModelConfig, i: int, weights: WeightSource) -> Attention:
     return Attention(config, **_attention_parts(config, i, weights), output_gate=config.is_hybrid)
 
 
-def _indexed_attention(config: ModelConfig, i: int, weights: WeightSource) -> IndexedAttentionMixer:
+def _indexed_attention(
+    config: ModelConfig, i: int, weights: WeightSource, mtp: bool = False
+) -> IndexedAttentionMixer:
+    """QSA layer i; with `mtp` the MTP block's (layer i = num_layers), with the trunk's compress ratio
+    and slot 0 of the MTP's own cache."""
     p, hidden, idx = f"blk.{i}.", config.hidden_size, config.indexer
     assert idx is not None  # config_from_gguf sets it for qwen4exp
+    ratio = max(idx.compress_ratios) if mtp else idx.compress_ratios[i]
     indexer = QSAIndexer(
         q_proj=weights.linear(p + "indexer.q_proj.weight", (idx.num_heads * idx.head_dim, hidden)),
         k_proj=weights.linear(p + "indexer.k_proj.weight", (idx.head_dim, hidden)),
         q_norm=RMSNorm(weights.tensor(p + "indexer.q_norm.weight", (idx.head_dim,)), config.rms_norm_eps),
         k_norm=RMSNorm(weights.tensor(p + "indexer.k_norm.weight", (idx.head_dim,)), config.rms_norm_eps),
         num_heads=idx.num_heads,
-        compress_ratio=idx.compress_ratios[i],
+        compress_ratio=ratio,
         budget=idx.budget,
         rope_style=config.rope_style,
     )
+    parts = _attention_parts(config, i, weights)
+    if mtp:
+        parts["layer_index"] = 0
     # its indexer slot: one per QSA layer
-    state_index = sum(1 for j in range(i) if idx.compress_ratios[j])
-    return IndexedAttentionMixer(
-        IndexedAttention(config, **_attention_parts(config, i, weights), indexer=indexer), state_index
-    )
+    state_index = 0 if mtp else sum(1 for j in range(i) if idx.compress_ratios[j])
+    return IndexedAttentionMixer(IndexedAttention(config, **parts, indexer=indexer), state_index)
 
 
 def _deltanet(config: ModelConfig, i: int, weights: WeightSource) -> DeltaNetMixer:
@@ -405,9 +412,12 @@ def build_layer(config: ModelConfig, i: int, weights: WeightSource) -> DecoderLa
     )
 
 
-def build_mtp(config: ModelConfig, weights: WeightSource) -> MultiTokenPredictor:
-    """The MTP block stored after the main layers (bubo/model/mtp.py). Its layer is a full-attention
-    layer of the model's kind whose keys and values go to slot 0 of the MTP's own cache."""
+def build_mtp(config: ModelConfig, weights: WeightSource) -> MultiTokenPredictor | HyperConnectedMTP:
+    """The MTP block stored after the main layers (bubo/model/mtp.py; qwen4exp's:
+    bubo/model/hyper_connected_mtp.py). Its layer is a full-attention layer of the model's kind whose
+    keys and values go to slot 0 of the MTP's own cache."""
+    if config.hc_count:
+        return _hyper_connected_mtp(config, weights)
     n, hidden, eps = config.num_layers, config.hidden_size, config.rms_norm_eps
     p = f"blk.{n}."
     attention = Attention(
@@ -426,6 +436,52 @@ def build_mtp(config: ModelConfig, weights: WeightSource) -> MultiTokenPredictor
         eh_proj=weights.linear(p + "nextn.eh_proj.weight", (hidden, 2 * hidden)),
         layer=layer,
         shared_head_norm=RMSNorm(weights.tensor(p + "nextn.shared_head_norm.weight", (hidden,)), eps),
+    )
+
+
+# The MTP block's own stream mixer: llama.cpp's name, and the one unsloth's files use.
+_MTP_MIXER_NAMES = ("nextn.hc_head", "output_hc")
+
+
+def _hyper_connected_mtp(config: ModelConfig, weights: WeightSource) -> HyperConnectedMTP:
+    n, hidden, eps = config.num_layers, config.hidden_size, config.rms_norm_eps
+    p, streams, rank = f"blk.{n}.", config.hc_count * hidden, config.hc_low_rank
+    # Neither there: the first name is asked for, and the source says it is missing.
+    mixer = next(
+        (p + name for name in _MTP_MIXER_NAMES if weights.has(f"{p}{name}_norm.weight")),
+        p + _MTP_MIXER_NAMES[0],
+    )
+    assert config.indexer is not None  # config_from_gguf sets it for qwen4exp
+    # Like vLLM's draft layer, QSA wherever the trunk's attention layers are (ratio 0 throughout: a
+    # file that runs them dense, as llama.cpp does; spec 2.3).
+    if any(config.indexer.compress_ratios):
+        attention: TokenMixer = _indexed_attention(config, n, weights, mtp=True)
+    else:
+        attention = Attention(
+            config, **{**_attention_parts(config, n, weights), "layer_index": 0}, output_gate=True
+        )
+    layer = HyperConnectedLayer(
+        attn_hc=_hyper_connection(config, p + "hc_attn", weights),
+        attention=attention,
+        ffn_hc=_hyper_connection(config, p + "hc_ffn", weights),
+        mlp=_FEED_FORWARD[config.mlp_kind](config, n, weights),
+    )
+    head_name = p + "nextn.shared_head_head.weight"
+    own_head = weights.has(head_name)
+    return HyperConnectedMTP(
+        enorm=weights.tensor(p + "nextn.enorm.weight", (hidden,)),
+        hnorm=weights.tensor(p + "nextn.hnorm.weight", (streams,)),
+        eh_proj=weights.linear(p + "nextn.eh_proj.weight", (hidden, 2 * hidden)),
+        layer=layer,
+        mixer=StreamMixer(
+            weights.tensor(mixer + "_norm.weight", (streams,)),
+            weights.linear(mixer + "_down.weight", (rank, streams)),
+            weights.linear(mixer + "_up.weight", (streams, rank)),
+            hc_count=config.hc_count,
+            norm_eps=eps,
+        ),
+        norm_eps=eps,
+        head=weights.linear(head_name, (config.vocab_size, hidden)) if own_head else None,
     )
 
 
@@ -503,13 +559,33 @@ class Decoder(nn.Module):
         last_only: bool = False,
         multimodal: MultimodalInputs | None = None,
     ) -> torch.Tensor:
-        """The final hidden states [B, T or 1, hidden], after the output norm: what the head reads,
-        and what the MTP block continues from. With a CacheBatch row i continues caches[i].
+        """The final hidden states [B, T or 1, hidden], after the output norm: what the head reads.
+        With a CacheBatch row i continues caches[i].
 
         Positions are `cache.length + cache.rope_delta` onwards (rope_delta: how far the text after an
         image runs off its token index, see bubo.vision.positions), or with `multimodal` (one sequence)
         its mRoPE positions, and its image embeddings take the place of the tokens' at its rows. The
         tokens there stay the image placeholder id, which is what qwen4exp's PLE hashes (spec 4.12)."""
+        return self.norm(self._residual(tokens, cache, last_only, multimodal))
+
+    def hidden_and_mtp_input(
+        self, tokens: torch.Tensor, cache: KVCache, multimodal: MultimodalInputs | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden` for every position, and what the MTP block continues from at those positions: the
+        same normed states, or for qwen4exp the residual streams [B, T, hc·hidden] before the output
+        mixer (bubo/model/hyper_connected_mtp.py)."""
+        x = self._residual(tokens, cache, False, multimodal)
+        normed = self.norm(x)
+        return normed, (x if self.config.hc_count else normed)
+
+    def _residual(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | CacheBatch,
+        last_only: bool,
+        multimodal: MultimodalInputs | None,
+    ) -> torch.Tensor:
+        """The residual after the last layer, before the output norm (`hidden`)."""
         tokens = tokens.to(self.device)
         length = tokens.shape[1]
         if isinstance(cache, CacheBatch):
@@ -541,7 +617,7 @@ class Decoder(nn.Module):
             if last_only:
                 x = x[:, -1:]
         cache.advance(length)
-        return self.norm(x)
+        return x
 
     def _multimodal_rotary(
         self, tokens: torch.Tensor, multimodal: MultimodalInputs
@@ -560,13 +636,20 @@ class Decoder(nn.Module):
         self, hidden: torch.Tensor, next_tokens: torch.Tensor, mtp_cache: KVCache
     ) -> torch.Tensor:
         """The MTP block's logits [B, T, vocab] for the tokens after `next_tokens` (`draft_hidden`)."""
-        return self.output(self.draft_hidden(hidden, next_tokens, mtp_cache)).float()
+        return self.draft_head(self.draft_hidden(hidden, next_tokens, mtp_cache)[0])
+
+    def draft_head(self, head_input: torch.Tensor) -> torch.Tensor:
+        """Float32 logits from the MTP block's head input (`draft_hidden`): its own head if it has one,
+        else the model's."""
+        head = getattr(self.mtp, "head", None)
+        return (self.output if head is None else head)(head_input).float()
 
     def draft_hidden(
         self, hidden: torch.Tensor, next_tokens: torch.Tensor, mtp_cache: KVCache
-    ) -> torch.Tensor:
-        """The MTP block's normed hidden states [B, T, H] (what the head reads; a chained draft feeds
-        them back as the next row's `hidden`): row t pairs the main model's hidden[:, t] (at position
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP block's head input [B, T, H] and what a chained draft feeds back as the next row's
+        `hidden` (the same normed states; for qwen4exp the block's residual streams). Row t pairs the
+        main model's hidden[:, t] (`hidden_and_mtp_input`'s second part, at position
         mtp_cache.length + t) with next_tokens[:, t], the token that followed it."""
         if self.mtp is None:
             raise ValueError("this model has no MTP block")
@@ -577,16 +660,24 @@ class Decoder(nn.Module):
         return self.mtp(hidden, self.embedding(next_tokens), next_tokens, cos, sin, mtp_cache)
 
     def new_mtp_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
-        """The MTP layer's own cache: one attention layer's keys and values."""
+        """The MTP layer's own cache: one attention layer's keys and values (and its QSA indexer state)."""
         c = self.config
+        max_len = c.context_length if max_len is None else max_len
+        mixer = getattr(getattr(self.mtp, "layer", None), "attention", None)
+        indexers = []
+        if isinstance(mixer, IndexedAttentionMixer):
+            indexers.append(
+                mixer.attention.indexer.new_state(batch, max_len, c.rope_dim // 2, self.dtype, self.device)
+            )
         return KVCache(
             num_layers=1,
             batch=batch,
             num_kv_heads=c.num_kv_heads,
-            max_len=c.context_length if max_len is None else max_len,
+            max_len=max_len,
             head_dim=c.head_dim,
             dtype=self.cache_dtypes[0],
             device=self.device,
+            indexers=indexers,
             value_dtype=self.cache_dtypes[1],
         )
 

@@ -198,15 +198,18 @@ def load_decoder(
     ignored = tuple(
         f"blk.{i}.indexer." for i, ratio in enumerate(dense) if ratio == 0 and not config.recurrent_layers[i]
     )
+    n = config.num_layers
     if config.mtp_layers:
-        # Copies of the shared embedding and head that some converters write into the MTP block.
-        ignored += (
-            f"blk.{config.num_layers}.nextn.embed_tokens.",
-            f"blk.{config.num_layers}.nextn.shared_head_head.",
-        )
-    if config.architecture == "qwen4exp":
-        # An MTP block kept by a newer converter is left alone (shared/spec/qwen4exp.md section 4.11).
-        ignored += (f"blk.{config.num_layers}.", "mtp.")
+        # Copies of the shared embedding (and, but for qwen4exp, whose block drafts with it when
+        # present, of the head) that some converters write into the MTP block.
+        ignored += (f"blk.{n}.nextn.embed_tokens.",)
+        if not config.hc_count:
+            ignored += (f"blk.{n}.nextn.shared_head_head.",)
+        if config.indexer is not None and not any(config.indexer.compress_ratios):
+            ignored += (f"blk.{n}.indexer.",)  # the block runs dense with the trunk (decoder.py)
+    elif config.architecture == "qwen4exp":
+        # A block without `nextn_predict_layers` to say it is one is left alone (spec section 4.11).
+        ignored += (f"blk.{n}.", "mtp.")
     wanted = [n for n in f.tensors if not n.endswith(_NOT_LOADED) and not n.startswith(ignored)]
     with tqdm(total=len(wanted), desc="Loading weights", unit="tensor", disable=not progress) as bar:
         weights = GGUFWeights(f, dtype, torch.device(device), bar)

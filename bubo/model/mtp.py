@@ -1,5 +1,6 @@
 """The multi-token prediction (MTP) block of Qwen3-Next and Qwen3.5: a one-layer draft model on top of
-the main model, proposing the token after the next one.
+the main model, proposing the token after the next one. (qwen4exp's, over residual streams:
+bubo/model/hyper_connected_mtp.py.)
 
 At position t it combines the main model's final hidden state h_t (after the output norm) with the
 embedding of token t+1, and predicts token t+2 (DeepSeek-V3's MTP, as Qwen3-Next adopted it; vLLM's
@@ -25,7 +26,8 @@ __all__ = ["MultiTokenPredictor"]
 
 
 class MultiTokenPredictor(nn.Module):
-    """hidden [B, T, H] and next-token embeddings [B, T, H] -> normed draft hidden states [B, T, H].
+    """hidden [B, T, H] and next-token embeddings [B, T, H] -> normed draft hidden states [B, T, H]
+    (twice: the head reads them and a chained draft continues from them).
 
     The decoder owns the shared embedding, rotary table and output head and calls this in between
     (Decoder.draft_hidden); `layer` keeps its keys and values in slot 0 of its own one-layer cache.
@@ -54,8 +56,10 @@ class MultiTokenPredictor(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVCache,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(head input, what a chained draft continues from): here the same normed states."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeddings), self.hnorm(hidden)], dim=-1))
         x = self.layer(x, cos, sin, cache, next_tokens)
         cache.advance(x.shape[1])
-        return self.shared_head_norm(x)
+        x = self.shared_head_norm(x)
+        return x, x

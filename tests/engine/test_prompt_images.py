@@ -195,9 +195,10 @@ def test_the_speculative_prefill_hands_the_image_inputs_to_the_model() -> None:
     class Drafting:
         device = torch.device("cpu")
 
-        def hidden(self, tokens: torch.Tensor, cache: object, last_only: bool = False, **images: object):
+        def hidden_and_mtp_input(self, tokens: torch.Tensor, cache: object, **images: object):
             seen.append(images)
-            return torch.zeros(1, tokens.shape[1], 4)
+            hidden = torch.zeros(1, tokens.shape[1], 4)
+            return hidden, hidden
 
         def output(self, hidden: torch.Tensor) -> torch.Tensor:
             return torch.zeros(1, hidden.shape[1], 10)

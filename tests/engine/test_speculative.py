@@ -1,5 +1,6 @@
 """Speculative decoding (bubo/engine/speculative.py) on tiny Qwen3.5 models with an MTP block: a
-dense-attention one and a hybrid one with Gated DeltaNet layers.
+dense-attention one and a hybrid one with Gated DeltaNet layers; and on a tiny qwen4exp with its MTP
+block (QSA indexer and PLE states).
 
 The reference for every output is plain decoding (no drafter) of the same model; the reference for
 the acceptance step is the target distribution p itself (speculative sampling must leave it unchanged).
@@ -13,19 +14,18 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
-from transformers.models.qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
+from bubo.engine.drafters import drafter_for
 from bubo.engine.generate import GenerationResult, TextDelta, generate
 from bubo.engine.sampler import SamplingParams
-from bubo.engine.speculative import Draft, DrawDraft, MTPDrafter, accept_or_resample
+from bubo.engine.speculative import DEFAULT_SPEC_DRAFT, Draft, DrawDraft, MTPDrafter, accept_or_resample
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
 from bubo.model.state import KVCache
-from tests.fixtures.gguf_writer import randomize_
 from tests.fixtures.mtp_models import mtp_model
-from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG, write_qwen4exp_gguf
+from tests.fixtures.qwen4exp_mtp import qwen4exp_mtp_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -266,12 +266,80 @@ def test_rejection_sampling_leaves_the_target_distribution_unchanged(p: list[flo
 
 @pytest.fixture(scope="module")
 def qwen4exp(tmp_path_factory: pytest.TempPathFactory) -> Decoder:
-    """The tiny qwen4exp of the model tests: QSA indexer and PLE states, which have no copies inside a
-    pass (a rejected draft restores the states from before the pass and reruns the kept tokens)."""
-    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**TINY_QWEN4EXP_CONFIG))
-    randomize_(model)
-    f = GGUFFile(write_qwen4exp_gguf(model, tmp_path_factory.mktemp("q4exp") / "tiny-qwen4exp.gguf"))
+    """The tiny qwen4exp of the model tests with its MTP block: QSA indexer and PLE states, which have no
+    copies inside a pass (a rejected draft restores the states from before the pass and reruns the kept
+    tokens), and a block whose own QSA indexer state is restored, not cut, after chained drafts."""
+    _, path = qwen4exp_mtp_model(tmp_path_factory.mktemp("q4exp") / "tiny-qwen4exp.gguf")
+    f = GGUFFile(path)
     return load_decoder(f, config_from_gguf(f))
+
+
+def assert_same_qwen4exp_cache(a: KVCache, b: KVCache) -> None:
+    assert_same_cache(a, b)
+    for s, t in zip(a.indexers, b.indexers, strict=True):
+        assert (s.num_blocks, s.tail_len) == (t.num_blocks, t.tail_len)
+        assert torch.allclose(s.block_keys[:, : s.num_blocks], t.block_keys[:, : t.num_blocks], atol=1e-4)
+        assert torch.allclose(s.tail_keys[:, : s.tail_len], t.tail_keys[:, : t.tail_len], atol=1e-4)
+    assert a.ple is not None and b.ple is not None
+    assert torch.equal(a.ple.tokens, b.ple.tokens)
+    assert torch.allclose(a.ple.conv_state, b.ple.conv_state, atol=1e-4)
+
+
+class RecordingMTPDrafter(MTPDrafter):
+    """The MTP drafter, keeping each round's context and drafts."""
+
+    def __init__(self, model: Decoder, max_draft: int) -> None:
+        super().__init__(model, max_draft)
+        self.rounds: list[tuple[list[int], list[int]]] = []
+
+    def propose(self, context: Sequence[int], hidden: torch.Tensor, n: int, draw_draft: DrawDraft) -> Draft:
+        draft = super().propose(context, hidden, n, draw_draft)
+        self.rounds.append((list(context), draft.tokens))
+        return draft
+
+
+def test_qwen4exp_drafts_with_its_mtp_block_by_default(qwen4exp: Decoder) -> None:
+    drafter = drafter_for(qwen4exp, None, None)
+    assert isinstance(drafter, MTPDrafter) and drafter.max_draft == DEFAULT_SPEC_DRAFT
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_qwen4exp_greedy_output_is_identical_with_its_mtp_block(qwen4exp: Decoder, n: int) -> None:
+    _, plain, plain_cache = run(qwen4exp, PROMPTS[0])
+    _, spec, spec_cache = run(qwen4exp, PROMPTS[0], drafter=MTPDrafter(qwen4exp, n))
+    assert spec.token_ids == plain.token_ids and len(plain.token_ids) == GREEDY.max_tokens
+    assert spec.draft_tokens > 0 and 0 <= spec.draft_accepted <= spec.draft_tokens
+    assert_same_qwen4exp_cache(spec_cache, plain_cache)
+
+
+def test_qwen4exp_mtp_drafts_are_the_blocks_forward_over_the_whole_context(qwen4exp: Decoder) -> None:
+    """Each round's drafts equal the block run afresh over the sequence so far: the drafter's MTP cache
+    (keys, values and QSA indexer state) holds exactly the settled rows after chained drafts."""
+    drafter = RecordingMTPDrafter(qwen4exp, 2)
+    run(qwen4exp, PROMPTS[2], drafter=drafter)
+    assert sum(len(drafted) == 2 for _, drafted in drafter.rounds) > 5
+    with torch.inference_mode():
+        for context, drafted in drafter.rounds:
+            tokens = torch.tensor([context])
+            _, streams = qwen4exp.hidden_and_mtp_input(tokens[:, :-1], qwen4exp.new_cache(max_len=64))
+            cache = qwen4exp.new_mtp_cache(max_len=64)
+            head_input, chained = qwen4exp.draft_hidden(streams, tokens[:, 1:], cache)
+            expected: list[int] = []
+            while len(expected) < len(drafted):
+                if expected:
+                    last = torch.tensor([expected[-1:]])
+                    head_input, chained = qwen4exp.draft_hidden(chained[:, -1:], last, cache)
+                expected.append(int(qwen4exp.draft_head(head_input[:, -1:]).argmax()))
+            assert drafted == expected
+
+
+def test_qwen4exp_sampling_with_its_mtp_block_counts_and_rolls_back(qwen4exp: Decoder) -> None:
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.0, seed=5, max_tokens=20)
+    _, spec, cache = run(qwen4exp, PROMPTS[0], params, drafter=MTPDrafter(qwen4exp, 2))
+    assert len(spec.token_ids) == 20 and spec.draft_tokens > 0
+    assert 0 <= spec.draft_accepted <= spec.draft_tokens
+    assert cache.length == len(PROMPTS[0]) + 19
+    assert run(qwen4exp, PROMPTS[0], params, drafter=MTPDrafter(qwen4exp, 2))[1].token_ids == spec.token_ids
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -286,11 +354,4 @@ def test_qwen4exp_rolls_back_its_indexer_and_ple_states(qwen4exp: Decoder, n: in
         assert spec.draft_accepted == spec.draft_tokens
     elif drafter is wrong:
         assert spec.draft_accepted == 0
-    assert_same_cache(spec_cache, plain_cache)
-    for a, b in zip(spec_cache.indexers, plain_cache.indexers, strict=True):
-        assert (a.num_blocks, a.tail_len) == (b.num_blocks, b.tail_len)
-        assert torch.allclose(a.block_keys[:, : a.num_blocks], b.block_keys[:, : b.num_blocks], atol=1e-4)
-        assert torch.allclose(a.tail_keys[:, : a.tail_len], b.tail_keys[:, : b.tail_len], atol=1e-4)
-    assert spec_cache.ple is not None and plain_cache.ple is not None
-    assert torch.equal(spec_cache.ple.tokens, plain_cache.ple.tokens)
-    assert torch.allclose(spec_cache.ple.conv_state, plain_cache.ple.conv_state, atol=1e-4)
+    assert_same_qwen4exp_cache(spec_cache, plain_cache)

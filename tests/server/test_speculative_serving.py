@@ -1,7 +1,7 @@
 """Speculative decoding behind the server: on by default for a model with an MTP block, the same
 greedy answers as without it, and the draft counts in the OpenAI `usage`, llama-server `timings` and
-`/metrics`. `--spec-draft` / `--mtp-weights` at start-up: a model without an MTP block is refused, a
-checkpoint's block is attached."""
+`/metrics` (for qwen4exp's block too). `--spec-draft` / `--mtp-weights` at start-up: a model without
+an MTP block is refused, a checkpoint's block is attached."""
 
 import subprocess
 import sys
@@ -20,6 +20,7 @@ from bubo.model.mtp_weights import MTPWeightsError
 from bubo.server.state import ServerSettings, ServerState
 from tests.fixtures.gguf_writer import write_gguf
 from tests.fixtures.mtp_models import OracleDrafter, mtp_model
+from tests.fixtures.qwen4exp_mtp import qwen4exp_mtp_model
 from tests.server.live_server import LiveServer, serve_loaded
 
 MAIN = ["linear_attention", "full_attention"] * 2
@@ -108,6 +109,46 @@ def test_counts_reach_usage_timings_and_metrics(servers: list[LiveServer], model
     assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == decoded + 2
 
 
+@pytest.fixture(scope="module")
+def qwen4exp(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny qwen4exp with its MTP block (tests/fixtures/qwen4exp_mtp.py)."""
+    _, path = qwen4exp_mtp_model(tmp_path_factory.mktemp("q4exp") / "qwen4exp-mtp.gguf")
+    return load_model(path)
+
+
+def test_qwen4exp_drafts_with_its_block_by_default_and_counts(
+    servers: list[LiveServer], qwen4exp: LoadedModel
+) -> None:
+    plain = _serve(servers, qwen4exp, spec_draft=0)
+    server = _serve(servers, qwen4exp)
+    drafter = server.state.slots.slots[0].drafter
+    assert isinstance(drafter, MTPDrafter) and drafter.max_draft == DEFAULT_SPEC_DRAFT
+    expected = httpx.post(plain.url + "/completion", json={"prompt": PROMPT}, timeout=60).json()
+
+    before = _metrics(server)
+    llama = httpx.post(server.url + "/completion", json={"prompt": PROMPT}, timeout=60).json()
+    body = {"model": "bubo", "prompt": PROMPT}
+    openai = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    after = _metrics(server)
+
+    assert llama["content"] == expected["content"]
+    timings = llama["timings"]
+    assert timings["predicted_n"] == 8 and timings["draft_n"] > 0
+    assert timings["draft_n_accepted"] <= timings["draft_n"]
+    usage = openai["usage"]
+    assert usage["draft_tokens"] == timings["draft_n"]  # the same prompt and answer, the same rounds
+    details = usage["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] == usage["draft_tokens_accepted"]
+    assert details["rejected_prediction_tokens"] == usage["draft_tokens"] - usage["draft_tokens_accepted"]
+    drafted, accepted = (
+        after[f"llamacpp:spec_decode_num_{kind}_tokens_total"]
+        - before[f"llamacpp:spec_decode_num_{kind}_tokens_total"]
+        for kind in ("draft", "accepted")
+    )
+    assert drafted == timings["draft_n"] + usage["draft_tokens"]
+    assert accepted == timings["draft_n_accepted"] + usage["draft_tokens_accepted"]
+
+
 def test_the_mtp_drafter_gives_the_same_answers(servers: list[LiveServer], model: LoadedModel) -> None:
     plain, spec = _serve(servers, model, spec_draft=0), _serve(servers, model, spec_draft=2)
     for prompt in (PROMPT, "another one", "x"):
@@ -138,6 +179,17 @@ def test_mtp_weights_attach_the_checkpoint_block(files: dict[str, Path]) -> None
     twice = ServerState(ServerSettings(model_path=files["with_mtp"], mtp_weights=files["shard"]))
     with pytest.raises(MTPWeightsError, match="already holds an MTP block"):
         twice.preflight()
+
+
+def test_mtp_weights_attach_qwen4exps_checkpoint_block(tmp_path: Path) -> None:
+    reference, without = qwen4exp_mtp_model(tmp_path / "qwen4exp.gguf", with_block=False)
+    save_file(reference.checkpoint_tensors(), tmp_path / "mtp.safetensors")
+    state = ServerState(ServerSettings(model_path=without, mtp_weights=tmp_path / "mtp.safetensors"))
+    state.preflight()
+    state.load()
+    assert state.loaded is not None and state.loaded.model.mtp is not None and state.slots is not None
+    drafter = state.slots.slots[0].drafter
+    assert isinstance(drafter, MTPDrafter) and drafter.max_draft == DEFAULT_SPEC_DRAFT
 
 
 def test_ngram_drafting_needs_no_mtp_block(files: dict[str, Path]) -> None:
