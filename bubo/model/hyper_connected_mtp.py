@@ -42,8 +42,8 @@ the model's official serving recipes:
 import torch
 from torch import nn
 
-from bubo.engine.kv_cache import KVCache
 from bubo.model.hyper_connections import StreamMixer, grouped_rms_norm
+from bubo.model.state import KVCache
 
 __all__ = ["HyperConnectedMTP"]
 
