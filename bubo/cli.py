@@ -210,6 +210,11 @@ def _add_runtime_args(parser: argparse.ArgumentParser) -> None:
         ("--no-triton", "use the torch reference paths on CUDA instead of the Triton kernels"),
         ("--no-triton-autotune", "each Triton kernel takes its first config (a faster first start)"),
         ("--no-pack-experts", "keep CPU expert stacks as the file's blocks (less memory, slower)"),
+        (
+            "--no-adaptive-threads",
+            "always decode on all --threads (default: on one instead while timings say "
+            "a busy neighbour makes that faster)",
+        ),
     ):
         group.add_argument(flag, action="store_true", default=None, help=what)
     group.add_argument(
@@ -230,7 +235,14 @@ def _runtime_options(args: argparse.Namespace) -> RuntimeOptions:
     """The environment's options (bubo.options), with the flags given on the command line applied."""
     changes: dict[str, Any] = {
         field: False
-        for field in ("compile_decode", "cuda_graphs", "triton", "triton_autotune", "pack_experts")
+        for field in (
+            "compile_decode",
+            "cuda_graphs",
+            "triton",
+            "triton_autotune",
+            "pack_experts",
+            "adaptive_threads",
+        )
         if getattr(args, f"no_{field}")
     }
     if args.prefill_bf16 is not None:

@@ -15,6 +15,7 @@ autotuning (read as a kernel module is imported), and the decode paths every loa
 | BUBO_PACK_EXPERTS=0 | pack_experts | --no-pack-experts |
 | BUBO_PREFILL_BF16=1 / 0 | prefill_bf16 "on" / "off" | --prefill-bf16 {auto,on,off} |
 | BUBO_KERNEL_CACHE=DIR / 0 | kernel_cache DIR / "off" | --kernel-cache {DIR,off} |
+| BUBO_ADAPTIVE_THREADS=0 | adaptive_threads | --no-adaptive-threads |
 """
 
 import os
@@ -46,6 +47,8 @@ class RuntimeOptions:
         in bfloat16 where the CPU has bfloat16 dot products ("auto").
     kernel_cache: where compiled CPU kernels are kept between processes: a directory, "" for the
         default (inside inductor's cache directory), or "off".
+    adaptive_threads: CPU decode steps run on all the threads given (--threads) or on one, whichever
+        their timings say is faster at the moment (bubo/engine/thread_governor.py); off: always all.
     """
 
     compile_decode: bool = True
@@ -55,6 +58,7 @@ class RuntimeOptions:
     pack_experts: bool = True
     prefill_bf16: PrefillBF16 = "auto"
     kernel_cache: str = ""
+    adaptive_threads: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_bf16 not in ("auto", "on", "off"):
@@ -70,6 +74,7 @@ class RuntimeOptions:
             ("BUBO_TRITON", "triton"),
             ("BUBO_TRITON_AUTOTUNE", "triton_autotune"),
             ("BUBO_PACK_EXPERTS", "pack_experts"),
+            ("BUBO_ADAPTIVE_THREADS", "adaptive_threads"),
         ):
             if name in environ:
                 changes[field_name] = environ[name] != "0"

@@ -22,7 +22,7 @@ when the batcher is made (`prepare`).
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,11 +119,18 @@ class DecodeBatcher:
         steps = self._compiled_steps(batch)
         if steps or len(batch) < 2 or not getattr(self.model, "supports_cache_batch", False):
             batch = []
+        # The decode passes' thread count follows their timings (bubo/engine/thread_governor.py); a
+        # prefill or verify pass runs on the count they chose.
+        governor = runner_for(self.model).governor
         try:
-            if steps:
-                self._run_steps(steps)
-            if batch:
-                self._run_batch(batch)
+            if steps or batch:
+                with nullcontext() if governor is None else governor.step():
+                    if steps:
+                        self._run_steps(steps)
+                    if batch:
+                        self._run_batch(batch)
+            if governor is not None:
+                governor.settle()
             for call in calls:
                 if call not in batch and call not in steps:
                     self._run_one(call)

@@ -22,8 +22,7 @@ __all__ = ["use_one_thread"]
 
 def use_one_thread() -> None:
     """Run the calling thread's torch CPU ops on one thread (an OpenMP team of one): call it first thing
-    in a thread that must not hold a team of its own. Inductor-compiled kernels name their thread count
-    themselves, so such a thread must not run the model."""
+    in a thread that must not hold a team of its own (and so must not run the model)."""
     torch.get_num_threads()  # torch sets each thread's OpenMP thread count on its first use: now, not later
     set_threads = _omp_set_num_threads()
     if set_threads is not None:

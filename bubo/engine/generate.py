@@ -7,6 +7,7 @@ closing the iterator.
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -326,7 +327,11 @@ def _prefill(
 ) -> torch.Tensor | None:
     """Run the prompt tokens [1, T] into `cache`; the logits [vocab] of the last position, or None when
     `cancelled` said so before a piece after the first (the cache then holds the pieces that ran)."""
-    step = runner_for(model).prefill_step(cache, tokens.shape[1], bool(images))
+    runner = runner_for(model)
+    step = runner.prefill_step(cache, tokens.shape[1], bool(images))
+    governor = runner.governor
+    if governor is not None:
+        governor.settle()
     if step is None:
         # Only the last position's logits are needed; a long prompt's [T, vocab] logits would be large.
         # Image embeddings and their positions come with the whole prompt: one pass.
@@ -355,10 +360,13 @@ def _plain_tokens(
         assert isinstance(cache, KVCache)  # the runner has no captured step for any other cache
         yield from run_ahead_tokens(graph, cache, chooser, logits)
         return
+    # On a CPU the steps' thread count follows their timings (bubo/engine/thread_governor.py).
+    governor = runner.governor
     while True:
         token, on_device = chooser.pick_on_device(logits)
         yield token, logits
-        logits = model(on_device.view(1, 1), cache)[0, -1] if step is None else step(on_device, cache)
+        with nullcontext() if governor is None else governor.step():
+            logits = model(on_device.view(1, 1), cache)[0, -1] if step is None else step(on_device, cache)
 
 
 def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

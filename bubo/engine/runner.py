@@ -27,6 +27,7 @@ from bubo.engine.graph_decode import (
     masked_attention,
     paged_attention,
 )
+from bubo.engine.thread_governor import ThreadGovernor
 from bubo.kernels.triton_support import triton_enabled
 from bubo.model.decoder import Decoder
 from bubo.model.quantized_linear import MATVEC_ROWS, has_packed_weights
@@ -91,6 +92,7 @@ class Runner:
         self._fast: CompiledDecodeStep | GraphDecodeStep | str | None = None
         # Whether its weights were repacked for the compiled matvecs (fixed at load; a walk of every module).
         self._packed: bool | None = None
+        self._governor: ThreadGovernor | None = None
 
     @property
     def model(self) -> Decoder:
@@ -173,6 +175,17 @@ class Runner:
 
     # Choosing
 
+    @property
+    def governor(self) -> ThreadGovernor | None:
+        """The thread governor of the thread that runs this model's steps, on a CPU with several threads
+        and adaptive threads on (bubo/engine/thread_governor.py); None: steps run as they are."""
+        model = self.model
+        if model.device.type != "cpu" or not current_options().adaptive_threads:
+            return None
+        if self._governor is None:
+            self._governor = ThreadGovernor(torch.get_num_threads())
+        return self._governor
+
     def decode_step(self, cache: object) -> CompiledDecodeStep | None:
         """The compiled step for a step of `cache` (also a few tokens of a verify pass, or a short
         prompt), or None: run it eagerly. It needs one sequence's KVCache with no recurrent-state
@@ -250,7 +263,12 @@ def runner_for(model: torch.nn.Module) -> Runner:
 
 class _EagerRunner(Runner):
     """For models without fast steps (a batching wrapper, test doubles of the Model protocol): every
-    step eager."""
+    step eager, and no thread governor (a batching wrapper's steps run, and are governed, on the
+    batcher's compute thread)."""
+
+    @property
+    def governor(self) -> ThreadGovernor | None:
+        return None
 
     def _why_eager(self) -> str:
         return "not a Decoder"

@@ -41,7 +41,11 @@ _tracing = threading.local()
 # A kernel is compiled for one layout of its arguments (the key holds every shape and stride), so the
 # generated code's per-call checks of each input's size, stride and alignment would only repeat that:
 # some 600 calls a decoded token on the default model.
-_STATIC = {"size_asserts": False, "alignment_asserts": False}
+#
+# The thread count is read as a kernel runs (`cpp.dynamic_threads`), not written into its code: the
+# thread governor (bubo/engine/thread_governor.py) runs a step on fewer threads when a neighbour keeps the
+# cores busy, and a kernel baked for two threads would still start two.
+_STATIC = {"size_asserts": False, "alignment_asserts": False, "cpp.dynamic_threads": True}
 _FUSED = {
     **_STATIC,
     "realize_opcount_threshold": 100_000,

@@ -72,9 +72,10 @@ def test_options_from_the_environment() -> None:
             "BUBO_PACK_EXPERTS": "0",
             "BUBO_PREFILL_BF16": "1",
             "BUBO_KERNEL_CACHE": "0",
+            "BUBO_ADAPTIVE_THREADS": "0",
         }
     )
-    assert options == RuntimeOptions(False, False, False, False, False, "on", "off")
+    assert options == RuntimeOptions(False, False, False, False, False, "on", "off", False)
     assert RuntimeOptions.from_environment({"BUBO_PREFILL_BF16": "0", "BUBO_KERNEL_CACHE": "/k"}) == (
         RuntimeOptions(prefill_bf16="off", kernel_cache="/k")
     )
@@ -84,7 +85,13 @@ def test_options_from_the_environment() -> None:
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_every_option_has_a_flag(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("BUBO_COMPILE_DECODE", "BUBO_PREFILL_BF16", "BUBO_KERNEL_CACHE", "BUBO_PACK_EXPERTS"):
+    for name in (
+        "BUBO_COMPILE_DECODE",
+        "BUBO_PREFILL_BF16",
+        "BUBO_KERNEL_CACHE",
+        "BUBO_PACK_EXPERTS",
+        "BUBO_ADAPTIVE_THREADS",
+    ):
         monkeypatch.delenv(name, raising=False)
     extra = ["-p", "x"] if command == "generate" else []
     args = _parser().parse_args([command, *extra])
@@ -99,9 +106,10 @@ def test_every_option_has_a_flag(command: str, monkeypatch: pytest.MonkeyPatch) 
         "on",
         "--kernel-cache",
         "off",
+        "--no-adaptive-threads",
     ]
     args = _parser().parse_args([command, *extra, *flags])
-    assert _runtime_options(args) == RuntimeOptions(False, False, False, False, False, "on", "off")
+    assert _runtime_options(args) == RuntimeOptions(False, False, False, False, False, "on", "off", False)
     # A flag changes the environment's options, which stay where no flag is given.
     monkeypatch.setenv("BUBO_PACK_EXPERTS", "0")
     args = _parser().parse_args([command, *extra, "--prefill-bf16", "off"])
