@@ -5,9 +5,11 @@ a step waits at its barrier for a thread the OS has descheduled: on two shared c
 two threads then ran ten times slower than on one (benchmarks/RESULTS.md, 2026-12-06), while on an
 idle machine two threads are the faster. No setting fixed at start is right for both, so the governor
 measures: it times the steps at the thread count in use and, now and then, a few steps at the other
-count (one thread, or all of them), and keeps whichever is faster. A probe that loses makes the next one
-wait twice as long (up to `MAX_INTERVAL` steps), and a probe step far slower than the steps before it is
-cut short after that one step, so probing costs little in a steady state either way.
+count (one thread, or all of them), and keeps whichever is faster. A probe comes after `FIRST_INTERVAL`
+steps or `FIRST_SECONDS` of them, whichever is first (slow steps are the ones worth questioning soon);
+one that loses makes the next wait twice as long (up to `MAX_INTERVAL` steps), and a probe step far
+slower than the steps before it is cut short after that one step, so probing costs little in a steady
+state either way.
 
 The compiled kernels read the thread count as they run (bubo/kernels/compiled.py: `cpp.dynamic_threads`),
 so a change takes effect at the next step without compiling anything.
@@ -23,8 +25,10 @@ import torch
 
 __all__ = ["ThreadGovernor"]
 
-# Steps timed at the thread count in use (their median is what a probe is compared with).
+# Steps timed at the thread count in use (their median is what a probe is compared with), and how many
+# of them a probe needs first.
 WINDOW = 8
+MIN_SAMPLES = 4
 # Steps a probe runs at the other count, unless its first is far slower (ABORT times the median).
 PROBE_STEPS = 3
 ABORT = 2.0
@@ -33,6 +37,8 @@ SWITCH = 0.85
 # Steps between probes: at first, and at most (doubled after each probe that did not switch).
 FIRST_INTERVAL = 32
 MAX_INTERVAL = 512
+# The same in seconds of steps (doubled with the steps' interval).
+FIRST_SECONDS = 1.0
 
 
 class ThreadGovernor:
@@ -54,6 +60,7 @@ class ThreadGovernor:
         self._window: deque[float] = deque(maxlen=WINDOW)
         self._interval = FIRST_INTERVAL
         self._until_probe = FIRST_INTERVAL
+        self._probe_at: float | None = None  # the clock reading after which a probe is due
         self._probe: list[float] | None = None  # the probe's step times while one runs
         self._applied = 0
 
@@ -80,13 +87,17 @@ class ThreadGovernor:
             self._applied = wanted
         started = self._clock()
         yield
-        self._record(self._clock() - started, probing)
+        ended = self._clock()
+        if self._probe_at is None:
+            self._probe_at = started + FIRST_SECONDS
+        self._record(ended - started, probing, ended)
 
-    def _record(self, seconds: float, probing: bool) -> None:
+    def _record(self, seconds: float, probing: bool, now: float) -> None:
         if not probing:
             self._window.append(seconds)
             self._until_probe -= 1
-            if self._until_probe <= 0 and len(self._window) == WINDOW:
+            due = self._until_probe <= 0 or (self._probe_at is not None and now >= self._probe_at)
+            if due and len(self._window) >= MIN_SAMPLES:
                 self._probe = []
             return
         assert self._probe is not None
@@ -96,6 +107,8 @@ class ThreadGovernor:
             self._end_probe(switch=False)
         elif len(self._probe) == PROBE_STEPS:
             self._end_probe(switch=statistics.median(self._probe) <= SWITCH * current)
+        if self._probe is None:
+            self._probe_at = now + FIRST_SECONDS * self._interval / FIRST_INTERVAL
 
     def _end_probe(self, switch: bool) -> None:
         assert self._probe is not None

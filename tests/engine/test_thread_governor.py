@@ -11,7 +11,14 @@ from bubo.engine.generate import GenerationResult, generate
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.runner import Runner
 from bubo.engine.sampler import SamplingParams
-from bubo.engine.thread_governor import FIRST_INTERVAL, MAX_INTERVAL, PROBE_STEPS, WINDOW, ThreadGovernor
+from bubo.engine.thread_governor import (
+    FIRST_INTERVAL,
+    MAX_INTERVAL,
+    MIN_SAMPLES,
+    PROBE_STEPS,
+    WINDOW,
+    ThreadGovernor,
+)
 
 
 class Machine:
@@ -125,3 +132,11 @@ def test_generation_steps_go_through_the_governor(
         torch.set_num_threads(before)
     assert clock["reads"] == 2 * (params.max_tokens - 1)  # every decode step after the prompt's
     assert applied[0] == 2 and applied[-1] == 1 and governor.switches == 1
+
+
+def test_slow_steps_are_questioned_after_a_second_not_after_the_step_interval() -> None:
+    machine = Machine({2: 0.5, 1: 0.05})
+    governor = ThreadGovernor(2, machine.set_threads, machine.clock)
+    used = machine.run(governor, MIN_SAMPLES + PROBE_STEPS)
+    assert used == [2] * MIN_SAMPLES + [1] * PROBE_STEPS
+    assert governor.threads == 1
