@@ -142,8 +142,11 @@ class SessionSlot:
         """Whether the cache can be cut back to any prefix (False with a recurrent state)."""
         return self.prompt_cache.cache.can_rewind
 
-    async def run(self, request: GenerationRequest) -> AsyncIterator[OutputEvent]:
-        """Wait for the slot, then stream the request's events; closing the iterator cancels it."""
+    async def run(
+        self, request: GenerationRequest, on_done: Callable[[], None] | None = None
+    ) -> AsyncIterator[OutputEvent]:
+        """Wait for the slot, then stream the request's events; closing the iterator cancels it.
+        `on_done` is called once the generation is over, whether or not its events have been read yet."""
         if self.device_lost:
             raise DeviceLostError("the accelerator was lost; restart the server")
         if self._lock.locked():
@@ -178,6 +181,8 @@ class SessionSlot:
                 released = True
                 self.stats.requests_processing -= 1
                 self._lock.release()
+                if on_done is not None:
+                    on_done()
 
         worker.add_done_callback(release)
         try:

@@ -16,6 +16,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from bubo.server import anthropic, debug, health, llama, metrics, openai, responses
+from bubo.server.connections import ConnectionLimits, ServerRunner, connection_cap, raise_open_files_limit
 from bubo.server.errors import ApiError, error_response
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.state import CURRENT_REQUEST_ID, ServerSettings, ServerState, new_id
@@ -30,8 +31,8 @@ ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 # Routes of llama-server / OpenAI that a text model does not serve: they exist, and say so.
 NOT_IMPLEMENTED = ("/v1/embeddings", "/v1/rerank", "/v1/reranking", "/rerank", "/infill")
 
-# Request-head limits, stated rather than left to aiohttp's defaults. A request over them gets aiohttp's
-# 400 (431 for too many headers) before any handler runs.
+# Request-head limits, stated rather than left to aiohttp's defaults. A request over them is refused
+# before any handler runs: 400 parse_error (431 for too many headers), bubo/server/connections.py.
 MAX_HEADERS = 100
 MAX_FIELD_SIZE = 8190  # bytes of one header line, name and value
 MAX_LINE_SIZE = 8190  # bytes of the request line (method, path, version)
@@ -222,9 +223,15 @@ class _ProtocolLog(logging.LoggerAdapter):
 
 
 def create_runner(state: ServerState) -> web.AppRunner:
-    """The runner `serve` uses: the app, its header limits, and the shutdown bound."""
-    return web.AppRunner(
+    """The runner `serve` uses: the app, its header limits, its connection limits and timeouts
+    (bubo/server/connections.py), and the shutdown bound."""
+    settings = state.settings
+    limits = ConnectionLimits(
+        settings.header_timeout, settings.idle_timeout, connection_cap(settings.max_connections)
+    )
+    return ServerRunner(
         create_app(state),
+        limits=limits,
         handler_cancellation=True,
         access_log=None,
         logger=_ProtocolLog(logging.getLogger("aiohttp.server")),
@@ -261,6 +268,8 @@ def serve(state: ServerState) -> int:
 
 async def _serve(state: ServerState) -> int:
     settings = state.settings
+    # Each connection is a descriptor: the soft limit (often 1024) is raised to the hard one.
+    raise_open_files_limit()
     runner = create_runner(state)
     await runner.setup()
     try:

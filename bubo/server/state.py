@@ -119,6 +119,13 @@ class ServerSettings:
     kv_tokens: int | None = None
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none: no CORS
     shutdown_grace: float = 10.0  # seconds requests in flight get to finish after SIGTERM
+    # Connections (bubo/server/connections.py): seconds a stream may go without the client taking any of
+    # it before it is cut, a request head may take to arrive once begun, and a connection may sit idle
+    # between requests; how many connections are held at once (None: what the open-files limit allows).
+    stream_stall_timeout: float = 30.0
+    header_timeout: float = 10.0
+    idle_timeout: float = 15.0
+    max_connections: int | None = None
     # Speculative decoding (bubo.engine.drafters.drafter_for): the drafter (None: the MTP block when the
     # model has one), tokens drafted per round (0: off; None: the drafter's default), the n-gram size of
     # ngram-simple, and the checkpoint to take an MTP block from.
