@@ -83,7 +83,20 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route")
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require `Authorization: Bearer KEY` on every route; repeatable (any of the keys is taken)",
+    )
+    srv.add_argument(
+        "--cache-isolation",
+        choices=("shared", "key", "request"),
+        default="shared",
+        help="whose cached prompt a request may reuse: anyone's (shared, the default), those sent with "
+        "the same API key (key), or none (request); other than shared, /slots hides the requests' "
+        "details. See SECURITY.md",
+    )
     srv.add_argument(
         "--cors-origin",
         action="append",
@@ -409,7 +422,9 @@ def _serve(args: argparse.Namespace) -> int:
         model_path=_resolve_model(args),
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=args.api_key[0] if args.api_key else None,
+        more_api_keys=tuple(args.api_key[1:]),
+        cache_isolation=args.cache_isolation,
         cors_origins=tuple(args.cors_origin),
         shutdown_grace=args.shutdown_grace,
         stream_stall_timeout=args.stream_stall_timeout,

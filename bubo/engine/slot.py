@@ -295,6 +295,10 @@ class SessionSlot:
         finally:
             # Whatever happened, the cache holds exactly the tokens that went through the model.
             pc.finish(key, result.token_ids if result is not None else [])
+            if not request.cache_prompt:
+                # Asked not to cache: nothing of this prompt is left for a later request to reuse
+                # (whose cached_tokens would tell how much of it that request's prompt shares).
+                pc.forget()
             self.stats.images_encoded_total += 0 if vision is None else vision.encoded
             report = replace(report, cache_snapshots=len(pc.snapshots), cache_snapshots_skipped=pc.skipped)
             self.last_cache_report = report

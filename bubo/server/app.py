@@ -19,7 +19,7 @@ from bubo.server import anthropic, debug, health, llama, metrics, openai, respon
 from bubo.server.connections import ConnectionLimits, ServerRunner, connection_cap, raise_open_files_limit
 from bubo.server.errors import ApiError, error_response
 from bubo.server.keys import REQUEST_ID, STATE
-from bubo.server.state import CURRENT_REQUEST_ID, ServerSettings, ServerState, new_id
+from bubo.server.state import CURRENT_API_KEY, CURRENT_REQUEST_ID, ServerSettings, ServerState, new_id
 
 __all__ = ["create_app", "create_runner", "exposure_warning", "is_loopback", "serve"]
 
@@ -106,16 +106,19 @@ def body_limit(settings: ServerSettings) -> int:
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """With --api-key, every route needs `Authorization: Bearer KEY` or `x-api-key: KEY`."""
-    key = request.app[STATE].settings.api_key
-    if key is not None:
+    keys = request.app[STATE].api_keys
+    if keys:
         given = request.headers.get("x-api-key")
         authorization = request.headers.get("Authorization", "")
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() == "bearer":
             given = token.strip()
-        # compare_digest takes time independent of where the strings differ. Header bytes that are not
-        # UTF-8 reach us as surrogate escapes, which plain encode() would refuse (a 500, not a 401).
-        if given is None or not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode()):
+        # compare_digest takes time independent of where the strings differ, and every key is compared,
+        # so the time does not tell which key came close. Header bytes that are not UTF-8 reach us as
+        # surrogate escapes, which plain encode() would refuse (a 500, not a 401).
+        presented = (given or "").encode("utf-8", "surrogateescape")
+        matches = [hmac.compare_digest(presented, key.encode()) for key in keys]
+        if given is None or not any(matches):
             raise ApiError(
                 401,
                 "invalid_api_key",
@@ -123,6 +126,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
                 type="authentication_error",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+        CURRENT_API_KEY.set(matches.index(True))
     return await handler(request)
 
 

@@ -61,6 +61,8 @@ from bubo.templates.tool_grammar import tool_call_grammar
 from bubo.templates.tool_prompt import with_tools_in_messages
 
 __all__ = [
+    "CACHE_ISOLATION",
+    "CURRENT_API_KEY",
     "CURRENT_REQUEST_ID",
     "INLINE_PROMPT_BYTES",
     "RenderedPrompt",
@@ -76,6 +78,9 @@ SERVED_ALIAS = "bubo"
 # The HTTP request's id (x-request-id), set by the app's error middleware for the request's task, so a
 # failure deep in generation is reported under the id the client sees.
 CURRENT_REQUEST_ID: ContextVar[str | None] = ContextVar("bubo_request_id", default=None)
+# Which of the API keys the request came with (its index), set by the app's key check.
+CURRENT_API_KEY: ContextVar[int | None] = ContextVar("bubo_api_key", default=None)
+CACHE_ISOLATION = ("shared", "key", "request")
 # Request bodies up to this size have their prompt rendered and tokenized on the event loop. 8 KiB of
 # text tokenizes in ~2.5 ms (SmolLM2's vocabulary, 2 cores), a stall no other connection notices; a hop
 # to the prompt thread costs ~60 µs idle and more on a busy machine, and ordinary requests must not
@@ -104,6 +109,13 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
+    # Further keys, each as good as api_key; under cache_isolation "key" each has a cache of its own.
+    more_api_keys: tuple[str, ...] = ()
+    # Whose prompts a request's prompt may reuse the cache of: "shared" (anyone's: the fastest, but
+    # cached_tokens tells a client how much of its prompt another's shared), "key" (those sent with the
+    # same API key), "request" (none: no prompt reuses another's). Other than shared, /slots shows
+    # nothing of the requests themselves.
+    cache_isolation: str = "shared"
     served_model_name: str | None = None
     ctx_size: int | None = None
     debug_hooks: bool = False
@@ -591,9 +603,10 @@ class ServerState:
         if grammar is not None:
             tracker = ReasoningTracker(tokenizer, reasoning=reasoning, in_reasoning=in_reasoning)
             constraints.append(GrammarConstraint(grammar, tracker))
+        request_id = CURRENT_REQUEST_ID.get() or new_id("req_")
         return GenerationRequest(
             # The HTTP request's id (x-request-id, echoed to the client): what /slots and the logs name.
-            CURRENT_REQUEST_ID.get() or new_id("req_"),
+            request_id,
             prompt,
             prompt_ids,
             params,
@@ -604,7 +617,23 @@ class ServerState:
             tool_parser,
             cache_prompt,
             images,
+            self._cache_scope(request_id),
         )
+
+    def _cache_scope(self, request_id: str) -> Any:
+        """The prompt cache scope of a request (GenerationRequest.cache_scope) under --cache-isolation."""
+        isolation = self.settings.cache_isolation
+        if isolation == "key":
+            return ("key", CURRENT_API_KEY.get())
+        if isolation == "request":
+            return ("request", request_id)
+        return None
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """Every key the server takes (none without --api-key)."""
+        key = self.settings.api_key
+        return () if key is None else (key, *self.settings.more_api_keys)
 
     async def compile_gbnf(self, source: str, field_name: str = "grammar") -> GrammarMatcher:
         """A matcher for a GBNF grammar (llama-server's `grammar`); 400 invalid_grammar saying what is
