@@ -40,7 +40,14 @@ from bubo.server.chat import ChatRequest, without_image_sources
 from bubo.server.errors import ApiError, bad_field
 from bubo.server.image_fetch import Lookup, system_lookup
 from bubo.server.image_input import DecodedImage, ImageLimits
-from bubo.server.image_prompt import IMAGE_PAD, check_mmproj, load_images, place_images, text_only
+from bubo.server.image_prompt import (
+    IMAGE_PAD,
+    ImageFit,
+    check_mmproj,
+    load_images,
+    place_images,
+    text_only,
+)
 from bubo.server.memory_guard import (
     MemoryGuard,
     MemoryProbe,
@@ -538,8 +545,40 @@ class ServerState:
             raise text_only(parts[0])
         settings = self.settings
         return await load_images(
-            parts, settings.image_limits, allow_urls=settings.allow_image_urls, lookup=self.image_lookup
+            parts,
+            settings.image_limits,
+            allow_urls=settings.allow_image_urls,
+            lookup=self.image_lookup,
+            fit=ImageFit(self._image_target, self._check_images),
         )
+
+    def _image_target(self, width: int, height: int) -> tuple[int, int]:
+        """The size the vision tower takes an upright image of this size at (its patch grid's)."""
+        _, grid_h, grid_w = self.tower.grid_for_size(width, height)
+        patch = self.tower.config.patch_size
+        return grid_w * patch, grid_h * patch
+
+    def _check_images(self, sizes: Sequence[tuple[int, int]]) -> None:
+        """Images (upright sizes, from their headers) whose tokens alone fill the context, or whose
+        decoding and encoding the memory guard refuses: 507 / 503 before any is decoded."""
+        grids = [tuple(self.tower.grid_for_size(width, height)) for width, height in sizes]
+        tokens = sum(self.tower.token_count(grid) for grid in grids)
+        if tokens >= self.n_ctx:
+            raise ApiError(
+                507,
+                "insufficient_memory_permanent",
+                f"the {len(sizes)} images take {tokens} tokens but the context holds {self.n_ctx}; "
+                "send fewer or smaller images",
+            )
+        # One image decoded at a time (its pixels and their RGB copy, 4 bytes each at most), the
+        # scaled-down images kept, and the tower's encoding.
+        decoding = max(w * h for w, h in sizes) * 8 + sum(
+            w * h * 3 for w, h in (self._image_target(*size) for size in sizes)
+        )
+        assert self.guard is not None and self.slots is not None
+        pool = self.slots.pool
+        positions = tokens if pool is None else _uncommitted_positions(pool, tokens)
+        self.guard.check(tokens, positions, decoding + vision_bytes(self.tower.config, grids))
 
     def check_context(self, prompt_ids: list[int], images: Sequence[PromptImage] = ()) -> None:
         if not prompt_ids:
