@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.live_server import free_port, wait_ready
+from bubo.engine.loaded_model import LoadedModel
+from tests.server.live_server import free_port, serve_loaded, wait_ready
 
 STALL_SECONDS = 3.0
 HEADER_SECONDS = 1.0
@@ -264,3 +265,41 @@ def test_a_large_body_is_parsed_off_the_event_loop(server: tuple[str, int]) -> N
         watcher.join()
     print(f"request {took:.2f} s, longest /health {max(latencies):.3f} s")
     assert max(latencies) < took / 2
+
+
+def test_past_max_connections_the_one_silent_longest_makes_room(tiny_llama: LoadedModel) -> None:
+    live = serve_loaded(tiny_llama, max_connections=2)
+    try:
+        oldest, newer = _connect(live.url), _connect(live.url)
+        time.sleep(0.2)
+        answer = httpx.get(live.url + "/health", timeout=5)
+        assert answer.status_code == 200
+        assert _closed_within(oldest, 2)
+        newer.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            newer.recv(1)  # still open
+        oldest.close()
+        newer.close()
+    finally:
+        live.stop()
+
+
+def test_past_max_connections_with_every_one_busy_the_new_one_gets_503(tiny_llama: LoadedModel) -> None:
+    live = serve_loaded(tiny_llama, max_connections=2)
+    busy = []
+    try:
+        for _ in range(2):
+            # A body that never finishes arriving: its request is in hand, its connection not idle.
+            sock = _connect(live.url)
+            sock.sendall(_post("/v1/completions", b'{"model": "bubo", "prompt": "x"}')[:-5])
+            busy.append(sock)
+        time.sleep(0.2)
+        with _connect(live.url) as late:
+            data, _ = _read_all(late, 5)
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 5" in head
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+    finally:
+        for sock in busy:
+            sock.close()
+        live.stop()
