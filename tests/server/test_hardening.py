@@ -2,6 +2,7 @@
 a stream, silent and slow connections, the open-files limit, and aiohttp's own answers to malformed
 requests. The server runs with short timeouts so that each case takes a few seconds at most."""
 
+import asyncio
 import json
 import resource
 import socket
@@ -11,11 +12,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from bubo.engine.loaded_model import LoadedModel
+from bubo.server.keys import STATE
+from bubo.server.sse import EventStream
 from tests.server.live_server import free_port, serve_loaded, wait_ready
 
 STALL_SECONDS = 3.0
@@ -303,3 +307,45 @@ def test_past_max_connections_with_every_one_busy_the_new_one_gets_503(tiny_llam
         for sock in busy:
             sock.close()
         live.stop()
+
+
+class _Transport:
+    """A socket's send buffer as the stream sees it."""
+
+    def __init__(self) -> None:
+        self.buffered = 1 << 20
+        self.aborted = False
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def _event_stream(stall: float) -> tuple[EventStream, _Transport]:
+    transport = _Transport()
+    settings = SimpleNamespace(stream_stall_timeout=stall)
+    request = SimpleNamespace(app={STATE: SimpleNamespace(settings=settings)}, transport=transport)
+    return EventStream(request, "req_test"), transport  # type: ignore[arg-type]
+
+
+def test_a_slow_reader_that_keeps_taking_the_stream_is_not_cut() -> None:
+    """A write may take far longer than the stall timeout while the client drains the buffer."""
+    stream, transport = _event_stream(stall=0.2)
+
+    async def slow_write() -> None:
+        for _ in range(10):
+            await asyncio.sleep(0.08)
+            transport.buffered -= 1000
+
+    asyncio.run(stream._bounded(slow_write()))
+    assert not transport.aborted
+
+
+def test_a_reader_that_takes_nothing_is_cut_after_the_stall_timeout() -> None:
+    stream, transport = _event_stream(stall=0.2)
+    started = time.monotonic()
+    with pytest.raises(ConnectionResetError):
+        asyncio.run(stream._bounded(asyncio.sleep(30)))
+    assert transport.aborted and time.monotonic() - started < 2
