@@ -394,6 +394,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--{flag.replace('_', '-')} must be 0..86400 seconds, got {getattr(args, flag)}"
             )
+    if args.cache_isolation == "key" and not args.api_key:
+        raise ValueError("--cache-isolation key needs --api-key (one per client): every request is keyless")
     if args.max_connections is not None and args.max_connections < 1:
         raise ValueError(f"--max-connections must be positive, got {args.max_connections}")
     if args.kv_tokens is not None and args.kv_tokens < 1:
