@@ -14,7 +14,14 @@ import torch
 from bubo import __version__
 from bubo.default_model import DefaultModelMissingError, default_model_path
 from bubo.dtypes import CACHE_TYPES, DTYPES
-from bubo.gguf.config import MlpKind, ModelConfig, UnsupportedArchitectureError, config_from_gguf
+from bubo.gguf.config import (
+    SUPPORTED_ARCHITECTURES,
+    MlpKind,
+    ModelConfig,
+    UnsupportedArchitectureError,
+    check_block_count,
+    config_from_gguf,
+)
 from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.options import RuntimeOptions, use_options
 from bubo.process_memory import configure_cpu_process
@@ -74,7 +81,20 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route")
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require `Authorization: Bearer KEY` on every route; repeatable (any of the keys is taken)",
+    )
+    srv.add_argument(
+        "--cache-isolation",
+        choices=("shared", "key", "request"),
+        default="shared",
+        help="whose cached prompt a request may reuse: anyone's (shared, the default), those sent with "
+        "the same API key (key), or none (request); other than shared, /slots hides the requests' "
+        "details. See SECURITY.md",
+    )
     srv.add_argument(
         "--cors-origin",
         action="append",
@@ -90,6 +110,34 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="on SIGTERM, how long requests in flight may take to finish before their streams are ended "
         "(default 10)",
+    )
+    srv.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="cut a streamed answer whose client has taken none of it for this long (default 30)",
+    )
+    srv.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection whose request head is not complete this long after it began (default 10)",
+    )
+    srv.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="close a connection that sends no request for this long (default 15)",
+    )
+    srv.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="connections held at once; past it the one silent longest is closed "
+        "(default: the open-files limit, raised to its hard limit, less 64)",
     )
     srv.add_argument(
         "--served-model-name",
@@ -391,6 +439,15 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
     if not 0 <= args.shutdown_grace <= 3600:  # also refuses NaN
         raise ValueError(f"--shutdown-grace must be 0..3600 seconds, got {args.shutdown_grace}")
+    for flag in ("stream_stall_timeout", "header_timeout", "idle_timeout"):
+        if not 0 < getattr(args, flag) <= 86400:  # also refuses NaN
+            raise ValueError(
+                f"--{flag.replace('_', '-')} must be 0..86400 seconds, got {getattr(args, flag)}"
+            )
+    if args.cache_isolation == "key" and not args.api_key:
+        raise ValueError("--cache-isolation key needs --api-key (one per client): every request is keyless")
+    if args.max_connections is not None and args.max_connections < 1:
+        raise ValueError(f"--max-connections must be positive, got {args.max_connections}")
     if args.kv_tokens is not None and args.kv_tokens < 1:
         raise ValueError(f"--kv-tokens must be positive, got {args.kv_tokens}")
     if args.max_body_mb <= 0:
@@ -417,9 +474,15 @@ def _serve(args: argparse.Namespace) -> int:
         model_path=_resolve_model(args),
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=args.api_key[0] if args.api_key else None,
+        more_api_keys=tuple(args.api_key[1:]),
+        cache_isolation=args.cache_isolation,
         cors_origins=tuple(args.cors_origin),
         shutdown_grace=args.shutdown_grace,
+        stream_stall_timeout=args.stream_stall_timeout,
+        header_timeout=args.header_timeout,
+        idle_timeout=args.idle_timeout,
+        max_connections=args.max_connections,
         served_model_name=args.served_model_name,
         ctx_size=args.ctx_size,
         debug_hooks=args.debug_hooks,
@@ -455,6 +518,10 @@ def _cache_dtypes(args: argparse.Namespace) -> tuple[torch.dtype, torch.dtype]:
 
 def _inspect(args: argparse.Namespace) -> int:
     with GGUFFile(args.file) as f:
+        # A broken file is refused in one line, as `bubo serve` refuses it (the listing would walk its
+        # layers for as long as its block count says).
+        if f.architecture in SUPPORTED_ARCHITECTURES:
+            check_block_count(f)
         print(f"file:         {args.file}")
         print(f"gguf version: {f.version}")
         print(f"architecture: {f.architecture}")

@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gguf
@@ -45,9 +46,9 @@ def test_entry_points_run(entry: list[str]) -> None:
     assert out.stdout.startswith("bubo ")
 
 
-def _write_tiny_gguf(path: Path) -> None:
+def _write_tiny_gguf(path: Path, block_count: int = 1) -> None:
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
+    writer.add_block_count(block_count)
     writer.add_string("general.name", "tiny")
     writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(20)])
     writer.add_tensor("token_embd.weight", np.zeros((20, 32), dtype=np.float32))
@@ -231,6 +232,20 @@ def test_inspect_names_an_unsupported_architecture_and_lists_the_rest(tmp_path: 
     out = capsys.readouterr().out
     assert "layer plan:   none: architecture 'gemma2' is not supported by the Bubo runtime" in out
     assert re.search(r"token_embd\.weight\s+F32\s+20x32", out)
+
+
+def test_inspect_refuses_a_block_count_past_the_tensors_in_one_line(tmp_path: Path, capsys) -> None:
+    """A block_count of 2**31 - 1 over one block's tensors: refused at once, not walked layer by layer."""
+    path = tmp_path / "broken.gguf"
+    _write_tiny_gguf(path, block_count=2**31 - 1)
+    started = time.monotonic()
+    assert cli.main(["inspect", str(path)]) == 1
+    assert time.monotonic() - started < 5
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        f"bubo: error: {path}: 'llama.block_count' is 2147483647 but the file's tensors hold 1 blocks"
+    ]
 
 
 def test_inspect_says_why_a_supported_architecture_can_not_be_built(tmp_path: Path, capsys) -> None:

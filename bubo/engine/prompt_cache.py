@@ -109,9 +109,13 @@ class PromptCache:
 
     def evict(self) -> None:
         """Give everything back (another slot needs the KV blocks); the next request reports "evicted"."""
+        self.forget()
+        self._evicted = True
+
+    def forget(self) -> None:
+        """Hold nothing (a request asked not to be cached): the next request finds the cache empty."""
         self.cache.reset()
         self.tokens, self.snapshots, self._evicted_at = [], [], []
-        self._evicted = True
 
     def adopt_prefix(self, other: "PromptCache", n: int) -> None:
         """Start from the first `n` tokens `other` holds, sharing its KV blocks (caches that can rewind)."""

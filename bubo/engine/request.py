@@ -5,10 +5,11 @@ A dialect adapter validates its body into a `GenerationRequest`; the slot runs i
 about any one API's field names.
 """
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from bubo.engine.generate import GenerationResult, TokenLogprob
-from bubo.engine.prompt_images import ImageToken, PromptImage, cache_key
+from bubo.engine.prompt_images import PromptImage, cache_key
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.token_choice import TokenConstraint
 from bubo.templates.reasoning import Channel
@@ -39,12 +40,20 @@ class GenerationRequest:
     tool_parser: ToolCallParser | None = None
     cache_prompt: bool = True
     images: tuple[PromptImage, ...] = ()
+    # Whose cache this prompt may reuse: prompts of different scopes share no prefix (None: anyone's).
+    cache_scope: Hashable | None = None
     special: bool = False  # keep the text of special tokens (`bubo generate --special`)
 
     @property
-    def cache_key(self) -> list[int | ImageToken]:
-        """The prompt as the prompt cache and the slot choice compare it (images by their digest)."""
-        return cache_key(self.prompt_ids, self.images) if self.images else list(self.prompt_ids)
+    def cache_key(self) -> list[Hashable]:
+        """The prompt as the prompt cache and the slot choice compare it (images by their digest). With
+        a scope, its first position carries the scope, so prompts of two scopes differ from the start."""
+        key: list[Hashable] = (
+            list(cache_key(self.prompt_ids, self.images)) if self.images else list(self.prompt_ids)
+        )
+        if self.cache_scope is not None and key:
+            key[0] = (self.cache_scope, key[0])
+        return key
 
 
 @dataclass(frozen=True)

@@ -142,8 +142,11 @@ class SessionSlot:
         """Whether the cache can be cut back to any prefix (False with a recurrent state)."""
         return self.prompt_cache.cache.can_rewind
 
-    async def run(self, request: GenerationRequest) -> AsyncIterator[OutputEvent]:
-        """Wait for the slot, then stream the request's events; closing the iterator cancels it."""
+    async def run(
+        self, request: GenerationRequest, on_done: Callable[[], None] | None = None
+    ) -> AsyncIterator[OutputEvent]:
+        """Wait for the slot, then stream the request's events; closing the iterator cancels it.
+        `on_done` is called once the generation is over, whether or not its events have been read yet."""
         if self.device_lost:
             raise DeviceLostError("the accelerator was lost; restart the server")
         if self._lock.locked():
@@ -178,6 +181,8 @@ class SessionSlot:
                 released = True
                 self.stats.requests_processing -= 1
                 self._lock.release()
+                if on_done is not None:
+                    on_done()
 
         worker.add_done_callback(release)
         try:
@@ -298,6 +303,10 @@ class SessionSlot:
         finally:
             # Whatever happened, the cache holds exactly the tokens that went through the model.
             pc.finish(key, result.token_ids if result is not None else [])
+            if not request.cache_prompt:
+                # Asked not to cache: nothing of this prompt is left for a later request to reuse
+                # (whose cached_tokens would tell how much of it that request's prompt shares).
+                pc.forget()
             self.stats.images_encoded_total += 0 if vision is None else vision.encoded
             report = replace(report, cache_snapshots=len(pc.snapshots), cache_snapshots_skipped=pc.skipped)
             self.last_cache_report = report

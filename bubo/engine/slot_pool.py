@@ -128,15 +128,25 @@ class SlotPool:
         return max(self.slots, key=lambda s: s.last_used)
 
     async def run(self, request: GenerationRequest) -> AsyncIterator[OutputEvent]:
-        """Wait for a slot, then stream the request's events on it; closing the iterator cancels it."""
+        """Wait for a slot, then stream the request's events on it; closing the iterator cancels it.
+        The slot is free for the next request as soon as the generation is over, not when its events
+        have been read: a client that stops reading must not hold it."""
         if self.device_lost:
             raise DeviceLostError("the accelerator was lost; restart the server")
         slot = await self._acquire(request.cache_key)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._release(slot)
+
         try:
-            async for event in slot.run(request):
+            async for event in slot.run(request, on_done=release):
                 yield event
         finally:
-            self._release(slot)
+            release()
 
     async def _acquire(self, prompt: Sequence[Hashable]) -> SessionSlot:
         if not self._waiters:

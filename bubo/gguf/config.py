@@ -43,6 +43,7 @@ __all__ = [
     "RopeStyle",
     "UnsupportedArchitectureError",
     "ValueHeadOrder",
+    "check_block_count",
     "config_from_gguf",
 ]
 
@@ -369,11 +370,33 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
 _MTP_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe", "qwen4exp")
 
 
+def check_block_count(f: GGUFFile) -> None:
+    """Raise GGUFError when the file's `block_count` is more than its tensors hold (blk.0 to blk.N-1): a
+    broken file, on which anything that walks its layers would take as long as the count says."""
+    meta = _Metadata(f, f.architecture)
+    if not meta.has("block_count"):
+        return
+    blocks = meta.get_int("block_count")
+    stored = 1 + max((_block_index(name) for name in f.tensors), default=-1)
+    if blocks > stored:
+        raise meta.error(
+            f"'{meta.key('block_count')}' is {blocks} but the file's tensors hold {stored} blocks"
+        )
+
+
+def _block_index(tensor_name: str) -> int:
+    """N of a `blk.N.` tensor; -1 for the others."""
+    prefix, _, rest = tensor_name.partition(".")
+    index = rest.partition(".")[0]
+    return int(index) if prefix == "blk" and index.isdigit() else -1
+
+
 def _layer_counts(f: GGUFFile, meta: _Metadata, arch: str) -> tuple[int, int]:
     """(decoder layers, MTP layers). llama.cpp counts `nextn_predict_layers` MTP blocks into
     `block_count` and stores them last (as for GLM-4.5); a file whose MTP block sits just past
     `block_count` is read too. Which one holds is told by where the `nextn.eh_proj` tensors are."""
     blocks = meta.get_int("block_count")
+    check_block_count(f)
     nextn = meta.get_int("nextn_predict_layers", default=0)
     if nextn < 0:
         raise meta.error(f"'{meta.key('nextn_predict_layers')}' must be >= 0, got {nextn}")

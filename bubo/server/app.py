@@ -16,9 +16,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from bubo.server import anthropic, debug, health, llama, metrics, openai, responses
+from bubo.server.connections import ConnectionLimits, ServerRunner, connection_cap, raise_open_files_limit
 from bubo.server.errors import ApiError, error_response
 from bubo.server.keys import REQUEST_ID, STATE
-from bubo.server.state import CURRENT_REQUEST_ID, ServerSettings, ServerState, new_id
+from bubo.server.state import CURRENT_API_KEY, CURRENT_REQUEST_ID, ServerSettings, ServerState, new_id
 
 __all__ = ["create_app", "create_runner", "exposure_warning", "is_loopback", "serve"]
 
@@ -30,8 +31,8 @@ ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 # Routes of llama-server / OpenAI that a text model does not serve: they exist, and say so.
 NOT_IMPLEMENTED = ("/v1/embeddings", "/v1/rerank", "/v1/reranking", "/rerank", "/infill")
 
-# Request-head limits, stated rather than left to aiohttp's defaults. A request over them gets aiohttp's
-# 400 (431 for too many headers) before any handler runs.
+# Request-head limits, stated rather than left to aiohttp's defaults. A request over them is refused
+# before any handler runs: 400 parse_error (431 for too many headers), bubo/server/connections.py.
 MAX_HEADERS = 100
 MAX_FIELD_SIZE = 8190  # bytes of one header line, name and value
 MAX_LINE_SIZE = 8190  # bytes of the request line (method, path, version)
@@ -105,16 +106,19 @@ def body_limit(settings: ServerSettings) -> int:
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """With --api-key, every route needs `Authorization: Bearer KEY` or `x-api-key: KEY`."""
-    key = request.app[STATE].settings.api_key
-    if key is not None:
+    keys = request.app[STATE].api_keys
+    if keys:
         given = request.headers.get("x-api-key")
         authorization = request.headers.get("Authorization", "")
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() == "bearer":
             given = token.strip()
-        # compare_digest takes time independent of where the strings differ. Header bytes that are not
-        # UTF-8 reach us as surrogate escapes, which plain encode() would refuse (a 500, not a 401).
-        if given is None or not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode()):
+        # compare_digest takes time independent of where the strings differ, and every key is compared,
+        # so the time does not tell which key came close. Header bytes that are not UTF-8 reach us as
+        # surrogate escapes, which plain encode() would refuse (a 500, not a 401).
+        presented = (given or "").encode("utf-8", "surrogateescape")
+        matches = [hmac.compare_digest(presented, key.encode()) for key in keys]
+        if given is None or not any(matches):
             raise ApiError(
                 401,
                 "invalid_api_key",
@@ -122,6 +126,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
                 type="authentication_error",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+        CURRENT_API_KEY.set(matches.index(True))
     return await handler(request)
 
 
@@ -222,9 +227,15 @@ class _ProtocolLog(logging.LoggerAdapter):
 
 
 def create_runner(state: ServerState) -> web.AppRunner:
-    """The runner `serve` uses: the app, its header limits, and the shutdown bound."""
-    return web.AppRunner(
+    """The runner `serve` uses: the app, its header limits, its connection limits and timeouts
+    (bubo/server/connections.py), and the shutdown bound."""
+    settings = state.settings
+    limits = ConnectionLimits(
+        settings.header_timeout, settings.idle_timeout, connection_cap(settings.max_connections)
+    )
+    return ServerRunner(
         create_app(state),
+        limits=limits,
         handler_cancellation=True,
         access_log=None,
         logger=_ProtocolLog(logging.getLogger("aiohttp.server")),
@@ -261,6 +272,8 @@ def serve(state: ServerState) -> int:
 
 async def _serve(state: ServerState) -> int:
     settings = state.settings
+    # Each connection is a descriptor: the soft limit (often 1024) is raised to the hard one.
+    raise_open_files_limit()
     runner = create_runner(state)
     await runner.setup()
     try:

@@ -6,6 +6,7 @@ import json
 import math
 import sys
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = [
     "BODY_STALL_SECONDS",
     "MAX_COUNT",
     "MAX_JSON_DEPTH",
+    "MAX_JSON_VALUES",
     "MAX_LOGIT_BIAS",
     "MAX_STOP_BYTES",
     "MAX_STOP_STRINGS",
@@ -39,16 +41,39 @@ MAX_STOP_BYTES = 1024
 MAX_LOGIT_BIAS = 100.0
 # How long a request body may stop arriving before the request is given up on.
 BODY_STALL_SECONDS = 60.0
+# A parsed body takes far more memory than its text ({} is 2 bytes of JSON, a 64-byte dict): objects,
+# arrays and separators past this many are refused before parsing, so a request waiting for a slot
+# holds a bounded amount (a 32 MB body of empty objects would be 11 M dicts, ~750 MB).
+MAX_JSON_VALUES = 1_000_000
+# Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones on the
+# JSON thread, so a big body does not stall every other connection while it is checked.
+INLINE_JSON_BYTES = 64 << 10
+_JSON_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bubo-json")
 
 
 async def read_json(request: web.Request) -> "Body":
     """The body as a JSON object; malformed JSON, JSON that is not an object, a body that cannot be
     decoded (a corrupt Content-Encoding) or nesting deeper than MAX_JSON_DEPTH is 400 parse_error. NaN,
     Infinity, numbers past float range, integers past Python's digit limit and unpaired surrogate
-    escapes are 400 invalid_value naming where they are. A body that stops arriving is 408."""
+    escapes are 400 invalid_value naming where they are. A body that stops arriving is 408; one of
+    more than MAX_JSON_VALUES values 413."""
     raw = await _read_body(request)
+    if len(raw) <= INLINE_JSON_BYTES:
+        return _decode(raw)
+    return await asyncio.get_running_loop().run_in_executor(_JSON_THREAD, _decode, raw)
+
+
+def _decode(raw: bytes) -> "Body":
     if not raw:
         raise ApiError(400, "parse_error", "the request body must be a JSON object, got empty")
+    # An upper bound on the values the body holds (braces and commas inside strings count too).
+    values = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+    if values > MAX_JSON_VALUES:
+        raise ApiError(
+            413,
+            "request_too_large",
+            f"the request body holds more than {MAX_JSON_VALUES} JSON objects, arrays and items",
+        )
     try:
         data = _parse(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -114,15 +139,29 @@ class _LongInteger:
         self.digits = digits
 
 
+class _Underflow(float):
+    """A number literal with a non-zero digit that reads as 0.0 (1e-400): no integer field takes it."""
+
+
 def _parse(raw: bytes | str) -> Any:
+    # JSON on the wire is UTF-8 (RFC 8259): json.loads would take UTF-16 too, and decode encoded
+    # surrogates (ED A0 80, invalid UTF-8) into unpaired ones.
+    text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
     try:
-        return json.loads(raw)
+        return json.loads(text, parse_float=_float)
     except ValueError as error:
-        if isinstance(error, json.JSONDecodeError | UnicodeDecodeError):
+        if isinstance(error, json.JSONDecodeError):
             raise
     # Python refuses to convert integers of more than 4300 digits: read again, keeping them as
     # _LongInteger (a slower parse, only for such bodies).
-    return json.loads(raw, parse_int=_integer)
+    return json.loads(text, parse_float=_float, parse_int=_integer)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if value == 0.0 and text.lstrip("-0.").partition("e")[0].partition("E")[0].strip("0."):
+        return _Underflow(value)
+    return value
 
 
 def _integer(text: str) -> int | _LongInteger:
@@ -259,6 +298,8 @@ class Body:
         value = self.data.get(name)
         if value is None:
             return default
+        if isinstance(value, _Underflow):
+            raise bad_field(name, "must be an integer, got a fraction too small for a float (such as 1e-400)")
         # JSON has one number type: 5.0 is an integer, 5.5 is not.
         if isinstance(value, float) and value.is_integer():
             value = int(value)

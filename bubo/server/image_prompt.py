@@ -3,7 +3,9 @@ decoded (`load_images`), and each image's template placeholder expanded to the t
 (`place_images`)."""
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +19,30 @@ from bubo.server.image_input import (
     ImagePart,
     decode_image,
     image_error,
+    image_size,
     inline_bytes,
 )
 
-__all__ = ["IMAGE_PAD", "check_mmproj", "load_images", "place_images", "text_only"]
+__all__ = ["IMAGE_PAD", "ImageFit", "check_mmproj", "load_images", "place_images", "text_only"]
 
 # The token the Qwen-VL family's templates put where an image goes (between <|vision_start|> and
 # <|vision_end|>); the prompt repeats it once per image token.
 IMAGE_PAD = "<|image_pad|>"
+
+
+# Images are decoded here one at a time, whichever requests they come from: a decode holds an image's
+# full-size pixels (up to ImageLimits.max_pixels) until it is scaled down.
+_DECODE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bubo-image")
+
+
+@dataclass(frozen=True)
+class ImageFit:
+    """What the vision tower makes of images: `target` the size it takes an upright image of a given
+    (width, height) at, `check` refuses a request's images (their upright sizes) that cannot fit the
+    context or the memory guard, before any is decoded."""
+
+    target: Callable[[int, int], tuple[int, int]]
+    check: Callable[[Sequence[tuple[int, int]]], None]
 
 
 def text_only(part: ImagePart) -> ApiError:
@@ -38,17 +56,24 @@ def text_only(part: ImagePart) -> ApiError:
 
 
 async def load_images(
-    parts: Sequence[ImagePart], limits: ImageLimits, *, allow_urls: bool, lookup: Lookup
+    parts: Sequence[ImagePart],
+    limits: ImageLimits,
+    *,
+    allow_urls: bool,
+    lookup: Lookup,
+    fit: ImageFit | None = None,
 ) -> list[DecodedImage]:
-    """The parts' images: inline bytes decoded, http(s) URLs fetched when `allow_urls`; Pillow runs off
-    the event loop. 400 for too many images, a refused URL, a corrupt or oversized image."""
+    """The parts' images: inline bytes decoded, http(s) URLs fetched when `allow_urls`. Every image's
+    size is read from its header first, and `fit.check` sees them all before any is decoded; then they
+    are decoded one at a time off the event loop, each scaled down to `fit.target` at once. 400 for
+    too many images, a refused URL, a corrupt or oversized image."""
     if len(parts) > limits.max_images:
         raise image_error(
             parts[limits.max_images].where,
             f"a request takes at most {limits.max_images} images",
             "too_many_images",
         )
-    decoded = []
+    sources = []
     for part in parts:
         if part.remote:
             if not allow_urls:
@@ -62,8 +87,19 @@ async def load_images(
             data = await fetch_image(part.url, part.where, limits, lookup=lookup)
         else:
             data = inline_bytes(part, limits)
-        decoded.append(await asyncio.to_thread(decode_image, data, part.where, limits))
-    return decoded
+        sources.append(data)
+    loop = asyncio.get_running_loop()
+    sizes = [
+        await loop.run_in_executor(_DECODE_THREAD, image_size, data, part.where, limits)
+        for part, data in zip(parts, sources, strict=True)
+    ]
+    if fit is not None:
+        fit.check(sizes)
+    target = fit.target if fit is not None else None
+    return [
+        await loop.run_in_executor(_DECODE_THREAD, decode_image, data, part.where, limits, target)
+        for part, data in zip(parts, sources, strict=True)
+    ]
 
 
 def place_images(

@@ -206,6 +206,22 @@ def _model_info(state: ServerState) -> dict[str, Any]:
 def _slot_json(state: ServerState, slot: SessionSlot) -> dict[str, Any]:
     assert state.slots is not None
     processing = slot.is_processing
+    if state.settings.cache_isolation != "shared":
+        # Isolated caches: what a slot holds is another client's (its prompt's length, its id, its
+        # stop strings), so only the slot itself is shown.
+        return {
+            "id": slot.id,
+            "n_ctx": slot.n_ctx,
+            "speculative": slot.drafter is not None,
+            "is_processing": processing,
+            "state": 1 if processing else 0,
+            "n_prompt_tokens": 0,
+            "n_cached_tokens": 0,
+            "n_kv_blocks": 0,
+            "n_deferred": state.slots.stats.requests_deferred,
+            "last_request_id": None,
+            "params": _params_json(state.settings.defaults),
+        }
     return {
         "id": slot.id,
         "n_ctx": slot.n_ctx,

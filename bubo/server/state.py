@@ -42,7 +42,14 @@ from bubo.server.chat import ChatRequest, without_image_sources
 from bubo.server.errors import ApiError, bad_field
 from bubo.server.image_fetch import Lookup, system_lookup
 from bubo.server.image_input import DecodedImage, ImageLimits
-from bubo.server.image_prompt import IMAGE_PAD, check_mmproj, load_images, place_images, text_only
+from bubo.server.image_prompt import (
+    IMAGE_PAD,
+    ImageFit,
+    check_mmproj,
+    load_images,
+    place_images,
+    text_only,
+)
 from bubo.server.memory_guard import (
     MemoryGuard,
     MemoryProbe,
@@ -62,6 +69,8 @@ from bubo.templates.tool_calls import ToolCallParser, tool_call_format
 from bubo.templates.tool_prompt import with_tools_in_messages
 
 __all__ = [
+    "CACHE_ISOLATION",
+    "CURRENT_API_KEY",
     "CURRENT_REQUEST_ID",
     "INLINE_PROMPT_BYTES",
     "RenderedPrompt",
@@ -77,6 +86,9 @@ SERVED_ALIAS = "bubo"
 # The HTTP request's id (x-request-id), set by the app's error middleware for the request's task, so a
 # failure deep in generation is reported under the id the client sees.
 CURRENT_REQUEST_ID: ContextVar[str | None] = ContextVar("bubo_request_id", default=None)
+# Which of the API keys the request came with (its index), set by the app's key check.
+CURRENT_API_KEY: ContextVar[int | None] = ContextVar("bubo_api_key", default=None)
+CACHE_ISOLATION = ("shared", "key", "request")
 # Request bodies up to this size have their prompt rendered and tokenized on the event loop. 8 KiB of
 # text tokenizes in ~2.5 ms (SmolLM2's vocabulary, 2 cores), a stall no other connection notices; a hop
 # to the prompt thread costs ~60 µs idle and more on a busy machine, and ordinary requests must not
@@ -105,6 +117,13 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
+    # Further keys, each as good as api_key; under cache_isolation "key" each has a cache of its own.
+    more_api_keys: tuple[str, ...] = ()
+    # Whose prompts a request's prompt may reuse the cache of: "shared" (anyone's: the fastest, but
+    # cached_tokens tells a client how much of its prompt another's shared), "key" (those sent with the
+    # same API key), "request" (none: no prompt reuses another's). Other than shared, /slots shows
+    # nothing of the requests themselves.
+    cache_isolation: str = "shared"
     served_model_name: str | None = None
     ctx_size: int | None = None
     debug_hooks: bool = False
@@ -120,6 +139,13 @@ class ServerSettings:
     kv_tokens: int | None = None
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none: no CORS
     shutdown_grace: float = 10.0  # seconds requests in flight get to finish after SIGTERM
+    # Connections (bubo/server/connections.py): seconds a stream may go without the client taking any of
+    # it before it is cut, a request head may take to arrive once begun, and a connection may sit idle
+    # between requests; how many connections are held at once (None: what the open-files limit allows).
+    stream_stall_timeout: float = 30.0
+    header_timeout: float = 10.0
+    idle_timeout: float = 15.0
+    max_connections: int | None = None
     # Speculative decoding (bubo.engine.drafters.drafter_for): the drafter (None: the MTP block when the
     # model has one), tokens drafted per round (0: off; None: the drafter's default), the n-gram size of
     # ngram-simple, and the checkpoint to take an MTP block from.
@@ -522,8 +548,40 @@ class ServerState:
             raise text_only(parts[0])
         settings = self.settings
         return await load_images(
-            parts, settings.image_limits, allow_urls=settings.allow_image_urls, lookup=self.image_lookup
+            parts,
+            settings.image_limits,
+            allow_urls=settings.allow_image_urls,
+            lookup=self.image_lookup,
+            fit=ImageFit(self._image_target, self._check_images),
         )
+
+    def _image_target(self, width: int, height: int) -> tuple[int, int]:
+        """The size the vision tower takes an upright image of this size at (its patch grid's)."""
+        _, grid_h, grid_w = self.tower.grid_for_size(width, height)
+        patch = self.tower.config.patch_size
+        return grid_w * patch, grid_h * patch
+
+    def _check_images(self, sizes: Sequence[tuple[int, int]]) -> None:
+        """Images (upright sizes, from their headers) whose tokens alone fill the context, or whose
+        decoding and encoding the memory guard refuses: 507 / 503 before any is decoded."""
+        grids = [tuple(self.tower.grid_for_size(width, height)) for width, height in sizes]
+        tokens = sum(self.tower.token_count(grid) for grid in grids)
+        if tokens >= self.n_ctx:
+            raise ApiError(
+                507,
+                "insufficient_memory_permanent",
+                f"the {len(sizes)} images take {tokens} tokens but the context holds {self.n_ctx}; "
+                "send fewer or smaller images",
+            )
+        # One image decoded at a time (its pixels and their RGB copy, 4 bytes each at most), the
+        # scaled-down images kept, and the tower's encoding.
+        decoding = max(w * h for w, h in sizes) * 8 + sum(
+            w * h * 3 for w, h in (self._image_target(*size) for size in sizes)
+        )
+        assert self.guard is not None and self.slots is not None
+        pool = self.slots.pool
+        positions = tokens if pool is None else _uncommitted_positions(pool, tokens)
+        self.guard.check(tokens, positions, decoding + vision_bytes(self.tower.config, grids))
 
     def check_context(self, prompt_ids: list[int], images: Sequence[PromptImage] = ()) -> None:
         if not prompt_ids:
@@ -587,9 +645,10 @@ class ServerState:
         if grammar is not None:
             tracker = ReasoningTracker(tokenizer, reasoning=reasoning, in_reasoning=in_reasoning)
             constraints.append(GrammarConstraint(grammar, tracker))
+        request_id = CURRENT_REQUEST_ID.get() or new_id("req_")
         return GenerationRequest(
             # The HTTP request's id (x-request-id, echoed to the client): what /slots and the logs name.
-            CURRENT_REQUEST_ID.get() or new_id("req_"),
+            request_id,
             prompt,
             prompt_ids,
             params,
@@ -600,7 +659,23 @@ class ServerState:
             tool_parser,
             cache_prompt,
             images,
+            self._cache_scope(request_id),
         )
+
+    def _cache_scope(self, request_id: str) -> Any:
+        """The prompt cache scope of a request (GenerationRequest.cache_scope) under --cache-isolation."""
+        isolation = self.settings.cache_isolation
+        if isolation == "key":
+            return ("key", CURRENT_API_KEY.get())
+        if isolation == "request":
+            return ("request", request_id)
+        return None
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """Every key the server takes (none without --api-key)."""
+        key = self.settings.api_key
+        return () if key is None else (key, *self.settings.more_api_keys)
 
     async def compile_gbnf(self, source: str, field_name: str = "grammar") -> GrammarMatcher:
         """A matcher for a GBNF grammar (llama-server's `grammar`); 400 invalid_grammar saying what is

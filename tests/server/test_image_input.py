@@ -9,13 +9,15 @@ import io
 import ipaddress
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from aiohttp import web
 from PIL import Image, ImageFile
 
 from bubo.server.errors import ApiError
 from bubo.server.image_fetch import fetch_image, is_public_address
-from bubo.server.image_input import ImageLimits, ImagePart, decode_image, inline_bytes
+from bubo.server.image_input import ImageLimits, ImagePart, decode_image, image_size, inline_bytes
+from bubo.vision.image_patches import to_rgb
 from tests.fixtures.vision_doubles import png
 
 LIMITS = ImageLimits()
@@ -50,6 +52,40 @@ def test_an_exif_orientation_is_applied() -> None:
     buffer = io.BytesIO()
     Image.new("RGB", (30, 10), (9, 9, 9)).save(buffer, format="JPEG", exif=exif)
     assert decode_image(buffer.getvalue(), "where", LIMITS).size == (10, 30)
+
+
+def _noisy_jpeg(width: int, height: int, orientation: int = 1) -> bytes:
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG", exif=exif)
+    return buffer.getvalue()
+
+
+def test_a_target_size_scales_the_decoded_image_at_once_as_the_tower_would() -> None:
+    """Scaled to the tower's size as it is decoded: the very pixels patchify makes of the full image."""
+    data = _noisy_jpeg(300, 200)
+    full = decode_image(data, "where", LIMITS)
+    small = decode_image(data, "where", LIMITS, target=lambda w, h: (w // 3, h // 4))
+    assert small.size == (100, 50) and small.image.mode == "RGB"
+    expected = to_rgb(full.image).resize((100, 50), resample=Image.Resampling.BICUBIC)
+    assert np.array_equal(np.asarray(small.image), np.asarray(expected))
+    assert small.digest == full.digest
+
+
+def test_an_exif_orientation_is_applied_to_the_scaled_image() -> None:
+    data = _noisy_jpeg(300, 200, orientation=6)
+    seen: list[tuple[int, int]] = []
+
+    def target(width: int, height: int) -> tuple[int, int]:
+        seen.append((width, height))
+        return width // 4, height // 2
+
+    assert image_size(data, "where", LIMITS) == (200, 300)
+    small = decode_image(data, "where", LIMITS, target=target)
+    assert seen == [(200, 300)] and small.size == (50, 150)
 
 
 @pytest.mark.parametrize(

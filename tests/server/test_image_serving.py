@@ -9,6 +9,7 @@ with its decoder replaced by a recording double and the contract's test-double t
 """
 
 import base64
+import resource
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -250,6 +251,27 @@ def test_images_whose_tokens_cannot_fit_are_507(vision_llama: LoadedModel, path:
         assert "Retry-After" not in response.headers
     finally:
         small.live.stop()
+
+
+def test_images_that_cannot_fit_are_refused_from_their_headers_before_decoding(
+    vision_llama: LoadedModel,
+) -> None:
+    """Four 6000x6000 PNGs (100 KB each, 108 MB of pixels each once decoded): 507 from their sizes,
+    the process's peak memory barely moving (they were all decoded first, and kept)."""
+    huge = png(6000, 6000)
+    content = [{"type": "text", "text": "Colors?"}]
+    content += [{"type": "image_url", "image_url": {"url": _data_url(huge)}}] * 4
+    body = {"model": "bubo", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    live = _serve(vision_llama)
+    try:
+        peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        response = live.post("/v1/chat/completions", body)
+        grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before) / 1024
+        assert response.status_code == 507
+        assert _error(response)["code"] == "insufficient_memory_permanent"
+        assert grown_mib < 64, f"the process peak grew by {grown_mib:.0f} MiB"
+    finally:
+        live.live.stop()
 
 
 def test_an_image_that_needs_more_memory_than_the_machine_has_is_507(vision_llama: LoadedModel) -> None:

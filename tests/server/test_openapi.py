@@ -107,6 +107,7 @@ def test_the_documented_limits_are_the_servers() -> None:
     limits = document()["info"]["x-limits"]
     assert limits == {
         "max_json_depth": fields.MAX_JSON_DEPTH,
+        "max_json_values": fields.MAX_JSON_VALUES,
         "max_count": fields.MAX_COUNT,
         "max_stop_strings": fields.MAX_STOP_STRINGS,
         "max_stop_bytes": fields.MAX_STOP_BYTES,

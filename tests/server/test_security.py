@@ -71,9 +71,9 @@ def test_headers_within_the_limits_are_served(server: LiveServer) -> None:
 @pytest.mark.parametrize(
     ("request_bytes", "reason"),
     [
-        (_get_health(b"".join(b"X-H%d: v\r\n" % i for i in range(MAX_HEADERS + 1))), b"Too many headers"),
-        (_get_health(b"X-Big: " + b"a" * (MAX_FIELD_SIZE + 1) + b"\r\n"), b"Got more than"),
-        (_get_health(path=b"/" + b"a" * 9000), b"Got more than"),
+        (_get_health(b"".join(b"X-H%d: v\r\n" % i for i in range(MAX_HEADERS + 1))), b"more headers"),
+        (_get_health(b"X-Big: " + b"a" * (MAX_FIELD_SIZE + 1) + b"\r\n"), b"longer than"),
+        (_get_health(path=b"/" + b"a" * 9000), b"longer than"),
     ],
     ids=["too many headers", "header too long", "request line too long"],
 )
@@ -82,6 +82,7 @@ def test_request_heads_over_the_limits_get_400_and_the_server_keeps_serving(
 ) -> None:
     answer = _raw(server, request_bytes)
     assert answer.startswith(b"HTTP/1.0 400") and reason in answer
+    assert b"application/json" in answer and b'"parse_error"' in answer and b"aaaa" not in answer
     assert httpx.get(server.url + "/health").status_code == 200
 
 

@@ -63,6 +63,9 @@ def test_a_bad_mmproj_is_one_line_before_the_port_opens(
         ("--port", "70000"),
         ("--shutdown-grace", "nan"),
         ("--parallel", "0"),
+        ("--header-timeout", "nan"),
+        ("--max-connections", "0"),
+        ("--cache-isolation", "key"),  # without --api-key
     ],
 )
 def test_bad_flags_are_one_line(tiny_llama_path: Path, flag: str, value: str) -> None:

@@ -119,14 +119,15 @@ def _raw_request(port: int, head: bytes, body: bytes = b"", wait: float = 30) ->
 def test_a_request_aiohttp_cannot_parse_is_one_warning(
     tiny_server: LiveServer, caplog: pytest.LogCaptureFixture, headers: bytes
 ) -> None:
-    """aiohttp answers these 400 itself, below the app (so in its own text/plain shape); the log gets
-    a warning line, not an ERROR with a traceback."""
+    """aiohttp refuses these below the app: they get 400 parse_error in the JSON shape
+    (bubo/server/connections.py), and the log a warning line, not an ERROR with a traceback."""
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n"
     body = b"zz\r\n{}\r\n0\r\n\r\n" if b"chunked" in headers else b"{}"
     with caplog.at_level(logging.INFO, logger="aiohttp.server"):
         answer = _raw_request(tiny_server.port, head, body, wait=10)
         time.sleep(0.2)
     assert answer.split(b"\r\n")[0].split(b" ")[1] == b"400", answer[:200]
+    assert b'"code": "parse_error"' in answer
     records = [r for r in caplog.records if r.name == "aiohttp.server"]
     assert records and all(r.levelno == logging.WARNING and r.exc_info is None for r in records)
 

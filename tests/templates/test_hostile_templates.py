@@ -81,6 +81,22 @@ RUNAWAYS = {
 }
 
 
+# Values written out as text far larger than the values themselves: each would be 400 MB or more,
+# built before the size checks ran (issue 34).
+HUGE_TEXT = {
+    "percent format": "{% set big = 'x' * 10000000 %}{{ ('%s' * 40) % ((big,) * 40) }}",
+    "join with a non-string item": "{% set big = 'x' * 10000000 %}{{ ([big] * 40 + [1])|join }}",
+    "string filter": "{% set big = ['x' * 10000000] * 40 %}{{ big|string }}",
+    "str.format of a list": "{% set big = ['x' * 10000000] * 40 %}{{ '{}'.format(big) }}",
+    "format_map": "{% set big = ['x' * 10000000] * 40 %}{{ '{a}{a}'.format_map({'a': big}) }}",
+    "tojson with a long indent": "{{ ([[1]] * 100000)|tojson(indent='x' * 2000) }}",
+    "tojson with long separators": "{{ ([1] * 100000)|tojson(separators=('x' * 4000, ':')) }}",
+    "output of a list": "{% set big = ['x' * 10000000] * 40 %}{{ big }}",
+    "concat of a list": "{% set big = ['x' * 10000000] * 40 %}{{ 'a' ~ big }}",
+    "escape": "{% set big = '&' * 15000000 %}{{ big|e|length }}",
+}
+
+
 def _render(source: str) -> str:
     return ChatTemplate(source, limits=FAST).render(HELLO)
 
@@ -115,6 +131,19 @@ def test_runaway_templates_stop_quickly_with_a_clear_error(source: str) -> None:
     assert elapsed < FAST.seconds * 3, f"stopped after {elapsed:.1f} s"
     assert grown_mib < 512, f"the process peak grew by {grown_mib:.0f} MiB"
     assert "Traceback" not in str(caught.value)
+
+
+@pytest.mark.parametrize("source", HUGE_TEXT.values(), ids=HUGE_TEXT.keys())
+def test_values_written_out_as_text_are_sized_before_they_are_built(source: str) -> None:
+    """Refused from the size the text will have: quickly, and with no more memory than the inputs."""
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    with pytest.raises(TemplateSandboxError, match="chat template"):
+        _render(source)
+    elapsed = time.perf_counter() - started
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before) / 1024
+    assert elapsed < FAST.seconds * 2, f"stopped after {elapsed:.1f} s"
+    assert grown_mib < 64, f"the process peak grew by {grown_mib:.0f} MiB"
 
 
 def test_a_template_that_stops_leaves_the_next_render_working() -> None:
