@@ -123,7 +123,7 @@ def test_load_with_options_and_context(tiny_llama_path: Path, runtime_options) -
 
 def test_trace_sees_the_prefill_and_every_decode_step(model: Model) -> None:
     ids = [3, 17, 42, 7, 99]
-    with model.trace(sites=["residual", "logit_lens"], layers=[0, 1]) as trace:
+    with model.trace(sites=["residual", "logit_lens", "attention_probs"], layers=[0, 1]) as trace:
         assert model.plan.decode.reason.startswith("traced")
         answer = model.generate(ids, max_tokens=4, temperature=0, ignore_eos=True)
     assert not model.plan.decode.reason.startswith("traced")
@@ -133,6 +133,9 @@ def test_trace_sees_the_prefill_and_every_decode_step(model: Model) -> None:
     # The last layer's lens at each decode step picked the token the generation chose next.
     picks = [int(lens[0, -1].argmax()) for lens in trace["logit_lens", 1]]
     assert picks == answer.result.token_ids
+    # The prompt's last-position pass through the last layer ran one query: so do its weights.
+    assert [p.shape[2:] for p in trace["attention_probs", 1]] == [(1, 5), (1, 6), (1, 7), (1, 8)]
+    assert [p.shape[2:] for p in trace["attention_probs", 0]] == [(5, 5), (1, 6), (1, 7), (1, 8)]
 
 
 def test_a_steered_generation_leaves_no_trace_behind(model: Model) -> None:

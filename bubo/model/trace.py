@@ -6,11 +6,16 @@ Sites, per layer (a `Trace` saves the ones it is asked for, for the layers it is
     residual        the residual after the layer [B, T, hidden] (qwen4exp: [B, T, hc, hidden], a
                     row per hyper-connection stream)
     attention       the token mixer's output [B, T, hidden] (attention, Gated DeltaNet or QSA)
+    attention_probs a plain attention layer's weights [B, heads, T, keys] over every position so far,
+                    computed by a reference path (Attention.probabilities: one more projection of
+                    the queries and an explicit softmax), so asked for by layer; not in a batched
+                    pass of several caches, whose rows' lengths differ
     mlp             the feed-forward's output [B, T, hidden] (dense MLP or mixture of experts)
     router          a mixture of experts' router: `router_logits` [B, T, experts] as the router
                     computed them, and the `router_experts` and `router_weights` [B, T, top_k] the
                     layer used (after any ablation)
-    deltanet_state  a Gated DeltaNet's recurrent state after the pass [B, heads, dk, dv]
+    deltanet_state  a Gated DeltaNet's recurrent state after the pass [B, heads, dk, dv], value
+                    heads in the file's order (qwen35 family: tiled, bubo/model/deltanet.py)
     logit_lens      the residual after the layer read through the model's own final norm (qwen4exp:
                     its stream mixer) and output head: float32 logits [B, T, vocab]
 
@@ -30,13 +35,16 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DecoderLayer, DeltaNetMixer, HyperConnectedLayer
 from bubo.model.moe import SparseMoE, top_k_routing
 from bubo.model.state import CacheBatch, KVCache
 
 __all__ = ["SITES", "TRACED_REASON", "Step", "Trace", "is_traced"]
 
-SITES = ("residual", "attention", "mlp", "router", "deltanet_state", "logit_lens")
+SITES = ("residual", "attention", "attention_probs", "mlp", "router", "deltanet_state", "logit_lens")
+# Sites captured once per step rather than per position (`Trace.tokens` can't join them).
+STEP_SITES = ("attention_probs", "deltanet_state")
 # The sites an intervention can change (experts are ablated with `ablate_experts`).
 ACTIVATION_SITES = ("residual", "attention", "mlp")
 TRACED_REASON = "traced: eager so every site is seen"
@@ -175,8 +183,8 @@ class Trace:
     def tokens(self, name: str, layer: int) -> torch.Tensor:
         """The per-position captures `name` of `layer` of every step joined along the positions (dim 1):
         a prefill and its decode steps as one sequence."""
-        if name == "deltanet_state":
-            raise ValueError("deltanet_state is one state per step, not per position: index the steps")
+        if name in STEP_SITES:
+            raise ValueError(f"{name} is captured whole per step, not per position: index the steps")
         return torch.cat(self[name, layer], dim=1)
 
     def names(self) -> set[tuple[str, int]]:
@@ -223,7 +231,7 @@ class Trace:
             return
         hook = getattr(self, f"_on_{_HOOKED[site]}")
         self._handles[key] = module.register_forward_hook(
-            lambda mod, args, output: hook(layer, mod, args, output)
+            lambda mod, args, kwargs, output: hook(layer, mod, args, kwargs, output), with_kwargs=True
         )
 
     def _begin_step(self, _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -241,7 +249,7 @@ class Trace:
             x = edit(x, self.steps[-1])
         return x
 
-    def _on_layer(self, layer: int, _: nn.Module, __: Any, output: torch.Tensor) -> torch.Tensor:
+    def _on_layer(self, layer: int, _: nn.Module, __: Any, ___: Any, output: torch.Tensor) -> torch.Tensor:
         hc = self.model.config.hc_count
         streams = output.unflatten(-1, (hc, -1)) if hc else output
         streams = self._apply("residual", layer, streams)
@@ -251,17 +259,19 @@ class Trace:
             self._save("logit_lens", layer, self.model.output(self.model.norm(output)).float())
         return output
 
-    def _on_attention(self, layer: int, _: nn.Module, __: Any, output: torch.Tensor) -> torch.Tensor:
+    def _on_attention(
+        self, layer: int, _: nn.Module, __: Any, ___: Any, output: torch.Tensor
+    ) -> torch.Tensor:
         output = self._apply("attention", layer, output)
         self._save("attention", layer, output)
         return output
 
-    def _on_mlp(self, layer: int, _: nn.Module, __: Any, output: torch.Tensor) -> torch.Tensor:
+    def _on_mlp(self, layer: int, _: nn.Module, __: Any, ___: Any, output: torch.Tensor) -> torch.Tensor:
         output = self._apply("mlp", layer, output)
         self._save("mlp", layer, output)
         return output
 
-    def _on_router(self, layer: int, _: nn.Module, __: Any, logits: torch.Tensor) -> torch.Tensor:
+    def _on_router(self, layer: int, _: nn.Module, __: Any, ___: Any, logits: torch.Tensor) -> torch.Tensor:
         moe = self.model.layers[layer].mlp
         assert isinstance(moe, SparseMoE)
         batch = self.steps[-1].batch
@@ -275,7 +285,21 @@ class Trace:
             self._save("router", layer, weights.unflatten(0, (batch, -1)), "router_weights")
         return logits
 
-    def _on_deltanet(self, layer: int, mixer: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+    def _on_probs(
+        self, layer: int, attention: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], _: torch.Tensor
+    ) -> None:
+        assert isinstance(attention, Attention)
+        x, cos, sin, cache = args[:4]
+        if not isinstance(cache, KVCache):
+            return
+        last_only = kwargs.get("last_only", args[4] if len(args) > 4 else False)
+        # A last_only pass (the end of a generation's prompt) ran the last position's query alone.
+        queries_from = x.shape[1] - 1 if last_only else 0
+        self._save("attention_probs", layer, attention.probabilities(x, cos, sin, cache, queries_from))
+
+    def _on_deltanet(
+        self, layer: int, mixer: nn.Module, args: tuple[Any, ...], _: Any, __: torch.Tensor
+    ) -> None:
         assert isinstance(mixer, DeltaNetMixer)
         cache = args[3]
         caches = cache.caches if isinstance(cache, CacheBatch) else [cache]
@@ -289,6 +313,7 @@ _HOOKED = {
     "residual": "layer",
     "logit_lens": "layer",
     "attention": "attention",
+    "attention_probs": "probs",
     "mlp": "mlp",
     "router": "router",
     "deltanet_state": "deltanet",
@@ -305,6 +330,8 @@ def _has_site(layer: nn.Module, site: str) -> bool:
         return isinstance(getattr(layer, "mlp", None), SparseMoE)
     if site == "deltanet_state":
         return isinstance(getattr(layer, "attention", None), DeltaNetMixer)
+    if site == "attention_probs":
+        return isinstance(getattr(layer, "attention", None), Attention)
     return isinstance(layer, DecoderLayer | HyperConnectedLayer)
 
 
@@ -314,6 +341,6 @@ def _site_module(layer: nn.Module, site: str) -> nn.Module:
         return layer
     if kind == "router":
         return layer.mlp.router
-    if kind == "deltanet":
+    if kind in ("deltanet", "probs"):
         return layer.attention
     return getattr(layer, kind)

@@ -133,6 +133,27 @@ def test_residuals_are_transformers_hidden_states_at_every_step(
     assert _diff(trace.tokens("logit_lens", 0), lens) <= TOLERANCE
 
 
+def test_attention_probabilities_are_transformers_attentions(llama: tuple[PreTrainedModel, Decoder]) -> None:
+    """The prefill's [T, T] weights, and each decode step's row over the cache, against the eager
+    reference's `output_attentions` rows at the same positions."""
+    reference, model = llama
+    tokens = _tokens(reference.config.vocab_size)
+    with torch.no_grad():
+        expected = reference(tokens, output_attentions=True).attentions
+    with Trace(model, sites=["attention_probs"], layers=[0, 2]) as trace:
+        _run(model, tokens)
+    heads = model.config.num_heads
+    for layer in (0, 2):
+        prefill, *decode = trace["attention_probs", layer]
+        assert prefill.shape == (BATCH, heads, PREFILL, PREFILL)
+        assert _diff(prefill, expected[layer][:, :, :PREFILL, :PREFILL]) <= TOLERANCE
+        for step, probs in zip(trace.steps[1:], decode, strict=True):
+            assert probs.shape == (BATCH, heads, 1, step.start + 1)
+            assert _diff(probs[:, :, 0], expected[layer][:, :, step.start, : step.start + 1]) <= TOLERANCE
+    with pytest.raises(ValueError, match="whole per step"):
+        trace.tokens("attention_probs", 0)
+
+
 def test_router_captures_are_transformers_router_outputs(moe: tuple[PreTrainedModel, Decoder]) -> None:
     reference, model = moe
     tokens = _tokens(reference.config.vocab_size)
