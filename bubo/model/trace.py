@@ -85,7 +85,7 @@ class Trace:
     ) -> None:
         self.model = model
         self.steps: list[Step] = []
-        sites = tuple(sites)
+        sites = (sites,) if isinstance(sites, str) else tuple(sites)
         for site in sites:
             _check_site(site, SITES)
         if isinstance(layers, Mapping):
@@ -112,7 +112,7 @@ class Trace:
         self._handles["step", 0] = first.register_forward_pre_hook(self._begin_step, with_kwargs=True)
         for site, layers in self._capture.items():
             self._hooked.update((site, layer) for layer in layers)
-        for site, layer in self._hooked:
+        for site, layer in sorted(self._hooked):
             self._hook(site, layer)
         return self
 

@@ -344,3 +344,6 @@ def test_no_hook_is_left_after_the_trace(moe: tuple[PreTrainedModel, Decoder]) -
         assert sum(len(m._forward_hooks) for m in model.modules()) > 0
     assert not is_traced(model)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    with Trace(model, sites="mlp", layers=[1]) as one:  # a site's name alone is one site
+        _run(model, _tokens(300)[:, : PREFILL + 1])
+    assert one.names() == {("mlp", 1)}
