@@ -6,9 +6,10 @@ slot (bubo/engine/slot.py) exactly as a server slot does, with its prompt cache,
 protocol-neutral events the server formats (bubo/engine/request.py).
 """
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -29,6 +30,7 @@ from bubo.model.decoder import Decoder
 from bubo.model.mtp_weights import load_mtp_weights
 from bubo.model.state import KVCache
 from bubo.model.tokenizer import Tokenizer
+from bubo.model.trace import Trace
 from bubo.options import RuntimeOptions, use_options
 
 __all__ = ["Model", "load"]
@@ -162,6 +164,35 @@ class Model:
             )
         with torch.inference_mode():
             return self.decoder(tokens, state)[0].float()
+
+    # Inspection
+
+    @contextlib.contextmanager
+    def trace(
+        self,
+        sites: Sequence[str] = ("residual",),
+        layers: Iterable[int] | Mapping[str, Iterable[int]] | None = None,
+    ) -> Iterator[Trace]:
+        """Capture `sites` of `layers` at every pass of `forward` or `generate` inside the `with` block,
+        and apply the interventions added to the trace (bubo/model/trace.py lists the sites):
+
+            with model.trace(sites=["residual", "logit_lens"], layers=[3, 7]) as t:
+                t.add("residual", direction, layers=[3])   # steer every step
+                model.generate("The capital of France is", max_tokens=8)
+            t.tokens("logit_lens", 7)                          # [1, positions, vocab]
+
+        While it is active every step runs eagerly (`plan` says so). A traced generation computes its
+        whole prompt (the prompt cache is dropped on entry), and the cache it leaves, made under the
+        trace's interventions, is dropped on exit: later requests never reuse it."""
+        if self._busy.locked():
+            raise RuntimeError("this model is generating: finish or close that generation before tracing")
+        traced = Trace(self.decoder, sites, layers)
+        self._slot = None
+        try:
+            with traced:
+                yield traced
+        finally:
+            self._slot = None
 
     # Generation
 

@@ -119,3 +119,42 @@ def test_load_with_options_and_context(tiny_llama_path: Path, runtime_options) -
         assert model.plan.decode.path == "eager"
         assert "--no-compile-decode" in model.plan.decode.reason
         assert model.generate("hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def test_trace_sees_the_prefill_and_every_decode_step(model: Model) -> None:
+    ids = [3, 17, 42, 7, 99]
+    with model.trace(sites=["residual", "logit_lens", "attention_probs"], layers=[0, 1]) as trace:
+        assert model.plan.decode.reason.startswith("traced")
+        answer = model.generate(ids, max_tokens=4, temperature=0, ignore_eos=True)
+    assert not model.plan.decode.reason.startswith("traced")
+    # The whole prompt in one pass, then a pass per generated token but the last.
+    assert [(s.start, s.tokens) for s in trace.steps] == [(0, 5), (5, 1), (6, 1), (7, 1)]
+    assert trace.tokens("residual", 0).shape == (1, 8, model.config.hidden_size)
+    # The last layer's lens at each decode step picked the token the generation chose next.
+    picks = [int(lens[0, -1].argmax()) for lens in trace["logit_lens", 1]]
+    assert picks == answer.result.token_ids
+    # The prompt's last-position pass through the last layer ran one query: so do its weights.
+    assert [p.shape[2:] for p in trace["attention_probs", 1]] == [(1, 5), (1, 6), (1, 7), (1, 8)]
+    assert [p.shape[2:] for p in trace["attention_probs", 0]] == [(5, 5), (1, 6), (1, 7), (1, 8)]
+
+
+def test_a_steered_generation_leaves_no_trace_behind(model: Model) -> None:
+    ids = [3, 17, 42, 7, 99]
+    plain = model.generate(ids, max_tokens=6, temperature=0, ignore_eos=True).result.token_ids
+    direction = 20 * torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with model.trace(sites=[]) as trace:
+        trace.add("residual", direction, layers=[0])
+        steered = model.generate(ids, max_tokens=6, temperature=0, ignore_eos=True)
+    assert steered.result.token_ids != plain
+    assert steered.usage.cached_tokens == 0  # the traced prompt was computed whole
+    # The steered prompt cache is dropped: the same request is the unsteered answer again.
+    again = model.generate(ids, max_tokens=6, temperature=0, ignore_eos=True)
+    assert again.result.token_ids == plain
+
+
+def test_no_trace_while_generating(model: Model) -> None:
+    running = model.generate("hello", max_tokens=4, stream=True)
+    next(running)
+    with pytest.raises(RuntimeError, match="finish or close that generation"), model.trace():
+        pass
+    running.close()

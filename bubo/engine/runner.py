@@ -32,6 +32,7 @@ from bubo.kernels.triton_support import triton_enabled
 from bubo.model.decoder import Decoder
 from bubo.model.quantized_linear import MATVEC_ROWS, has_packed_weights
 from bubo.model.state import KVCache
+from bubo.model.trace import TRACED_REASON, is_traced
 from bubo.options import current_options
 
 __all__ = ["PathChoice", "Plan", "Runner", "runner_for"]
@@ -106,6 +107,9 @@ class Runner:
     def _why_eager(self) -> str:
         """Why the model decodes eagerly now, or "" when its fast step runs."""
         model, options = self.model, current_options()
+        if is_traced(model):
+            # The fast steps run the layers' math outside the modules, where no hook sees it.
+            return TRACED_REASON
         if model.device.type == "cpu" and not options.compile_decode:
             return "compiled decode turned off by --no-compile-decode"
         if model.device.type == "cuda" and not options.cuda_graphs:
@@ -234,6 +238,8 @@ class Runner:
             batch = PathChoice("eager", "a batched pass over the sequences' caches")
             verify = PathChoice("eager", "the captured step runs one token")
             prefill = PathChoice("eager", "chunked prompt passes")
+        elif why_eager == TRACED_REASON:
+            decode = batch = verify = prefill = PathChoice("eager", why_eager)
         else:
             decode = PathChoice("eager", why_eager)
             batch = PathChoice("eager", "a batched pass over the sequences' caches")

@@ -151,6 +151,21 @@ class Attention(nn.Module):
         out = out.transpose(1, 2)
         return self.output(out, gate) if project else out
 
+    def probabilities(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, queries_from: int = 0
+    ) -> torch.Tensor:
+        """The attention weights [B, heads, queries, keys] of x's queries (positions `queries_from`
+        onwards) over every cached key up to x's last position, once `forward` has stored x's keys:
+        the reference path of a research trace (bubo/model/trace.py), in float32, since the forward's
+        fused attention never forms them."""
+        q = self.project(x, cos, sin, queries_from)[0].float()
+        start, length = cache.length, x.shape[1]
+        keys = cache.read(self.layer_index, start + length)[0].float()
+        keys = keys.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # SDPA's enable_gqa
+        scores = (q @ keys.transpose(-1, -2)) * self.head_dim**-0.5
+        mask = causal_mask(start + queries_from, length - queries_from, x.device)
+        return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+
     def output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """The heads' outputs [B, T, heads, head_dim], gated, through o_proj -> [B, T, hidden]."""
         batch, length = out.shape[:2]

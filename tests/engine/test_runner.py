@@ -15,6 +15,7 @@ from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model import quantized_linear
 from bubo.model.loader import load_decoder
+from bubo.model.trace import TRACED_REASON, Trace
 from bubo.options import RuntimeOptions
 from tests.fixtures.gguf_writer import write_gguf
 from tests.fixtures.hybrid_models import tiny_hybrid
@@ -43,6 +44,23 @@ def test_default_model_plan_is_compiled(smollm2: LoadedModel, runtime_options) -
     runtime_options(compile_decode=False)
     assert runner.decode_step(model.new_cache(max_len=16)) is None
     assert runner.plan.decode.path == "eager" and "--no-compile-decode" in runner.plan.decode.reason
+
+
+def test_a_traced_model_runs_every_step_eagerly(smollm2: LoadedModel) -> None:
+    """While a trace is active the compiled step (which no module hook sees) is not handed out, and the
+    plan says why; after it the model's compiled step is back."""
+    model = smollm2.model
+    runner = runner_for(model)
+    cache = model.new_cache(max_len=16)
+    with Trace(model, sites=["residual"], layers=[0]):
+        plan = runner.plan
+        assert {choice.path for choice in (plan.prefill, plan.decode, plan.batch, plan.verify)} == {"eager"}
+        assert plan.decode.reason == plan.prefill.reason == TRACED_REASON
+        assert runner.decode_step(cache) is None
+        assert runner.prefill_step(cache, 2, images=False) is None
+        assert runner.batch_steps([cache]) is None
+    assert isinstance(runner.decode_step(cache), CompiledDecodeStep)
+    assert runner.plan.decode.path == "compiled"
 
 
 def test_float_models_decode_eagerly(tiny_llama: LoadedModel) -> None:
