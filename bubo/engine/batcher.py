@@ -22,7 +22,7 @@ when the batcher is made (`prepare`).
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,18 +122,26 @@ class DecodeBatcher:
         # The decode passes' thread count follows their timings (bubo/engine/thread_governor.py); a
         # prefill or verify pass runs on the count they chose.
         governor = runner_for(self.model).governor
+
+        def governed(decode: bool) -> AbstractContextManager[None]:
+            if governor is None:
+                return nullcontext()
+            if not decode:
+                governor.settle()
+                return nullcontext()
+            return governor.step()
+
         try:
             if steps or batch:
-                with nullcontext() if governor is None else governor.step():
+                with governed(decode=True):
                     if steps:
                         self._run_steps(steps)
                     if batch:
                         self._run_batch(batch)
-            if governor is not None:
-                governor.settle()
             for call in calls:
                 if call not in batch and call not in steps:
-                    self._run_one(call)
+                    with governed(decode=call.batchable):
+                        self._run_one(call)
         finally:
             with self._cond:
                 for call in calls:

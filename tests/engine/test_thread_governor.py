@@ -2,6 +2,7 @@
 probing the other now and then; a fake clock stands for the machine (steps cost what the thread count in
 use costs now), so the choices are checked, not timings."""
 
+import asyncio
 import itertools
 
 import pytest
@@ -9,8 +10,10 @@ import torch
 
 from bubo.engine.generate import GenerationResult, generate
 from bubo.engine.loaded_model import LoadedModel
+from bubo.engine.request import Finished, GenerationRequest
 from bubo.engine.runner import Runner
 from bubo.engine.sampler import SamplingParams
+from bubo.engine.slot_pool import SlotPool
 from bubo.engine.thread_governor import (
     FIRST_INTERVAL,
     MAX_INTERVAL,
@@ -140,3 +143,37 @@ def test_slow_steps_are_questioned_after_a_second_not_after_the_step_interval() 
     used = machine.run(governor, MIN_SAMPLES + PROBE_STEPS)
     assert used == [2] * MIN_SAMPLES + [1] * PROBE_STEPS
     assert governor.threads == 1
+
+
+def test_batched_decode_passes_go_through_the_governor(
+    tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With several slots the batcher's compute thread runs the decode passes: each goes through the
+    model's governor (the slots' own threads run none)."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reads: list[float] = []
+
+    def clock() -> float:
+        reads.append(0.0)
+        return 0.001 * len(reads)
+
+    governor = ThreadGovernor(2, lambda n: None, clock)
+    monkeypatch.setattr(Runner, "governor", property(lambda runner: governor))
+
+    async def serve() -> list[list[int]]:
+        pool = SlotPool(tiny_llama.model, tiny_llama.tokenizer, 64, parallel=2)
+
+        async def one(ids: list[int]) -> list[int]:
+            async for event in pool.run(GenerationRequest("t", "", ids, params, cache_prompt=False)):
+                if isinstance(event, Finished):
+                    return list(event.result.token_ids)
+            raise AssertionError("no result")
+
+        return list(await asyncio.gather(one([3, 17, 42]), one([5, 9, 11, 13])))
+
+    results = asyncio.run(serve())
+    assert all(len(r) == params.max_tokens for r in results)
+    # A clock read at the start and the end of each governed pass: at least one pass per decode step of
+    # the longer generation, at most one per step of each.
+    passes = len(reads) // 2
+    assert params.max_tokens - 1 <= passes <= 2 * (params.max_tokens - 1)
