@@ -236,7 +236,8 @@ def _chat_chunk(reply: _Reply, event: OutputEvent | None) -> dict[str, Any] | No
     if isinstance(event, ToolCallEnd):
         return None
     if event is None:
-        return reply.choice_chunk({"delta": {"role": "assistant", "content": ""}})
+        # As OpenAI and llama-server open a stream: the role, and no content yet.
+        return reply.choice_chunk({"delta": {"role": "assistant", "content": None}})
     if isinstance(event, OutputDelta):
         key = "reasoning_content" if event.channel == "reasoning" else "content"
         logprobs = reply.chat_logprobs(event.logprobs) if event.channel == "content" else None
@@ -287,4 +288,13 @@ async def _stream(
 
 
 def routes() -> list[web.RouteDef]:
-    return [web.post("/v1/chat/completions", chat_completions), web.post("/v1/completions", completions)]
+    # The paths without /v1 as well: llama-server serves both, and an OpenAI client whose base_url
+    # lacks /v1 asks for these.
+    return [
+        route
+        for prefix in ("/v1", "")
+        for route in (
+            web.post(f"{prefix}/chat/completions", chat_completions),
+            web.post(f"{prefix}/completions", completions),
+        )
+    ]

@@ -657,4 +657,5 @@ async def _stream(
 
 
 def routes() -> list[web.RouteDef]:
-    return [web.post("/v1/responses", create_response)]
+    # Also without /v1, as llama-server serves it.
+    return [web.post("/v1/responses", create_response), web.post("/responses", create_response)]

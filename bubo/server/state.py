@@ -542,6 +542,8 @@ class ServerState:
                 "context_length_exceeded",
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.n_ctx} "
                 "(prompt plus at least one generated token); shorten the prompt",
+                # llama-server's numbers, for clients that size the prompt from them.
+                details={"n_prompt_tokens": len(prompt_ids), "n_ctx": self.n_ctx},
             )
 
     def request(

@@ -1,0 +1,157 @@
+"""What a llama-server user relies on, as llama.cpp's own server tests see it (issue 39): routes without
+/v1, constraints on chat, llama-server's error details, /completion's fields, string logit_bias keys,
+the first chat chunk, /metrics and chat request checks, against live servers."""
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from bubo.engine.loaded_model import LoadedModel
+from bubo.engine.sampler import SamplingParams
+from tests.server.live_server import LiveServer, scripted, serve_loaded
+
+TEXT = "Hello there, world!"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: LoadedModel) -> Iterator[LiveServer]:
+    """The tiny model (random weights), greedy, 8 tokens by default."""
+    live = serve_loaded(tiny_llama, defaults=SamplingParams(temperature=0.0, max_tokens=8))
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def hello(tiny_llama: LoadedModel) -> Iterator[httpx.Client]:
+    """A server whose model always writes TEXT and then <|im_end|>."""
+    live = serve_loaded(scripted(tiny_llama, TEXT), defaults=SamplingParams(temperature=0.0))
+    with httpx.Client(base_url=live.url, timeout=60) as http:
+        yield http
+    live.stop()
+
+
+def events(response: httpx.Response) -> list[Any]:
+    """The JSON payloads of an SSE body ([DONE] left out)."""
+    assert response.status_code == 200, response.text
+    payloads = [
+        line.removeprefix("data: ") for line in response.text.split("\n") if line.startswith("data: ")
+    ]
+    return [json.loads(p) for p in payloads if p != "[DONE]"]
+
+
+def error_of(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code, error
+    return error
+
+
+CHAT = {"model": "bubo", "messages": [{"role": "user", "content": "greet"}]}
+
+
+# 1. Routes without /v1
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "kind"),
+    [
+        ("/chat/completions", CHAT, "chat.completion"),
+        ("/completions", {"model": "bubo", "prompt": "Once upon"}, "text_completion"),
+        ("/responses", {"model": "bubo", "input": "greet"}, "response"),
+    ],
+)
+def test_the_openai_routes_answer_without_v1(
+    hello: httpx.Client, path: str, body: dict[str, Any], kind: str
+) -> None:
+    bare = hello.post(path, json=body)
+    twin = hello.post("/v1" + path, json=body)
+    assert bare.status_code == twin.status_code == 200, bare.text
+    assert bare.json()["object"] == twin.json()["object"] == kind
+    text = {
+        "chat.completion": lambda b: b["choices"][0]["message"]["content"],
+        "text_completion": lambda b: b["choices"][0]["text"],
+        "response": lambda b: b["output"][-1]["content"][0]["text"],
+    }[kind]
+    assert text(bare.json()) == text(twin.json()) == TEXT
+
+
+@pytest.mark.parametrize("path", ["/embeddings", "/reranking"])
+def test_the_unserved_routes_without_v1_answer_as_their_twins(hello: httpx.Client, path: str) -> None:
+    body = {"model": "bubo", "input": "hi", "query": "q", "documents": ["d"]}
+    assert error_of(hello.post(path, json=body), 501, "not_implemented")
+    assert error_of(hello.post("/v1" + path, json=body), 501, "not_implemented")
+
+
+# 3. Context overflow
+
+
+@pytest.mark.parametrize("path", ["/completion", "/v1/completions"])
+def test_context_overflow_carries_llama_servers_numbers(
+    client: httpx.Client, server: LiveServer, path: str
+) -> None:
+    prompt = "a b c d " * 200
+    n_prompt = len(server.state.tokenize(prompt))
+    assert n_prompt >= server.state.n_ctx
+    error = error_of(
+        client.post(path, json={"model": "bubo", "prompt": prompt}), 400, "context_length_exceeded"
+    )
+    assert error["type"] == "invalid_request_error"
+    assert error["n_prompt_tokens"] == n_prompt
+    assert error["n_ctx"] == server.state.n_ctx == 512
+
+
+# 6. The first chat stream chunk
+
+
+def test_the_first_chat_chunk_has_the_role_and_null_content(hello: httpx.Client) -> None:
+    chunks = events(hello.post("/v1/chat/completions", json={**CHAT, "stream": True}))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == TEXT
+
+
+# 8. Chat request checks
+
+
+def test_continue_final_message_with_add_generation_prompt_is_refused(hello: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "greet"}, {"role": "assistant", "content": "Hel"}]
+    body = {"model": "bubo", "messages": messages, "continue_final_message": True}
+    error = error_of(
+        hello.post("/v1/chat/completions", json={**body, "add_generation_prompt": True}),
+        400,
+        "conflicting_fields",
+    )
+    assert error["param"] == "continue_final_message"
+    kwargs = {"chat_template_kwargs": {"add_generation_prompt": True}}
+    error_of(hello.post("/v1/chat/completions", json={**body, **kwargs}), 400, "conflicting_fields")
+    # Either alone is fine, and so is asking to continue without opening a turn.
+    assert hello.post("/v1/chat/completions", json=body).status_code == 200
+    both = {**body, "add_generation_prompt": False}
+    assert hello.post("/v1/chat/completions", json=both).status_code == 200
+    ends_with_user = {**body, "messages": messages[:1]}
+    error_of(hello.post("/v1/chat/completions", json=ends_with_user), 400, "invalid_value")
+
+
+def test_two_trailing_assistant_messages_are_refused(hello: httpx.Client) -> None:
+    messages = [
+        {"role": "user", "content": "greet"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "assistant", "content": "Hel"},
+    ]
+    error = error_of(
+        hello.post("/v1/chat/completions", json={"model": "bubo", "messages": messages}), 400, "invalid_value"
+    )
+    assert error["param"] == "messages[2]"
+    assert hello.post("/apply-template", json={"messages": messages}).status_code == 400
+    # Two assistant turns with a user turn after them are an ordinary history.
+    history = [*messages, {"role": "user", "content": "again"}]
+    assert hello.post("/v1/chat/completions", json={"model": "bubo", "messages": history}).status_code == 200
