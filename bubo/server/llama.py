@@ -12,13 +12,13 @@ from typing import Any
 from aiohttp import web
 
 import bubo
-from bubo.engine.grammar import GrammarMatcher
 from bubo.engine.request import Finished, GenerationRequest, OutputDelta
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import SessionSlot
 from bubo.server.chat import chat_request, output_schema
+from bubo.server.constraint_fields import constraint_grammar, output_constraint
 from bubo.server.errors import ApiError, error_body
-from bubo.server.fields import Body, read_json, sampling_params
+from bubo.server.fields import read_json, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState
@@ -102,22 +102,6 @@ class _Completion:
         }
 
 
-async def _grammar(state: ServerState, body: Body) -> GrammarMatcher | None:
-    """llama-server's ways to constrain a completion: `json_schema`, `grammar` (GBNF) or an OpenAI-style
-    `response_format`; at most one."""
-    given = [name for name in ("json_schema", "grammar", "response_format") if name in body]
-    if len(given) > 1:
-        raise ApiError(
-            400, "conflicting_fields", f"{' and '.join(given)}: give one constraint", param=given[1]
-        )
-    if "json_schema" in body:
-        return await state.compile_schema(body.object("json_schema") or {}, "json_schema")
-    if "grammar" in body:
-        return await state.compile_gbnf(body.string("grammar") or "")
-    schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
-    return await state.compile_schema(schema, "response_format") if schema is not None else None
-
-
 async def completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
@@ -138,7 +122,10 @@ async def completion(request: web.Request) -> web.StreamResponse:
         limit_fields=("n_predict", "max_tokens"),
         limit_minimum=0,
     )
-    grammar = await _grammar(state, body)
+    # llama-server's ways to constrain a completion: `json_schema`, `grammar` (GBNF) or an OpenAI-style
+    # `response_format`; at most one.
+    schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
+    grammar = await constraint_grammar(state, output_constraint(body, schema))
     generation = state.request(
         text, ids, params, grammar=grammar, cache_prompt=body.boolean("cache_prompt", True)
     )

@@ -19,6 +19,7 @@ from bubo.engine.request import (
 )
 from bubo.model.tokenizer import Tokenizer
 from bubo.server.chat import chat_request, output_schema
+from bubo.server.constraint_fields import chat_constraint, constraint_grammar, output_constraint
 from bubo.server.errors import ApiError, bad_field, error_body
 from bubo.server.fields import Body, read_json, reject_n, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
@@ -72,7 +73,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         params,
         size=body.size,
         logprobs=top_logprobs,
-        schema=schema,
+        **chat_constraint(output_constraint(body, schema)),
         cache_prompt=body.boolean("cache_prompt", True),
         images=await state.load_images(chat),
     )
@@ -115,8 +116,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     # The legacy API's `logprobs` is the number of alternatives (0-5 there; up to 20 here).
     top_logprobs = body.integer("logprobs", minimum=0, maximum=20)
     params = sampling_params(body, state.settings.defaults, loaded.tokenizer.vocab_size)
+    schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
     generation = state.request(
-        text, ids, params, logprobs=top_logprobs, cache_prompt=body.boolean("cache_prompt", True)
+        text,
+        ids,
+        params,
+        logprobs=top_logprobs,
+        grammar=await constraint_grammar(state, output_constraint(body, schema)),
+        cache_prompt=body.boolean("cache_prompt", True),
     )
     prefix = text if echo else ""
     reply = _Reply(new_id("cmpl-"), "text_completion", model, loaded.tokenizer, top_logprobs, prefix)

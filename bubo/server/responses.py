@@ -56,6 +56,7 @@ from bubo.server.chat import (
     text_content,
     thinking_choice,
 )
+from bubo.server.constraint_fields import chat_constraint, output_constraint
 from bubo.server.errors import ApiError, bad_field
 from bubo.server.fields import Body, json_text, read_json, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
@@ -467,8 +468,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         chat,
         params,
         size=body.size,
-        schema=schema,
-        schema_field="text.format",
+        **chat_constraint(output_constraint(body, schema, "text.format")),
         images=await state.load_images(chat),
     )
     reply = _Reply(model, _echo(body, params, instructions, text))

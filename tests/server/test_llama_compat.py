@@ -155,3 +155,62 @@ def test_two_trailing_assistant_messages_are_refused(hello: httpx.Client) -> Non
     # Two assistant turns with a user turn after them are an ordinary history.
     history = [*messages, {"role": "user", "content": "again"}]
     assert hello.post("/v1/chat/completions", json={"model": "bubo", "messages": history}).status_code == 200
+
+
+# 2. Constraints on chat
+
+GRAMMAR = 'root ::= answer " " number\nanswer ::= "yes" | "no"\nnumber ::= [1-9] [0-9]?'
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
+
+
+def test_chat_follows_a_top_level_grammar(client: httpx.Client) -> None:
+    """The tiny model writes noise; only the grammar decides what comes out."""
+    for seed in range(2):
+        body = {**CHAT, "grammar": GRAMMAR, "max_tokens": 20, "temperature": 1.0, "seed": seed}
+        reply = client.post("/v1/chat/completions", json=body).json()
+        answer, number = reply["choices"][0]["message"]["content"].split(" ")
+        assert answer in ("yes", "no") and 1 <= int(number) <= 99
+        assert reply["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_and_completions_follow_a_top_level_json_schema(client: httpx.Client) -> None:
+    body = {**CHAT, "json_schema": SCHEMA, "max_tokens": 30, "temperature": 1.0, "seed": 1}
+    reply = client.post("/v1/chat/completions", json=body).json()
+    assert isinstance(json.loads(reply["choices"][0]["message"]["content"])["ok"], bool)
+    text = {"model": "bubo", "prompt": "x", "json_schema": SCHEMA, "max_tokens": 30, "temperature": 1.0}
+    reply = client.post("/v1/completions", json=text).json()
+    assert isinstance(json.loads(reply["choices"][0]["text"])["ok"], bool)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", CHAT),
+        ("/chat/completions", CHAT),
+        ("/v1/completions", {"model": "bubo", "prompt": "x"}),
+        ("/completion", {"prompt": "x"}),
+        ("/v1/responses", {"model": "bubo", "input": "x"}),
+        ("/v1/messages", {"model": "bubo", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}),
+    ],
+)
+def test_an_invalid_grammar_is_refused_on_every_route(client: httpx.Client, path: str, body: dict) -> None:
+    response = client.post(path, json={**body, "grammar": "root ::= ("})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_grammar"
+
+
+def test_two_constraints_on_chat_are_refused(client: httpx.Client) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+    body = {**CHAT, "grammar": GRAMMAR, "response_format": fmt}
+    assert error_of(client.post("/v1/chat/completions", json=body), 400, "conflicting_fields")["param"] == (
+        "response_format"
+    )
+    body = {**CHAT, "json_schema": SCHEMA, "grammar": GRAMMAR}
+    assert error_of(client.post("/v1/chat/completions", json=body), 400, "conflicting_fields")["param"] == (
+        "grammar"
+    )
