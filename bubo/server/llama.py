@@ -18,7 +18,7 @@ from bubo.engine.slot import SessionSlot
 from bubo.server.chat import chat_request, output_schema
 from bubo.server.constraint_fields import constraint_grammar, output_constraint
 from bubo.server.errors import ApiError, error_body
-from bubo.server.fields import read_json, sampling_params
+from bubo.server.fields import bias_text_tokens, read_json, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState
@@ -121,6 +121,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
         loaded.tokenizer.vocab_size,
         limit_fields=("n_predict", "max_tokens"),
         limit_minimum=0,
+        tokenize=bias_text_tokens(loaded.tokenizer),
     )
     # llama-server's ways to constrain a completion: `json_schema`, `grammar` (GBNF) or an OpenAI-style
     # `response_format`; at most one.

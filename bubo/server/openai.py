@@ -21,7 +21,7 @@ from bubo.model.tokenizer import Tokenizer
 from bubo.server.chat import chat_request, output_schema
 from bubo.server.constraint_fields import chat_constraint, constraint_grammar, output_constraint
 from bubo.server.errors import ApiError, bad_field, error_body
-from bubo.server.fields import Body, read_json, reject_n, sampling_params
+from bubo.server.fields import Body, bias_text_tokens, read_json, reject_n, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState, new_id
@@ -65,6 +65,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         state.settings.defaults,
         loaded.tokenizer.vocab_size,
         limit_fields=("max_completion_tokens", "max_tokens"),
+        tokenize=bias_text_tokens(loaded.tokenizer),
     )
     top_logprobs = _chat_logprobs(body)
     schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
@@ -115,7 +116,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )
     # The legacy API's `logprobs` is the number of alternatives (0-5 there; up to 20 here).
     top_logprobs = body.integer("logprobs", minimum=0, maximum=20)
-    params = sampling_params(body, state.settings.defaults, loaded.tokenizer.vocab_size)
+    params = sampling_params(
+        body,
+        state.settings.defaults,
+        loaded.tokenizer.vocab_size,
+        tokenize=bias_text_tokens(loaded.tokenizer),
+    )
     schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
     generation = state.request(
         text,

@@ -58,7 +58,7 @@ from bubo.server.chat import (
 )
 from bubo.server.constraint_fields import chat_constraint, output_constraint
 from bubo.server.errors import ApiError, bad_field
-from bubo.server.fields import Body, json_text, read_json, sampling_params
+from bubo.server.fields import Body, bias_text_tokens, json_text, read_json, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState, new_id
@@ -454,7 +454,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     text, schema = _text_config(body)
     stream = body.boolean("stream")
     params = sampling_params(
-        body, state.settings.defaults, loaded.tokenizer.vocab_size, limit_fields=("max_output_tokens",)
+        body,
+        state.settings.defaults,
+        loaded.tokenizer.vocab_size,
+        limit_fields=("max_output_tokens",),
+        tokenize=bias_text_tokens(loaded.tokenizer),
     )
     chat = ChatRequest(
         messages,

@@ -214,3 +214,32 @@ def test_two_constraints_on_chat_are_refused(client: httpx.Client) -> None:
     assert error_of(client.post("/v1/chat/completions", json=body), 400, "conflicting_fields")["param"] == (
         "grammar"
     )
+
+
+# 5. logit_bias keys that are text
+
+
+def test_a_logit_bias_key_of_text_biases_each_of_its_tokens(
+    client: httpx.Client, tiny_llama: LoadedModel
+) -> None:
+    ids = tiny_llama.tokenizer.encode(" Paris!", add_bos=False, add_eos=False, parse_special=False)
+    assert len(ids) > 1
+
+    def content(path: str, bias: Any) -> str:
+        body = {"model": "bubo", "prompt": "Once upon", "max_tokens": 6, "logit_bias": bias}
+        reply = client.post(path, json=body).json()
+        return reply["content"] if path == "/completion" else reply["choices"][0]["text"]
+
+    for path in ("/completion", "/v1/completions"):
+        by_ids = content(path, {str(i): 30 for i in ids})
+        assert by_ids != content(path, None)
+        assert content(path, {" Paris!": 30}) == by_ids
+        assert content(path, [[" Paris!", 30]]) == by_ids
+        assert set(by_ids) <= set(" Paris!")
+    chat = client.post("/v1/chat/completions", json={**CHAT, "logit_bias": {" Paris!": 30}}).json()
+    assert set(chat["choices"][0]["message"]["content"]) <= set(" Paris!")
+    # A ban of text bans each of its tokens (the later key wins, as in llama-server).
+    pushed = content("/completion", {str(ids[0]): 30})
+    assert pushed == tiny_llama.tokenizer.decode(ids[:1]) * 6
+    banned = content("/completion", {str(ids[0]): 30, " Paris!": False})
+    assert banned != pushed and not set(ids) & set(tiny_llama.tokenizer.encode(banned, add_bos=False))
