@@ -37,6 +37,10 @@ class GenerationRequest:
     tool_parser: ToolCallParser | None = None
     cache_prompt: bool = True
     images: tuple[PromptImage, ...] = ()
+    # llama-server's stream extras: PromptProgress events while the prompt is computed, and the running
+    # usage on every OutputDelta.
+    return_progress: bool = False
+    timings_per_token: bool = False
 
     @property
     def cache_key(self) -> list[int | ImageToken]:
@@ -46,13 +50,28 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class OutputDelta:
-    """A piece of reasoning or answer text, with the log probabilities of the tokens that completed it,
-    from the slot `slot_id`."""
+    """A piece of reasoning or answer text, with the tokens that completed it (and their log
+    probabilities), from the slot `slot_id`; `usage` is the request's usage so far, where it asked for
+    it (`timings_per_token`)."""
 
     channel: Channel
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
     slot_id: int = 0
+    token_ids: tuple[int, ...] = ()
+    usage: "Usage | None" = None
+
+
+@dataclass(frozen=True)
+class PromptProgress:
+    """How far the prompt's computation is (llama-server's prompt_progress), sent where a request asked
+    for it (`return_progress`): once before it starts (`processed` == `cached`), after each piece, and
+    when it is done (`processed` == `total`)."""
+
+    total: int
+    cached: int
+    processed: int
+    elapsed_ms: float
 
 
 @dataclass(frozen=True)
@@ -145,4 +164,4 @@ class Finished:
 
 
 ToolCallEvent = ToolCallStart | ToolCallArguments | ToolCallEnd
-OutputEvent = OutputDelta | ToolCallEvent | Finished
+OutputEvent = OutputDelta | ToolCallEvent | Finished | PromptProgress

@@ -28,7 +28,8 @@ from bubo.engine.generate import GenerationResult, Model, Tokenizer, generate
 from bubo.engine.output import OutputStream
 from bubo.engine.prompt_cache import PromptCache, SnapshotPolicy
 from bubo.engine.prompt_images import PromptVision, VisionEncoder
-from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputEvent, Usage
+from bubo.engine.prompt_progress import ProgressReporter
+from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputDelta, OutputEvent, Usage
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.speculative import Drafter
 
@@ -204,7 +205,7 @@ class SessionSlot:
         cancelled: threading.Event,
     ) -> None:
         try:
-            for event in self._generate(request, cancelled):
+            for event in self._generate(request, cancelled, put):
                 put(event)
         except BaseException as error:  # handed to the request's coroutine, which reports it
             if is_device_lost(error):
@@ -213,14 +214,22 @@ class SessionSlot:
                 error = DeviceLostError(str(error))
             put(error)
 
-    def _generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[OutputEvent]:
+    def _generate(
+        self,
+        request: GenerationRequest,
+        cancelled: threading.Event,
+        send: Callable[[OutputEvent], None],
+    ) -> Iterator[OutputEvent]:
+        """The request's events; `send` hands over prompt progress as it happens (the prefill yields
+        nothing until it ends)."""
         with self.cache_lock:
             try:
                 if self.batcher is None:
-                    yield from self._generate_with(self.model, request, cancelled)
+                    yield from self._generate_with(self.model, request, cancelled, send)
                     return
                 with self.batcher.member():
-                    yield from self._generate_with(BatchedModel(self.model, self.batcher), request, cancelled)
+                    model = BatchedModel(self.model, self.batcher)
+                    yield from self._generate_with(model, request, cancelled, send)
             finally:
                 self.last_used = time.monotonic()
 
@@ -232,7 +241,11 @@ class SessionSlot:
         return PromptVision(self.vision, request.images, len(request.prompt_ids), device)
 
     def _generate_with(
-        self, model: Model, request: GenerationRequest, cancelled: threading.Event
+        self,
+        model: Model,
+        request: GenerationRequest,
+        cancelled: threading.Event,
+        send: Callable[[OutputEvent], None],
     ) -> Iterator[OutputEvent]:
         prompt = request.prompt_ids
         key = request.cache_key
@@ -241,6 +254,10 @@ class SessionSlot:
         vision = self._vision(request, model.device)
         # A text prompt's positions are its indices; the previous request may have left an image offset.
         pc.cache.rope_delta = 0
+        progress = None
+        if request.return_progress:
+            progress = ProgressReporter(len(prompt), report.cached_tokens, send)
+            progress(report.cached_tokens)
 
         def run(start: int, end: int) -> None:
             tokens = torch.tensor([prompt[start:end]], device=model.device)
@@ -251,6 +268,8 @@ class SessionSlot:
                 model(tokens, pc.cache, last_only=True)
             else:
                 model(tokens, pc.cache, last_only=True, multimodal=inputs)
+            if progress is not None:
+                progress(end)
 
         # A hybrid cache snapshots its recurrent states at the prompt's last turn ends (prompt_cache.py).
         started = time.perf_counter()
@@ -268,6 +287,9 @@ class SessionSlot:
             slot_id=self.id,
         )
         result: GenerationResult | None = None
+        running = (
+            _RunningUsage(len(prompt), report.cached_tokens, started) if request.timings_per_token else None
+        )
         try:
             for event in generate(
                 model,
@@ -282,11 +304,16 @@ class SessionSlot:
                 prompt_inputs=None
                 if vision is None
                 else lambda start, end: vision.chunk(pc.cache, start, end),
+                prefill_progress=progress,
             ):
                 if isinstance(event, GenerationResult):
                     result = event
-                else:
+                elif running is None:
                     yield from output.feed(event)
+                else:
+                    running.add(event.token_ids)
+                    for out in output.feed(event):
+                        yield running.attach(out, output.reasoning_tokens)
         finally:
             # Whatever happened, the cache holds exactly the tokens that went through the model.
             pc.finish(key, result.token_ids if result is not None else [])
@@ -330,3 +357,34 @@ class SessionSlot:
             self.id,
             tuple(output.tool_call_offsets),
         )
+
+
+class _RunningUsage:
+    """A request's usage while it runs (llama-server's timings_per_token): the prompt's time up to the
+    first token, and the tokens generated since and their time."""
+
+    def __init__(self, prompt_tokens: int, cached_tokens: int, started: float) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
+        self.started = started
+        self.first_token_at: float | None = None
+        self.generated = 0
+
+    def add(self, token_ids: list[int]) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.generated += len(token_ids)
+
+    def attach(self, event: OutputEvent, reasoning_tokens: int) -> OutputEvent:
+        """`event` with the usage so far, when it is a piece of text."""
+        if not isinstance(event, OutputDelta) or self.first_token_at is None:
+            return event
+        usage = Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.generated,
+            cached_tokens=self.cached_tokens,
+            reasoning_tokens=reasoning_tokens,
+            prompt_ms=(self.first_token_at - self.started) * 1000,
+            predicted_ms=(time.perf_counter() - self.first_token_at) * 1000,
+        )
+        return replace(event, usage=usage)

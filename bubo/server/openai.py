@@ -13,6 +13,7 @@ from bubo.engine.request import (
     GenerationRequest,
     OutputDelta,
     OutputEvent,
+    PromptProgress,
     ToolCallArguments,
     ToolCallEnd,
     ToolCallStart,
@@ -25,6 +26,7 @@ from bubo.server.fields import Body, bias_text_tokens, read_json, reject_n, samp
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState, new_id
+from bubo.server.stream_extras import delta_timings, progress_json, with_stream_extras
 from bubo.server.usage import openai_usage, timings
 
 __all__ = ["routes"]
@@ -78,6 +80,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         cache_prompt=body.boolean("cache_prompt", True),
         images=await state.load_images(chat),
     )
+    generation = with_stream_extras(generation, body, stream)
     reply = _Reply(new_id("chatcmpl-"), "chat.completion", model, loaded.tokenizer, top_logprobs)
     if stream:
         return await _stream(request, state, generation, reply, include_usage, _chat_chunk)
@@ -131,6 +134,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         grammar=await constraint_grammar(state, output_constraint(body, schema)),
         cache_prompt=body.boolean("cache_prompt", True),
     )
+    generation = with_stream_extras(generation, body, stream)
     prefix = text if echo else ""
     reply = _Reply(new_id("cmpl-"), "text_completion", model, loaded.tokenizer, top_logprobs, prefix)
     if stream:
@@ -248,21 +252,26 @@ def _chat_chunk(reply: _Reply, event: OutputEvent | None) -> dict[str, Any] | No
         return reply.choice_chunk({"delta": {"tool_calls": [piece]}})
     if isinstance(event, ToolCallEnd):
         return None
+    if isinstance(event, PromptProgress):
+        return reply.chunk([], prompt_progress=progress_json(event))
     if event is None:
         # As OpenAI and llama-server open a stream: the role, and no content yet.
         return reply.choice_chunk({"delta": {"role": "assistant", "content": None}})
     if isinstance(event, OutputDelta):
         key = "reasoning_content" if event.channel == "reasoning" else "content"
         logprobs = reply.chat_logprobs(event.logprobs) if event.channel == "content" else None
-        return reply.choice_chunk({"delta": {key: event.text}}, logprobs)
+        return reply.choice_chunk({"delta": {key: event.text}}, logprobs, **delta_timings(event))
     return reply.choice_chunk({"delta": {}}, finish_reason=event.finish_reason, timings=timings(event.usage))
 
 
 def _text_chunk(reply: _Reply, event: OutputEvent | None) -> dict[str, Any] | None:
     if event is None:
         return reply.choice_chunk({"text": reply.prefix}) if reply.prefix else None
+    if isinstance(event, PromptProgress):
+        return reply.chunk([], prompt_progress=progress_json(event))
     if isinstance(event, OutputDelta):
-        return reply.choice_chunk({"text": event.text}, reply.text_logprobs(event.logprobs))
+        logprobs = reply.text_logprobs(event.logprobs)
+        return reply.choice_chunk({"text": event.text}, logprobs, **delta_timings(event))
     return reply.choice_chunk({"text": ""}, finish_reason=event.finish_reason, timings=timings(event.usage))
 
 

@@ -37,6 +37,7 @@ from bubo.engine.request import (
     GenerationRequest,
     OutputDelta,
     OutputEvent,
+    PromptProgress,
     ToolCallArguments,
     ToolCallEnd,
     ToolCallStart,
@@ -62,6 +63,7 @@ from bubo.server.fields import Body, bias_text_tokens, json_text, read_json, sam
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState, new_id
+from bubo.server.stream_extras import delta_timings, progress_json, with_stream_extras
 from bubo.server.usage import gufo, timings
 
 __all__ = ["function_tools", "input_messages", "routes", "strict_schema"]
@@ -475,6 +477,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         **chat_constraint(output_constraint(body, schema, "text.format")),
         images=await state.load_images(chat),
     )
+    generation = with_stream_extras(generation, body, stream)
     reply = _Reply(model, _echo(body, params, instructions, text))
     if stream:
         return await _stream(request, state, generation, reply)
@@ -584,7 +587,18 @@ class _EventWriter:
         if kind == "reasoning":
             await self.send("response.reasoning_text.delta", **self._place(), delta=event.text)
         else:
-            await self.send("response.output_text.delta", **self._place(), delta=event.text, logprobs=[])
+            await self.send(
+                "response.output_text.delta",
+                **self._place(),
+                delta=event.text,
+                logprobs=[],
+                **delta_timings(event),
+            )
+
+    async def progress(self, event: PromptProgress) -> None:
+        """llama-server's prompt_progress, on the lifecycle's own in-progress event."""
+        opening = self.reply.body("in_progress", [])
+        await self.send("response.in_progress", response=opening, prompt_progress=progress_json(event))
 
     async def tool_call(self, event: ToolCallStart | ToolCallArguments | ToolCallEnd) -> None:
         """A function_call item: added with empty arguments, then its argument fragments, then done.
@@ -650,6 +664,8 @@ async def _stream(
                     break
                 if isinstance(event, OutputDelta):
                     await writer.delta(event)
+                elif isinstance(event, PromptProgress):
+                    await writer.progress(event)
                 else:
                     await writer.tool_call(event)
                 event = await anext(events, None)

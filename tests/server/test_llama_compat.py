@@ -2,6 +2,7 @@
 /v1, constraints on chat, llama-server's error details, /completion's fields, string logit_bias keys,
 the first chat chunk, /metrics and chat request checks, against live servers."""
 
+import itertools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -243,3 +244,127 @@ def test_a_logit_bias_key_of_text_biases_each_of_its_tokens(
     assert pushed == tiny_llama.tokenizer.decode(ids[:1]) * 6
     banned = content("/completion", {str(ids[0]): 30, " Paris!": False})
     assert banned != pushed and not set(ids) & set(tiny_llama.tokenizer.encode(banned, add_bos=False))
+
+
+# 4. /completion as llama-server returns it, and the stream extras
+
+
+def script(tiny_llama: LoadedModel) -> list[int]:
+    return tiny_llama.tokenizer.encode(TEXT, add_bos=False, parse_special=False)
+
+
+def test_completion_returns_tokens_and_counts(hello: httpx.Client, tiny_llama: LoadedModel) -> None:
+    plain = hello.post("/completion", json={"prompt": "Once upon"}).json()
+    assert plain["tokens"] == [] and plain["has_new_line"] is False
+    body = hello.post("/completion", json={"prompt": "Once upon", "return_tokens": True}).json()
+    assert body["content"] == TEXT
+    assert body["tokens"] == script(tiny_llama)
+    # The end token counts as predicted (llama-server's way) but has no text, so it is not in tokens.
+    assert body["tokens_predicted"] == len(script(tiny_llama)) + 1
+    assert body["tokens_evaluated"] == body["usage"]["prompt_tokens"]
+
+
+def test_has_new_line_says_whether_the_answer_has_one(client: httpx.Client) -> None:
+    for text, expected in (("a\\nb", True), ("ab", False)):
+        body = {"prompt": "x", "grammar": f'root ::= "{text}"', "n_predict": 8}
+        reply = client.post("/completion", json=body).json()
+        assert reply["content"] == text.replace("\\n", "\n") and reply["has_new_line"] is expected
+
+
+def test_completion_stream_chunks_carry_tokens_and_counts(
+    hello: httpx.Client, tiny_llama: LoadedModel
+) -> None:
+    chunks = events(hello.post("/completion", json={"prompt": "Once upon", "stream": True}))
+    *pieces, last = chunks
+    assert last["stop"] is True and last["has_new_line"] is False
+    assert all(c["stop"] is False and c["tokens"] for c in pieces)
+    assert [t for c in pieces for t in c["tokens"]] == script(tiny_llama)
+    assert [c["tokens_predicted"] for c in pieces] == list(
+        itertools.accumulate(len(c["tokens"]) for c in pieces)
+    )
+    assert {c["tokens_evaluated"] for c in pieces} == {last["tokens_evaluated"]}
+    assert "".join(c["content"] for c in pieces) == TEXT
+    # Without the extras, no chunk has progress or timings.
+    assert not any("prompt_progress" in c or "timings" in c for c in pieces)
+
+
+def test_response_fields_keep_only_those_fields(hello: httpx.Client) -> None:
+    fields = ["content", "generation_settings/n_predict", "prompt", "no_such_field"]
+    body = {"prompt": "Once upon", "n_predict": 5, "response_fields": fields}
+    reply = hello.post("/completion", json=body).json()
+    assert reply == {"content": reply["content"], "generation_settings/n_predict": 5, "prompt": "Once upon"}
+    error_of(hello.post("/completion", json={**body, "response_fields": "content"}), 400, "invalid_value")
+
+
+def test_a_prompt_object_is_its_prompt_string(hello: httpx.Client) -> None:
+    given = hello.post("/completion", json={"prompt": {"prompt_string": "Once upon"}}).json()
+    plain = hello.post("/completion", json={"prompt": "Once upon"}).json()
+    assert (given["content"], given["tokens_evaluated"]) == (plain["content"], plain["tokens_evaluated"])
+    with_image = {"prompt": {"prompt_string": "x", "multimodal_data": ["aGk="]}}
+    error_of(hello.post("/completion", json=with_image), 400, "unsupported_content")
+    error_of(hello.post("/completion", json={"prompt": {"text": "x"}}), 400, "invalid_value")
+
+
+def streamed_text(path: str, chunks: list[dict[str, Any]]) -> str:
+    """The answer text of a stream on `path`."""
+    if path == "/v1/responses":
+        return "".join(c["delta"] for c in chunks if c["type"] == "response.output_text.delta")
+    if path == "/completion":
+        return "".join(c["content"] for c in chunks)
+    if path == "/v1/completions":
+        return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def stream_body(path: str, text: str, **extra: Any) -> dict[str, Any]:
+    """A streamed request for `text` on `path`, in its dialect."""
+    if path in ("/completion", "/v1/completions"):
+        return {"model": "bubo", "prompt": text, "stream": True, **extra}
+    if path == "/v1/responses":
+        return {"model": "bubo", "input": text, "stream": True, **extra}
+    return {"model": "bubo", "messages": [{"role": "user", "content": text}], "stream": True, **extra}
+
+
+def check_progress(reports: list[dict[str, Any]], cached: bool) -> None:
+    """llama-server's prompt_progress sequence: the first before any work (processed == cache), then
+    growing, the last when the whole prompt is in."""
+    assert reports, "no prompt_progress"
+    first, last = reports[0], reports[-1]
+    # (A prompt new to the cache may still share its start, a BOS or a template's, with the one before.)
+    assert first["processed"] == first["cache"] and (first["cache"] > first["total"] // 2) is cached
+    assert last["processed"] == last["total"] > 0
+    assert all(r["total"] == first["total"] and r["cache"] == first["cache"] for r in reports)
+    assert all(a["processed"] < b["processed"] for a, b in itertools.pairwise(reports))
+    assert all(r["time_ms"] >= 0 for r in reports)
+
+
+@pytest.mark.parametrize("path", ["/completion", "/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_return_progress_reports_the_prompt(hello: httpx.Client, path: str) -> None:
+    body = stream_body(path, f"{path} progress " * 8, return_progress=True)
+    for cached in (False, True):
+        chunks = events(hello.post(path, json=body))
+        if path == "/v1/responses":
+            progress = [c for c in chunks if c["type"] == "response.in_progress" and "prompt_progress" in c]
+        else:
+            progress = [c for c in chunks if "prompt_progress" in c]
+        check_progress([c["prompt_progress"] for c in progress], cached)
+        assert streamed_text(path, chunks) == TEXT
+        if path.startswith("/v1/") and path.endswith("completions"):
+            assert all(c["choices"] == [] for c in progress)
+
+
+@pytest.mark.parametrize("path", ["/completion", "/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_timings_per_token_ride_on_every_piece(hello: httpx.Client, path: str) -> None:
+    body = stream_body(path, "Once upon", timings_per_token=True)
+    chunks = events(hello.post(path, json=body))
+    if path == "/v1/responses":
+        pieces = [c for c in chunks if c["type"] == "response.output_text.delta"]
+    elif path == "/completion":
+        pieces = [c for c in chunks if not c["stop"]]
+    else:
+        pieces = [c for c in chunks[1 if path.endswith("chat/completions") else 0 : -1] if c["choices"]]
+        assert "timings" not in chunks[0] or not path.endswith("chat/completions")
+    counts = [c["timings"]["predicted_n"] for c in pieces]
+    assert counts and counts == sorted(counts) and counts[-1] <= len(TEXT)
+    assert all(c["timings"]["prompt_n"] + c["timings"]["cache_n"] > 0 for c in pieces)
+    assert all(c["timings"]["predicted_per_second"] >= 0 for c in pieces)
