@@ -148,6 +148,7 @@ class GenerationResult:
     timings: Timings
     draft_tokens: int = 0
     draft_accepted: int = 0
+    draft_verify_steps: int = 0  # verify passes that checked a draft
 
 
 GenerationEvent = TextDelta | GenerationResult
@@ -324,6 +325,7 @@ def generate(
         ),
         draft_tokens=0 if speculative is None else speculative.proposed,
         draft_accepted=0 if speculative is None else speculative.accepted,
+        draft_verify_steps=0 if speculative is None else speculative.verify_steps,
     )
 
 

@@ -124,8 +124,14 @@ class Usage:
         )
 
     @property
+    def decode_tokens(self) -> int:
+        """The generated tokens after the first: the first one's time is the prompt's (time to first
+        token), so the decode time covers only these."""
+        return max(self.completion_tokens - 1, 0)
+
+    @property
     def predicted_per_second(self) -> float:
-        return self.completion_tokens / self.predicted_ms * 1000 if self.predicted_ms > 0 else 0.0
+        return self.decode_tokens / self.predicted_ms * 1000 if self.predicted_ms > 0 else 0.0
 
 
 @dataclass(frozen=True)

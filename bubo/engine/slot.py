@@ -64,6 +64,7 @@ class SlotStats:
     """Running totals for /metrics (llama-server's `llamacpp:` names map onto these)."""
 
     prompt_tokens_total: int = 0
+    prompt_tokens_cached_total: int = 0  # prompt tokens a cache held, so not computed
     prompt_seconds_total: float = 0.0
     tokens_predicted_total: int = 0
     predicted_seconds_total: float = 0.0
@@ -71,6 +72,7 @@ class SlotStats:
     decode_passes_total: int = 0
     draft_tokens_total: int = 0
     draft_accepted_total: int = 0
+    draft_verify_steps_total: int = 0
     requests_total: int = 0
     requests_processing: int = 0
     requests_deferred: int = 0
@@ -110,6 +112,7 @@ class SessionSlot:
         self.last_prompt_tokens = 0
         self.last_request_id: str | None = None
         self.last_params: SamplingParams | None = None  # the sampling settings of the last request run
+        self.n_tokens_max = 0  # the most positions the cache has held after a request
         # Allocated up front, as llama-server does: on a GPU the KV memory is taken at start-up, not
         # halfway through a long request (on the CPU the zeroed pages are only touched as they fill).
         cache = model.new_cache(max_len=n_ctx) if pool is None else model.new_cache(max_len=n_ctx, pool=pool)
@@ -340,6 +343,7 @@ class SessionSlot:
         # whole prompt past the cache, unless the request was cancelled part way).
         stats.prompt_tokens_total += result.cached_tokens - report.cached_tokens + timings.prefill_tokens
         stats.prompt_seconds_total += segments_seconds + timings.prefill_seconds
+        stats.prompt_tokens_cached_total += report.cached_tokens
         stats.tokens_predicted_total += result.completion_tokens
         stats.predicted_seconds_total += timings.decode_seconds
         stats.decode_tokens_total += timings.decode_tokens
@@ -347,6 +351,8 @@ class SessionSlot:
         stats.decode_passes_total += timings.decode_tokens - result.draft_accepted
         stats.draft_tokens_total += result.draft_tokens
         stats.draft_accepted_total += result.draft_accepted
+        stats.draft_verify_steps_total += result.draft_verify_steps
+        self.n_tokens_max = max(self.n_tokens_max, self.cached_tokens)
         yield Finished(
             result,
             usage,

@@ -4,6 +4,7 @@ the first chat chunk, /metrics and chat request checks, against live servers."""
 
 import itertools
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -368,3 +369,55 @@ def test_timings_per_token_ride_on_every_piece(hello: httpx.Client, path: str) -
     assert counts and counts == sorted(counts) and counts[-1] <= len(TEXT)
     assert all(c["timings"]["prompt_n"] + c["timings"]["cache_n"] > 0 for c in pieces)
     assert all(c["timings"]["predicted_per_second"] >= 0 for c in pieces)
+
+
+# 7. /metrics
+
+
+def metrics(http: httpx.Client) -> tuple[dict[str, float], httpx.Headers]:
+    """The samples of one scrape, once the slot has let go of its last request."""
+    deadline = time.monotonic() + 5
+    while True:
+        response = http.get("/metrics")
+        assert response.status_code == 200
+        values = {
+            line.split()[0]: float(line.split()[1])
+            for line in response.text.splitlines()
+            if line and not line.startswith("#")
+        }
+        if values["llamacpp:requests_processing"] == 0:
+            return values, response.headers
+        assert time.monotonic() < deadline, "the slot never became idle"
+        time.sleep(0.01)
+
+
+def test_metrics_count_cached_prompt_tokens_and_the_most_tokens_held(
+    hello: httpx.Client, tiny_llama: LoadedModel
+) -> None:
+    before, headers = metrics(hello)
+    started = int(headers["Process-Start-Time-Unix"])
+    assert 0 < started <= time.time()
+    body = {"prompt": "Metrics: a prompt seen twice, the second time from the cache.", "return_tokens": True}
+    first = hello.post("/completion", json=body).json()
+    second = hello.post("/completion", json=body).json()
+    after, headers = metrics(hello)
+    assert int(headers["Process-Start-Time-Unix"]) == started
+    cached = first["tokens_cached"] + second["tokens_cached"]
+    assert second["tokens_cached"] > 0
+    assert (
+        after["llamacpp:prompt_tokens_cached_total"] - before["llamacpp:prompt_tokens_cached_total"] == cached
+    )
+    # The cache held the prompt and the answer's tokens (all but the last, which was never fed back).
+    held = second["tokens_evaluated"] + second["tokens_predicted"] - 1
+    assert after["llamacpp:n_tokens_max"] >= held > 0
+    assert after["llamacpp:draft_tokens_total"] == after["llamacpp:draft_verify_steps_total"] == 0
+    assert after["llamacpp:draft_acceptance_rate"] == after["llamacpp:draft_mean_accept_len"] == 0
+
+
+def test_predicted_per_second_leaves_out_the_first_token(hello: httpx.Client) -> None:
+    """The first token's time is the prompt's (time to first token): the decode rate is of the rest."""
+    timings = hello.post("/completion", json={"prompt": "Rates:"}).json()["timings"]
+    decoded = timings["predicted_n"] - 1
+    assert decoded > 0
+    assert timings["predicted_per_second"] == pytest.approx(decoded / timings["predicted_ms"] * 1000)
+    assert timings["predicted_per_token_ms"] == pytest.approx(timings["predicted_ms"] / decoded)
