@@ -135,6 +135,7 @@ class GenerationResult:
     timings: Timings
     draft_tokens: int = 0
     draft_accepted: int = 0
+    draft_verify_steps: int = 0  # verify passes that checked a draft
 
 
 GenerationEvent = TextDelta | GenerationResult
@@ -154,6 +155,7 @@ def generate(
     constraints: Sequence[TokenConstraint] = (),
     drafter: Drafter | None = None,
     prompt_inputs: Callable[[int, int], Any] | None = None,
+    prefill_progress: Callable[[int], None] | None = None,
 ) -> Iterator[GenerationEvent]:
     """Continue `prompt_ids`, yielding TextDelta pieces and then one GenerationResult.
 
@@ -167,7 +169,8 @@ def generate(
     the model's own). `drafter` turns on speculative decoding (bubo/engine/speculative.py): same
     events, greedy output identical, sampled output from the same distribution. `prompt_inputs(start,
     end)` gives the prefill of prompt positions [start, end) its image inputs (None for none) and sets
-    the cache's rope offset (bubo/engine/prompt_images.py).
+    the cache's rope offset (bubo/engine/prompt_images.py). `prefill_progress` is told the positions
+    the cache holds after each piece of the prefill.
     """
     params.validate()
     prompt = list(prompt_ids)
@@ -217,13 +220,15 @@ def generate(
         inputs = prompt_inputs(cached, len(prompt)) if prompt_inputs is not None else None
         images = {} if inputs is None else {"multimodal": inputs}
         if speculative is None or not speculative.drafter.needs_hidden:
-            logits = _prefill(model, cache, tokens, images, cancelled)
+            logits = _prefill(model, cache, tokens, images, cancelled, prefill_progress)
             if logits is not None and speculative is None:
                 source = _plain_tokens(model, cache, chooser, logits)
             elif logits is not None:
                 source = speculative.tokens(logits, prompt, limit)
         else:
             source = speculative.tokens(speculative.prefill(tokens, inputs), prompt, limit)
+            if prefill_progress is not None:
+                prefill_progress(cache.length)
     # All of the uncached prompt, unless the prefill was cancelled part way.
     prefilled = cache.length - cached
     first_token_at = started
@@ -307,6 +312,7 @@ def generate(
         ),
         draft_tokens=0 if speculative is None else speculative.proposed,
         draft_accepted=0 if speculative is None else speculative.accepted,
+        draft_verify_steps=0 if speculative is None else speculative.verify_steps,
     )
 
 
@@ -324,9 +330,11 @@ def _prefill(
     tokens: torch.Tensor,
     images: dict[str, Any],
     cancelled: Callable[[], bool] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> torch.Tensor | None:
     """Run the prompt tokens [1, T] into `cache`; the logits [vocab] of the last position, or None when
-    `cancelled` said so before a piece after the first (the cache then holds the pieces that ran)."""
+    `cancelled` said so before a piece after the first (the cache then holds the pieces that ran).
+    `progress` is told the cache's length after each piece."""
     runner = runner_for(model)
     step = runner.prefill_step(cache, tokens.shape[1], bool(images))
     governor = runner.governor
@@ -340,9 +348,13 @@ def _prefill(
             if start and cancelled is not None and cancelled():
                 return None
             logits = model(tokens[:, start : start + chunk], cache, last_only=True, **images)[0, -1]
+            if progress is not None:
+                progress(cache.length)
         return logits
     for token in tokens[0]:
         logits = step(token, cache)
+    if progress is not None:
+        progress(cache.length)
     return logits
 
 

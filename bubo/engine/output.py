@@ -30,8 +30,9 @@ class OutputStream:
         self.tool_call_offsets: list[int] = []
         self.content_logprobs: list[TokenLogprob] = []
         self.reasoning_tokens = 0
-        # Log probabilities waiting for a piece of text to ride on (text can be held back).
+        # Tokens and log probabilities waiting for a piece of text to ride on (text can be held back).
         self._logprobs: tuple[TokenLogprob, ...] = ()
+        self._token_ids: tuple[int, ...] = ()
 
     @property
     def reasoning_text(self) -> str:
@@ -53,6 +54,7 @@ class OutputStream:
         if any(channel == "reasoning" for channel, _ in pieces) or (splitter and splitter.in_reasoning):
             self.reasoning_tokens += len(delta.token_ids)
         self._logprobs += delta.logprobs
+        self._token_ids += tuple(delta.token_ids)
         return self._route(pieces, final=False)
 
     def flush(self) -> list[OutputEvent]:
@@ -91,6 +93,6 @@ class OutputStream:
         return self._delta("content", text)
 
     def _delta(self, channel: Channel, text: str) -> OutputDelta:
-        delta = OutputDelta(channel, text, self._logprobs, self.slot_id)
-        self._logprobs = ()
+        delta = OutputDelta(channel, text, self._logprobs, self.slot_id, self._token_ids)
+        self._logprobs, self._token_ids = (), ()
         return delta

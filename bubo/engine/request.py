@@ -43,6 +43,10 @@ class GenerationRequest:
     # Whose cache this prompt may reuse: prompts of different scopes share no prefix (None: anyone's).
     cache_scope: Hashable | None = None
     special: bool = False  # keep the text of special tokens (`bubo generate --special`)
+    # llama-server's stream extras: PromptProgress events while the prompt is computed, and the running
+    # usage on every OutputDelta.
+    return_progress: bool = False
+    timings_per_token: bool = False
 
     @property
     def cache_key(self) -> list[Hashable]:
@@ -58,13 +62,28 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class OutputDelta:
-    """A piece of reasoning or answer text, with the log probabilities of the tokens that completed it,
-    from the slot `slot_id`."""
+    """A piece of reasoning or answer text, with the tokens that completed it (and their log
+    probabilities), from the slot `slot_id`; `usage` is the request's usage so far, where it asked for
+    it (`timings_per_token`)."""
 
     channel: Channel
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
     slot_id: int = 0
+    token_ids: tuple[int, ...] = ()
+    usage: "Usage | None" = None
+
+
+@dataclass(frozen=True)
+class PromptProgress:
+    """How far the prompt's computation is (llama-server's prompt_progress), sent where a request asked
+    for it (`return_progress`): once before it starts (`processed` == `cached`), after each piece, and
+    when it is done (`processed` == `total`)."""
+
+    total: int
+    cached: int
+    processed: int
+    elapsed_ms: float
 
 
 @dataclass(frozen=True)
@@ -117,8 +136,14 @@ class Usage:
         )
 
     @property
+    def decode_tokens(self) -> int:
+        """The generated tokens after the first: the first one's time is the prompt's (time to first
+        token), so the decode time covers only these."""
+        return max(self.completion_tokens - 1, 0)
+
+    @property
     def predicted_per_second(self) -> float:
-        return self.completion_tokens / self.predicted_ms * 1000 if self.predicted_ms > 0 else 0.0
+        return self.decode_tokens / self.predicted_ms * 1000 if self.predicted_ms > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -157,4 +182,4 @@ class Finished:
 
 
 ToolCallEvent = ToolCallStart | ToolCallArguments | ToolCallEnd
-OutputEvent = OutputDelta | ToolCallEvent | Finished
+OutputEvent = OutputDelta | ToolCallEvent | Finished | PromptProgress

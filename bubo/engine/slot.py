@@ -27,7 +27,8 @@ from bubo.engine.generate import GenerationResult, Model, Tokenizer, generate
 from bubo.engine.output import OutputStream
 from bubo.engine.prompt_cache import PromptCache, SnapshotPolicy
 from bubo.engine.prompt_images import PromptVision, VisionEncoder
-from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputEvent, Usage
+from bubo.engine.prompt_progress import ProgressReporter
+from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputDelta, OutputEvent, Usage
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.speculative import Drafter
 from bubo.model.block_pool import BlockPool
@@ -63,6 +64,7 @@ class SlotStats:
     """Running totals for /metrics (llama-server's `llamacpp:` names map onto these)."""
 
     prompt_tokens_total: int = 0
+    prompt_tokens_cached_total: int = 0  # prompt tokens a cache held, so not computed
     prompt_seconds_total: float = 0.0
     tokens_predicted_total: int = 0
     predicted_seconds_total: float = 0.0
@@ -70,6 +72,7 @@ class SlotStats:
     decode_passes_total: int = 0
     draft_tokens_total: int = 0
     draft_accepted_total: int = 0
+    draft_verify_steps_total: int = 0
     requests_total: int = 0
     requests_processing: int = 0
     requests_deferred: int = 0
@@ -109,6 +112,7 @@ class SessionSlot:
         self.last_prompt_tokens = 0
         self.last_request_id: str | None = None
         self.last_params: SamplingParams | None = None  # the sampling settings of the last request run
+        self.n_tokens_max = 0  # the most positions the cache has held after a request
         # Allocated up front, as llama-server does: on a GPU the KV memory is taken at start-up, not
         # halfway through a long request (on the CPU the zeroed pages are only touched as they fill).
         cache = model.new_cache(max_len=n_ctx) if pool is None else model.new_cache(max_len=n_ctx, pool=pool)
@@ -216,7 +220,7 @@ class SessionSlot:
         cancelled: threading.Event,
     ) -> None:
         try:
-            for event in self._generate(request, cancelled):
+            for event in self._generate(request, cancelled, put):
                 put(event)
         except BaseException as error:  # handed to the request's coroutine, which reports it
             if is_device_lost(error):
@@ -225,14 +229,22 @@ class SessionSlot:
                 error = DeviceLostError(str(error))
             put(error)
 
-    def _generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[OutputEvent]:
+    def _generate(
+        self,
+        request: GenerationRequest,
+        cancelled: threading.Event,
+        send: Callable[[OutputEvent], None],
+    ) -> Iterator[OutputEvent]:
+        """The request's events; `send` hands over prompt progress as it happens (the prefill yields
+        nothing until it ends)."""
         with self.cache_lock:
             try:
                 if self.batcher is None:
-                    yield from self._generate_with(self.model, request, cancelled)
+                    yield from self._generate_with(self.model, request, cancelled, send)
                     return
                 with self.batcher.member():
-                    yield from self._generate_with(BatchedModel(self.model, self.batcher), request, cancelled)
+                    model = BatchedModel(self.model, self.batcher)
+                    yield from self._generate_with(model, request, cancelled, send)
             finally:
                 self.last_used = time.monotonic()
 
@@ -244,7 +256,11 @@ class SessionSlot:
         return PromptVision(self.vision, request.images, len(request.prompt_ids), device)
 
     def _generate_with(
-        self, model: Model, request: GenerationRequest, cancelled: threading.Event
+        self,
+        model: Model,
+        request: GenerationRequest,
+        cancelled: threading.Event,
+        send: Callable[[OutputEvent], None],
     ) -> Iterator[OutputEvent]:
         prompt = request.prompt_ids
         key = request.cache_key
@@ -253,6 +269,10 @@ class SessionSlot:
         vision = self._vision(request, model.device)
         # A text prompt's positions are its indices; the previous request may have left an image offset.
         pc.cache.rope_delta = 0
+        progress = None
+        if request.return_progress:
+            progress = ProgressReporter(len(prompt), report.cached_tokens, send)
+            progress(report.cached_tokens)
 
         def run(start: int, end: int) -> None:
             tokens = torch.tensor([prompt[start:end]], device=model.device)
@@ -263,6 +283,8 @@ class SessionSlot:
                 model(tokens, pc.cache, last_only=True)
             else:
                 model(tokens, pc.cache, last_only=True, multimodal=inputs)
+            if progress is not None:
+                progress(end)
 
         # A hybrid cache snapshots its recurrent states at the prompt's last turn ends (prompt_cache.py).
         started = time.perf_counter()
@@ -280,6 +302,9 @@ class SessionSlot:
             slot_id=self.id,
         )
         result: GenerationResult | None = None
+        running = (
+            _RunningUsage(len(prompt), report.cached_tokens, started) if request.timings_per_token else None
+        )
         try:
             for event in generate(
                 model,
@@ -295,11 +320,16 @@ class SessionSlot:
                 prompt_inputs=None
                 if vision is None
                 else lambda start, end: vision.chunk(pc.cache, start, end),
+                prefill_progress=progress,
             ):
                 if isinstance(event, GenerationResult):
                     result = event
-                else:
+                elif running is None:
                     yield from output.feed(event)
+                else:
+                    running.add(event.token_ids)
+                    for out in output.feed(event):
+                        yield running.attach(out, output.reasoning_tokens)
         finally:
             # Whatever happened, the cache holds exactly the tokens that went through the model.
             pc.finish(key, result.token_ids if result is not None else [])
@@ -330,6 +360,7 @@ class SessionSlot:
         # whole prompt past the cache, unless the request was cancelled part way).
         stats.prompt_tokens_total += result.cached_tokens - report.cached_tokens + timings.prefill_tokens
         stats.prompt_seconds_total += segments_seconds + timings.prefill_seconds
+        stats.prompt_tokens_cached_total += report.cached_tokens
         stats.tokens_predicted_total += result.completion_tokens
         stats.predicted_seconds_total += timings.decode_seconds
         stats.decode_tokens_total += timings.decode_tokens
@@ -337,6 +368,8 @@ class SessionSlot:
         stats.decode_passes_total += timings.decode_tokens - result.draft_accepted
         stats.draft_tokens_total += result.draft_tokens
         stats.draft_accepted_total += result.draft_accepted
+        stats.draft_verify_steps_total += result.draft_verify_steps
+        self.n_tokens_max = max(self.n_tokens_max, self.cached_tokens)
         yield Finished(
             result,
             usage,
@@ -347,3 +380,34 @@ class SessionSlot:
             self.id,
             tuple(output.tool_call_offsets),
         )
+
+
+class _RunningUsage:
+    """A request's usage while it runs (llama-server's timings_per_token): the prompt's time up to the
+    first token, and the tokens generated since and their time."""
+
+    def __init__(self, prompt_tokens: int, cached_tokens: int, started: float) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
+        self.started = started
+        self.first_token_at: float | None = None
+        self.generated = 0
+
+    def add(self, token_ids: list[int]) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.generated += len(token_ids)
+
+    def attach(self, event: OutputEvent, reasoning_tokens: int) -> OutputEvent:
+        """`event` with the usage so far, when it is a piece of text."""
+        if not isinstance(event, OutputDelta) or self.first_token_at is None:
+            return event
+        usage = Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.generated,
+            cached_tokens=self.cached_tokens,
+            reasoning_tokens=reasoning_tokens,
+            prompt_ms=(self.first_token_at - self.started) * 1000,
+            predicted_ms=(time.perf_counter() - self.first_token_at) * 1000,
+        )
+        return replace(event, usage=usage)

@@ -211,7 +211,8 @@ def accept_or_resample(
 class SpeculativeDecoder:
     """generate()'s token source with a drafter: `prefill` the prompt, then iterate `tokens`.
 
-    Counts the drafted (`proposed`) and kept (`accepted`) tokens. Closing the iterator early leaves
+    Counts the drafted (`proposed`) and kept (`accepted`) tokens, and the verify passes that checked a
+    draft (`verify_steps`). Closing the iterator early leaves
     the cache holding exactly the tokens yielded so far, all but the last, as plain decoding does.
     """
 
@@ -219,6 +220,7 @@ class SpeculativeDecoder:
         self.model, self.cache, self.chooser, self.drafter = model, cache, chooser, drafter
         self.proposed = 0
         self.accepted = 0
+        self.verify_steps = 0
         self._hidden: torch.Tensor | None = None
         self._verified: list[int] = []  # the last verify pass's tokens, where a rollback reruns them
         drafter.start(cache.max_len)
@@ -258,6 +260,7 @@ class SpeculativeDecoder:
                 n -= 1
             draft = self.drafter.propose(context, hidden, max(n, 0), self.chooser.draw_draft)
             self.proposed += len(draft.tokens)
+            self.verify_steps += bool(draft.tokens)
             if step is None:
                 verified, rows, snapshots = self._verify(start, [context[-1], *draft.tokens])
             else:

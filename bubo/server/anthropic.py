@@ -45,6 +45,7 @@ from bubo.server.chat import (
     thinking_choice,
     tool_list,
 )
+from bubo.server.constraint_fields import chat_constraint, output_constraint
 from bubo.server.errors import ApiError, bad_field, error_body
 from bubo.server.fields import Body, read_json, sampling_params, stop_strings
 from bubo.server.image_input import ImagePart
@@ -422,8 +423,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         chat,
         params,
         size=body.size,
-        schema=schema,
-        schema_field="output_config.format",
+        **chat_constraint(output_constraint(body, schema, "output_config.format")),
         images=await state.load_images(chat),
     )
     message_id = new_id("msg_")

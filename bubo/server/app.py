@@ -29,7 +29,16 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 # Routes of llama-server / OpenAI that a text model does not serve: they exist, and say so.
-NOT_IMPLEMENTED = ("/v1/embeddings", "/v1/rerank", "/v1/reranking", "/rerank", "/infill")
+# llama-server serves the OpenAI paths without /v1 too.
+NOT_IMPLEMENTED = (
+    "/v1/embeddings",
+    "/embeddings",
+    "/v1/rerank",
+    "/v1/reranking",
+    "/reranking",
+    "/rerank",
+    "/infill",
+)
 
 # Request-head limits, stated rather than left to aiohttp's defaults. A request over them is refused
 # before any handler runs: 400 parse_error (431 for too many headers), bubo/server/connections.py.

@@ -406,12 +406,35 @@ def chat_request(body: Body) -> ChatRequest:
     """The conversation of an OpenAI chat-completions body (also /apply-template's and /debug/prompt's)."""
     messages = chat_messages(body.raw("messages"))
     thinking, kwargs = thinking_choice(body)
+    explicit_turn = "add_generation_prompt" in body or "add_generation_prompt" in kwargs
     opens_turn = generation_prompt(kwargs, body)
+    _check_final_messages(messages, body, opens_turn and explicit_turn)
     tools = chat_tools(body.raw("tools"))
     choice = openai_tool_choice(body, tools)
     return ChatRequest(
         messages, tools, thinking, kwargs, add_generation_prompt=opens_turn, tool_choice=choice
     )
+
+
+def _check_final_messages(messages: list[dict[str, Any]], body: Body, opens_turn: bool) -> None:
+    """llama-server's (and vLLM's) checks on how a chat ends: `continue_final_message` (a final
+    assistant message is continued either way) contradicts an explicit `add_generation_prompt: true`,
+    and needs a final assistant message; two assistant messages at the end are ambiguous (which one is
+    the answer to continue?)."""
+    if body.boolean("continue_final_message"):
+        if opens_turn:
+            raise _conflict(
+                "continue_final_message",
+                "continuing the final message and opening a new assistant turn (add_generation_prompt) "
+                "cannot both be asked for",
+            )
+        if messages[-1].get("role") != "assistant":
+            raise bad_field("continue_final_message", "needs a final assistant message to continue")
+    if len(messages) >= 2 and all(m.get("role") == "assistant" for m in messages[-2:]):
+        raise bad_field(
+            f"messages[{len(messages) - 1}]",
+            "the chat ends with two assistant messages; at most one, the answer to continue, may end it",
+        )
 
 
 def output_schema(fmt: Any, field_name: str) -> dict[str, Any] | None:

@@ -41,6 +41,7 @@ class ApiError(Exception):
         param: str | None = None,
         headers: Mapping[str, str] | None = None,
         top_level: Mapping[str, object] | None = None,
+        details: Mapping[str, object] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -51,6 +52,8 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
         # Fields beside "error" in the body, such as {"status": "device_lost"}.
         self.top_level = dict(top_level or {})
+        # Fields inside the error object after the documented ones, such as llama-server's n_ctx.
+        self.details = dict(details or {})
 
 
 def bad_field(field: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -67,6 +70,7 @@ def error_body(error: ApiError, *, anthropic: bool, request_id: str) -> dict[str
                 "type": _ANTHROPIC_TYPES.get(error.status, error.type),
                 "message": error.message,
                 "code": error.code,
+                **error.details,
             },
             "request_id": request_id,
             **error.top_level,
@@ -78,6 +82,7 @@ def error_body(error: ApiError, *, anthropic: bool, request_id: str) -> dict[str
                 "type": error.type,
                 "code": error.code,
                 "param": error.param,
+                **error.details,
             },
             **error.top_level,
         }

@@ -5,14 +5,16 @@ import asyncio
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from aiohttp import web
 
 from bubo.engine.sampler import SamplingParams
+from bubo.model.tokenizer import Tokenizer
 from bubo.server.errors import ApiError, bad_field
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "MAX_STOP_BYTES",
     "MAX_STOP_STRINGS",
     "Body",
+    "bias_text_tokens",
     "json_text",
     "read_json",
     "reject_n",
@@ -395,23 +398,25 @@ def stop_strings(values: list[Any], name: str) -> list[str]:
     return list(values)
 
 
-def _logit_bias(body: Body, vocab_size: int) -> dict[int, float]:
-    """OpenAI's {"token id": bias} map, or llama-server's [[id, bias], …] list; a bias of false bans."""
+def _logit_bias(body: Body, vocab_size: int, tokenize: Callable[[str], list[int]] | None) -> dict[int, float]:
+    """OpenAI's {"token id": bias} map, or llama-server's [[id, bias], …] list; a bias of false bans.
+    As in llama-server, a key that is text rather than a token id (any string in the list form, a
+    string of other than digits in the map) is tokenized and each of its tokens gets the bias."""
     value = body.data.get("logit_bias")
     if value is None:
         return {}
     pairs: list[tuple[Any, Any]]
     if isinstance(value, dict):
-        pairs = list(value.items())
+        pairs = [(_object_key(key), amount) for key, amount in value.items()]
     elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
         pairs = [(p[0], p[1]) for p in value]
     else:
         raise bad_field("logit_bias", "must be an object mapping token ids to biases, or [[id, bias], …]")
     bias: dict[int, float] = {}
     for key, amount in pairs:
-        token = _token_id(key, vocab_size)
+        tokens = _bias_tokens(key, vocab_size, tokenize)
         if amount is False:
-            bias[token] = -math.inf
+            bias.update(dict.fromkeys(tokens, -math.inf))
         elif (
             isinstance(amount, bool)
             or not isinstance(amount, int | float)
@@ -419,10 +424,10 @@ def _logit_bias(body: Body, vocab_size: int) -> dict[int, float]:
         ):
             raise bad_field(
                 "logit_bias",
-                f"the bias for token {token} must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] or false",
+                f"the bias for {str(key)[:40]!r} must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] or false",
             )
         else:
-            bias[token] = float(amount)
+            bias.update(dict.fromkeys(tokens, float(amount)))
     if sum(amount == -math.inf for amount in bias.values()) == vocab_size:
         raise bad_field(
             "logit_bias", f"bans every token of the vocabulary ({vocab_size}): none is left to sample"
@@ -430,17 +435,32 @@ def _logit_bias(body: Body, vocab_size: int) -> dict[int, float]:
     return bias
 
 
-def _token_id(key: Any, vocab_size: int) -> int:
-    """A logit_bias key: a token id, as an integer or (object keys) a string of ASCII digits."""
-    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
-        token = int(key)
-    elif isinstance(key, int) and not isinstance(key, bool):
-        token = key
-    else:
-        raise bad_field("logit_bias", f"keys must be token ids, got {str(key)[:40]!r}")
-    if not 0 <= token < vocab_size:
-        raise bad_field("logit_bias", f"token id {token} is outside the vocabulary (size {vocab_size})")
-    return token
+def _object_key(key: str) -> int | str:
+    """A key of the map form: a token id when it is an integer (a negative one is refused later, as
+    outside the vocabulary), else text."""
+    digits = key.removeprefix("-")
+    if not (digits.isascii() and digits.isdigit()):
+        return key
+    if len(digits) > 12:
+        raise bad_field("logit_bias", f"token id {_shown(int(key[:40]))}... is outside the vocabulary")
+    return int(key)
+
+
+def _bias_tokens(key: Any, vocab_size: int, tokenize: Callable[[str], list[int]] | None) -> list[int]:
+    """The tokens one logit_bias key stands for: a token id, or the tokens of a text."""
+    if isinstance(key, str) and tokenize is not None:
+        return tokenize(key)
+    if not isinstance(key, int) or isinstance(key, bool):
+        raise bad_field("logit_bias", f"keys must be token ids or text, got {str(key)[:40]!r}")
+    if not 0 <= key < vocab_size:
+        raise bad_field("logit_bias", f"token id {key} is outside the vocabulary (size {vocab_size})")
+    return [key]
+
+
+def bias_text_tokens(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
+    """How a logit_bias key that is text becomes tokens: as plain text, without BOS or EOS (llama-server
+    tokenizes it so too)."""
+    return partial(tokenizer.encode, add_bos=False, add_eos=False, parse_special=False)
 
 
 def sampling_params(
@@ -450,9 +470,11 @@ def sampling_params(
     *,
     limit_fields: Sequence[str] = ("max_tokens",),
     limit_minimum: int = 1,
+    tokenize: Callable[[str], list[int]] | None = None,
 ) -> SamplingParams:
     """The sampling fields every dialect shares, over the server's defaults (llama-server's names);
-    the token limit is the first of `limit_fields` set, at least `limit_minimum` (Body.token_limit)."""
+    the token limit is the first of `limit_fields` set, at least `limit_minimum` (Body.token_limit).
+    `tokenize` turns logit_bias keys that are text into their tokens (without it, only ids are taken)."""
     d = defaults
     # -1 and 0 both turn top_k off (vLLM's and llama-server's spellings).
     top_k = body.integer("top_k", d.top_k, minimum=-1, maximum=MAX_COUNT)
@@ -469,7 +491,7 @@ def sampling_params(
         repeat_last_n=body.integer("repeat_last_n", d.repeat_last_n, minimum=-1, maximum=MAX_COUNT),
         presence_penalty=body.number("presence_penalty", d.presence_penalty, minimum=-2.0, maximum=2.0),
         frequency_penalty=body.number("frequency_penalty", d.frequency_penalty, minimum=-2.0, maximum=2.0),
-        logit_bias=_logit_bias(body, vocab_size) or dict(d.logit_bias),
+        logit_bias=_logit_bias(body, vocab_size, tokenize) or dict(d.logit_bias),
         max_tokens=limit if limit is not None else d.max_tokens,
         stop=body.stop() or list(d.stop),
         ignore_eos=body.boolean("ignore_eos", d.ignore_eos),

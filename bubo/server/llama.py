@@ -12,16 +12,17 @@ from typing import Any
 from aiohttp import web
 
 import bubo
-from bubo.engine.grammar import GrammarMatcher
-from bubo.engine.request import Finished, GenerationRequest, OutputDelta
+from bubo.engine.request import Finished, GenerationRequest, OutputDelta, PromptProgress
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import SessionSlot
 from bubo.server.chat import chat_request, output_schema
-from bubo.server.errors import ApiError, error_body
-from bubo.server.fields import Body, read_json, sampling_params
+from bubo.server.constraint_fields import constraint_grammar, output_constraint
+from bubo.server.errors import ApiError, bad_field, error_body
+from bubo.server.fields import Body, bias_text_tokens, read_json, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState
+from bubo.server.stream_extras import delta_timings, progress_json, with_stream_extras
 from bubo.server.usage import openai_usage, timings
 
 __all__ = ["routes"]
@@ -62,17 +63,47 @@ def _params_json(params: SamplingParams) -> dict[str, Any]:
 
 
 class _Completion:
-    """What every chunk and the final body of one /completion answer share."""
+    """What every chunk and the final body of one /completion answer share. `return_tokens` puts the
+    generated token ids in the final body (a stream's chunks always carry theirs, as llama-server's do)."""
 
-    def __init__(self, state: ServerState, model: str, generation: GenerationRequest, stream: bool) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        model: str,
+        generation: GenerationRequest,
+        stream: bool,
+        return_tokens: bool = False,
+    ) -> None:
         self.state = state
         self.model = model
         self.generation = generation
         self.stream = stream
+        self.return_tokens = return_tokens
+        self.predicted = 0  # tokens streamed so far
+
+    def chunk(self, event: OutputDelta | PromptProgress) -> dict[str, Any]:
+        """A stream's chunk for a piece of text or a prompt progress report."""
+        if isinstance(event, PromptProgress):
+            text, tokens, slot_id, extra = "", (), 0, {"prompt_progress": progress_json(event)}
+        else:
+            self.predicted += len(event.token_ids)
+            text, tokens, slot_id, extra = event.text, event.token_ids, event.slot_id, delta_timings(event)
+        return {
+            "index": 0,
+            "content": text,
+            "tokens": list(tokens),
+            "id_slot": slot_id,
+            "stop": False,
+            "tokens_predicted": self.predicted,
+            "tokens_evaluated": len(self.generation.prompt_ids),
+            **extra,
+        }
 
     def final(self, finished: Finished, content: str) -> dict[str, Any]:
         result = finished.result
         usage = finished.usage
+        # The tokens whose text the answer is: an end token ends it without text.
+        tokens = result.token_ids[:-1] if result.stop_token_id is not None else result.token_ids
         settings = {
             "n_ctx": self.state.n_ctx,
             "model": self.model,
@@ -83,6 +114,7 @@ class _Completion:
         return {
             "index": 0,
             "content": content,
+            "tokens": list(tokens) if self.return_tokens and not self.stream else [],
             "id_slot": finished.slot_id,
             "stop": True,
             "model": self.model,
@@ -95,6 +127,7 @@ class _Completion:
             "stopped_eos": result.stop_reason == "eos",
             "stopped_word": result.stop_reason == "stop_string",
             "stopped_limit": result.stop_reason in ("max_tokens", "context"),
+            "has_new_line": "\n" in finished.content_text,
             "generation_settings": settings,
             "prompt": self.generation.prompt,
             "timings": timings(usage),
@@ -102,29 +135,15 @@ class _Completion:
         }
 
 
-async def _grammar(state: ServerState, body: Body) -> GrammarMatcher | None:
-    """llama-server's ways to constrain a completion: `json_schema`, `grammar` (GBNF) or an OpenAI-style
-    `response_format`; at most one."""
-    given = [name for name in ("json_schema", "grammar", "response_format") if name in body]
-    if len(given) > 1:
-        raise ApiError(
-            400, "conflicting_fields", f"{' and '.join(given)}: give one constraint", param=given[1]
-        )
-    if "json_schema" in body:
-        return await state.compile_schema(body.object("json_schema") or {}, "json_schema")
-    if "grammar" in body:
-        return await state.compile_gbnf(body.string("grammar") or "")
-    schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
-    return await state.compile_schema(schema, "response_format") if schema is not None else None
-
-
 async def completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     loaded = state.require_ready()
     model = state.resolve_model(body.raw("model"), required=False)
-    text, ids = await state.prompt_work(body.size, state.completion_prompt, body.raw("prompt"))
+    text, ids = await state.prompt_work(body.size, state.completion_prompt, _prompt(body.raw("prompt")))
     stream = body.boolean("stream")
+    return_tokens = body.boolean("return_tokens")
+    fields = _response_fields(body)
     if body.integer("n_probs", minimum=0, maximum=20):
         raise ApiError(
             400, "unsupported_n_probs", "n_probs: token probabilities are not supported yet", param="n_probs"
@@ -137,18 +156,65 @@ async def completion(request: web.Request) -> web.StreamResponse:
         loaded.tokenizer.vocab_size,
         limit_fields=("n_predict", "max_tokens"),
         limit_minimum=0,
+        tokenize=bias_text_tokens(loaded.tokenizer),
     )
-    grammar = await _grammar(state, body)
+    # llama-server's ways to constrain a completion: `json_schema`, `grammar` (GBNF) or an OpenAI-style
+    # `response_format`; at most one.
+    schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
+    grammar = await constraint_grammar(state, output_constraint(body, schema))
     generation = state.request(
         text, ids, params, grammar=grammar, cache_prompt=body.boolean("cache_prompt", True)
     )
-    answer = _Completion(state, model, generation, stream)
+    generation = with_stream_extras(generation, body, stream)
+    answer = _Completion(state, model, generation, stream, return_tokens)
     if stream:
         return await _stream(request, state, answer)
     finished = await state.complete(generation)
-    return web.json_response(
-        answer.final(finished, finished.content_text), headers={"x-request-id": request[REQUEST_ID]}
-    )
+    reply = answer.final(finished, finished.content_text)
+    if fields:
+        reply = _picked(reply, fields)
+    return web.json_response(reply, headers={"x-request-id": request[REQUEST_ID]})
+
+
+def _prompt(prompt: Any) -> Any:
+    """llama-server's prompt object {"prompt_string": ...} (with `multimodal_data` for images, which
+    /completion does not take) as its text; any other prompt as given."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if prompt.get("multimodal_data"):
+        raise ApiError(
+            400,
+            "unsupported_content",
+            "prompt.multimodal_data: /completion takes text; send images to /v1/chat/completions",
+            param="prompt",
+        )
+    text = prompt.get("prompt_string")
+    if not isinstance(text, str):
+        raise bad_field("prompt.prompt_string", "must be a string")
+    return text
+
+
+def _response_fields(body: Body) -> list[str]:
+    """llama-server's `response_fields`: the only fields the answer keeps, "a/b" naming b inside a."""
+    fields = body.array("response_fields") or []
+    if not all(isinstance(name, str) and name for name in fields):
+        raise bad_field("response_fields", "must be an array of field names")
+    return fields
+
+
+def _picked(reply: dict[str, Any], fields: list[str]) -> dict[str, Any]:
+    """The `fields` of `reply` that it has, each under its name as given ("generation_settings/n_predict"
+    as one key), as llama-server answers with response_fields."""
+    picked = {}
+    for name in fields:
+        value: Any = reply
+        for part in name.split("/"):
+            if not isinstance(value, dict) or part not in value:
+                break
+            value = value[part]
+        else:
+            picked[name] = value
+    return picked
 
 
 async def _stream(request: web.Request, state: ServerState, answer: _Completion) -> web.StreamResponse:
@@ -160,11 +226,9 @@ async def _stream(request: web.Request, state: ServerState, answer: _Completion)
         try:
             event = first
             while event is not None:
-                if isinstance(event, OutputDelta):
-                    await sse.send(
-                        {"index": 0, "content": event.text, "id_slot": event.slot_id, "stop": False}
-                    )
-                else:
+                if isinstance(event, OutputDelta | PromptProgress):
+                    await sse.send(answer.chunk(event))
+                elif isinstance(event, Finished):
                     # The text went out in the chunks before; the last one carries only the statistics.
                     await sse.send(answer.final(event, ""))
                     break

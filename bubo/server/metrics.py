@@ -48,6 +48,11 @@ class SlotCollector:
             "llamacpp:prompt_tokens_total", "Number of prompt tokens processed.", stats.prompt_tokens_total
         )
         yield counter(
+            "llamacpp:prompt_tokens_cached_total",
+            "Number of prompt tokens a prompt cache held (not computed).",
+            stats.prompt_tokens_cached_total,
+        )
+        yield counter(
             "llamacpp:prompt_seconds_total", "Prompt process time in seconds.", stats.prompt_seconds_total
         )
         yield GaugeMetricFamily(
@@ -108,6 +113,11 @@ class SlotCollector:
             "llamacpp:kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.", value=used
         )
         yield GaugeMetricFamily("llamacpp:kv_cache_tokens", "KV-cache tokens.", value=cached)
+        yield GaugeMetricFamily(
+            "llamacpp:n_tokens_max",
+            "Largest observed n_tokens: the most positions a slot's cache has held.",
+            value=max(slot.n_tokens_max for slot in slots.slots),
+        )
         yield counter(
             "llamacpp:spec_decode_num_draft_tokens_total",
             "Total draft tokens generated (0 when spec-decode is off).",
@@ -117,6 +127,23 @@ class SlotCollector:
             "llamacpp:spec_decode_num_accepted_tokens_total",
             "Total draft tokens accepted by the target model (0 when spec-decode is off).",
             stats.draft_accepted_total,
+        )
+        # The same counts under llama-server's newer names, with the verify passes and the two ratios.
+        steps = stats.draft_verify_steps_total
+        yield counter("llamacpp:draft_tokens_total", "Draft tokens proposed.", stats.draft_tokens_total)
+        yield counter(
+            "llamacpp:draft_tokens_accepted_total", "Draft tokens accepted.", stats.draft_accepted_total
+        )
+        yield counter("llamacpp:draft_verify_steps_total", "Verify passes that checked a draft.", steps)
+        yield GaugeMetricFamily(
+            "llamacpp:draft_acceptance_rate",
+            "Accepted draft tokens per proposed one.",
+            value=rate(stats.draft_accepted_total, stats.draft_tokens_total),
+        )
+        yield GaugeMetricFamily(
+            "llamacpp:draft_mean_accept_len",
+            "Tokens each verify pass yields: its accepted drafts and the one it samples.",
+            value=1 + stats.draft_accepted_total / steps if steps else 0.0,
         )
 
 
@@ -136,9 +163,9 @@ def registry_for(state: ServerState) -> CollectorRegistry:
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
-    return web.Response(
-        body=generate_latest(registry_for(state)), headers={"Content-Type": CONTENT_TYPE_LATEST}
-    )
+    # llama-server's header, so that a scraper can tell a restarted server (counters back to zero).
+    headers = {"Content-Type": CONTENT_TYPE_LATEST, "Process-Start-Time-Unix": str(state.created)}
+    return web.Response(body=generate_latest(registry_for(state)), headers=headers)
 
 
 def routes() -> list[web.RouteDef]:

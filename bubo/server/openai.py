@@ -13,17 +13,20 @@ from bubo.engine.request import (
     GenerationRequest,
     OutputDelta,
     OutputEvent,
+    PromptProgress,
     ToolCallArguments,
     ToolCallEnd,
     ToolCallStart,
 )
 from bubo.model.tokenizer import Tokenizer
 from bubo.server.chat import chat_request, output_schema
+from bubo.server.constraint_fields import chat_constraint, constraint_grammar, output_constraint
 from bubo.server.errors import ApiError, bad_field, error_body
-from bubo.server.fields import Body, read_json, reject_n, sampling_params
+from bubo.server.fields import Body, bias_text_tokens, read_json, reject_n, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState, new_id
+from bubo.server.stream_extras import delta_timings, progress_json, with_stream_extras
 from bubo.server.usage import openai_usage, timings
 
 __all__ = ["routes"]
@@ -64,6 +67,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         state.settings.defaults,
         loaded.tokenizer.vocab_size,
         limit_fields=("max_completion_tokens", "max_tokens"),
+        tokenize=bias_text_tokens(loaded.tokenizer),
     )
     top_logprobs = _chat_logprobs(body)
     schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
@@ -72,10 +76,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         params,
         size=body.size,
         logprobs=top_logprobs,
-        schema=schema,
+        **chat_constraint(output_constraint(body, schema)),
         cache_prompt=body.boolean("cache_prompt", True),
         images=await state.load_images(chat),
     )
+    generation = with_stream_extras(generation, body, stream)
     reply = _Reply(new_id("chatcmpl-"), "chat.completion", model, loaded.tokenizer, top_logprobs)
     if stream:
         return await _stream(request, state, generation, reply, include_usage, _chat_chunk)
@@ -114,10 +119,22 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )
     # The legacy API's `logprobs` is the number of alternatives (0-5 there; up to 20 here).
     top_logprobs = body.integer("logprobs", minimum=0, maximum=20)
-    params = sampling_params(body, state.settings.defaults, loaded.tokenizer.vocab_size)
-    generation = state.request(
-        text, ids, params, logprobs=top_logprobs, cache_prompt=body.boolean("cache_prompt", True)
+    params = sampling_params(
+        body,
+        state.settings.defaults,
+        loaded.tokenizer.vocab_size,
+        tokenize=bias_text_tokens(loaded.tokenizer),
     )
+    schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
+    generation = state.request(
+        text,
+        ids,
+        params,
+        logprobs=top_logprobs,
+        grammar=await constraint_grammar(state, output_constraint(body, schema)),
+        cache_prompt=body.boolean("cache_prompt", True),
+    )
+    generation = with_stream_extras(generation, body, stream)
     prefix = text if echo else ""
     reply = _Reply(new_id("cmpl-"), "text_completion", model, loaded.tokenizer, top_logprobs, prefix)
     if stream:
@@ -235,20 +252,26 @@ def _chat_chunk(reply: _Reply, event: OutputEvent | None) -> dict[str, Any] | No
         return reply.choice_chunk({"delta": {"tool_calls": [piece]}})
     if isinstance(event, ToolCallEnd):
         return None
+    if isinstance(event, PromptProgress):
+        return reply.chunk([], prompt_progress=progress_json(event))
     if event is None:
-        return reply.choice_chunk({"delta": {"role": "assistant", "content": ""}})
+        # As OpenAI and llama-server open a stream: the role, and no content yet.
+        return reply.choice_chunk({"delta": {"role": "assistant", "content": None}})
     if isinstance(event, OutputDelta):
         key = "reasoning_content" if event.channel == "reasoning" else "content"
         logprobs = reply.chat_logprobs(event.logprobs) if event.channel == "content" else None
-        return reply.choice_chunk({"delta": {key: event.text}}, logprobs)
+        return reply.choice_chunk({"delta": {key: event.text}}, logprobs, **delta_timings(event))
     return reply.choice_chunk({"delta": {}}, finish_reason=event.finish_reason, timings=timings(event.usage))
 
 
 def _text_chunk(reply: _Reply, event: OutputEvent | None) -> dict[str, Any] | None:
     if event is None:
         return reply.choice_chunk({"text": reply.prefix}) if reply.prefix else None
+    if isinstance(event, PromptProgress):
+        return reply.chunk([], prompt_progress=progress_json(event))
     if isinstance(event, OutputDelta):
-        return reply.choice_chunk({"text": event.text}, reply.text_logprobs(event.logprobs))
+        logprobs = reply.text_logprobs(event.logprobs)
+        return reply.choice_chunk({"text": event.text}, logprobs, **delta_timings(event))
     return reply.choice_chunk({"text": ""}, finish_reason=event.finish_reason, timings=timings(event.usage))
 
 
@@ -287,4 +310,13 @@ async def _stream(
 
 
 def routes() -> list[web.RouteDef]:
-    return [web.post("/v1/chat/completions", chat_completions), web.post("/v1/completions", completions)]
+    # The paths without /v1 as well: llama-server serves both, and an OpenAI client whose base_url
+    # lacks /v1 asks for these.
+    return [
+        route
+        for prefix in ("/v1", "")
+        for route in (
+            web.post(f"{prefix}/chat/completions", chat_completions),
+            web.post(f"{prefix}/completions", completions),
+        )
+    ]

@@ -37,6 +37,7 @@ from bubo.engine.request import (
     GenerationRequest,
     OutputDelta,
     OutputEvent,
+    PromptProgress,
     ToolCallArguments,
     ToolCallEnd,
     ToolCallStart,
@@ -56,11 +57,13 @@ from bubo.server.chat import (
     text_content,
     thinking_choice,
 )
+from bubo.server.constraint_fields import chat_constraint, output_constraint
 from bubo.server.errors import ApiError, bad_field
-from bubo.server.fields import Body, json_text, read_json, sampling_params
+from bubo.server.fields import Body, bias_text_tokens, json_text, read_json, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState, new_id
+from bubo.server.stream_extras import delta_timings, progress_json, with_stream_extras
 from bubo.server.usage import gufo, timings
 
 __all__ = ["function_tools", "input_messages", "routes", "strict_schema"]
@@ -453,7 +456,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     text, schema = _text_config(body)
     stream = body.boolean("stream")
     params = sampling_params(
-        body, state.settings.defaults, loaded.tokenizer.vocab_size, limit_fields=("max_output_tokens",)
+        body,
+        state.settings.defaults,
+        loaded.tokenizer.vocab_size,
+        limit_fields=("max_output_tokens",),
+        tokenize=bias_text_tokens(loaded.tokenizer),
     )
     chat = ChatRequest(
         messages,
@@ -467,10 +474,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         chat,
         params,
         size=body.size,
-        schema=schema,
-        schema_field="text.format",
+        **chat_constraint(output_constraint(body, schema, "text.format")),
         images=await state.load_images(chat),
     )
+    generation = with_stream_extras(generation, body, stream)
     reply = _Reply(model, _echo(body, params, instructions, text))
     if stream:
         return await _stream(request, state, generation, reply)
@@ -580,7 +587,18 @@ class _EventWriter:
         if kind == "reasoning":
             await self.send("response.reasoning_text.delta", **self._place(), delta=event.text)
         else:
-            await self.send("response.output_text.delta", **self._place(), delta=event.text, logprobs=[])
+            await self.send(
+                "response.output_text.delta",
+                **self._place(),
+                delta=event.text,
+                logprobs=[],
+                **delta_timings(event),
+            )
+
+    async def progress(self, event: PromptProgress) -> None:
+        """llama-server's prompt_progress, on the lifecycle's own in-progress event."""
+        opening = self.reply.body("in_progress", [])
+        await self.send("response.in_progress", response=opening, prompt_progress=progress_json(event))
 
     async def tool_call(self, event: ToolCallStart | ToolCallArguments | ToolCallEnd) -> None:
         """A function_call item: added with empty arguments, then its argument fragments, then done.
@@ -646,6 +664,8 @@ async def _stream(
                     break
                 if isinstance(event, OutputDelta):
                     await writer.delta(event)
+                elif isinstance(event, PromptProgress):
+                    await writer.progress(event)
                 else:
                     await writer.tool_call(event)
                 event = await anext(events, None)
@@ -657,4 +677,5 @@ async def _stream(
 
 
 def routes() -> list[web.RouteDef]:
-    return [web.post("/v1/responses", create_response)]
+    # Also without /v1, as llama-server serves it.
+    return [web.post("/v1/responses", create_response), web.post("/responses", create_response)]

@@ -466,13 +466,15 @@ class ServerState:
         logprobs: int | None = None,
         schema: Mapping[str, Any] | None = None,
         schema_field: str = "response_format",
+        gbnf: str | None = None,
         cache_prompt: bool = True,
         images: Sequence[DecodedImage] = (),
     ) -> GenerationRequest:
         """A chat's generation request: its prompt, its reasoning budget, the tool-call parser when tools
         are offered (and the grammar that forces a call for tool_choice "required" or a named tool), or
-        the grammar of a JSON schema answer. `size` is the request body's (`prompt_work`); `images` are
-        the chat's images (`load_images`)."""
+        the grammar of a JSON schema answer or of a GBNF grammar (`gbnf`), which the body's
+        `schema_field` asked for. `size` is the request body's (`prompt_work`); `images` are the chat's
+        images (`load_images`)."""
         assert len(images) == len(chat.images), "the chat's images come from load_images"
         prompt = await self.prompt_work(size, self.render_prompt, chat, images)
         assert self.template is not None
@@ -481,11 +483,11 @@ class ServerState:
         if chat.tools and choice.mode != "none":
             fmt = tool_call_format(self.template.source if self.template.supports_tools else "")
             parser = ToolCallParser(fmt, chat.tools, parallel=choice.parallel)
-            if choice.forced and schema is not None:
+            if choice.forced and (schema is not None or gbnf is not None):
                 raise ApiError(
                     400,
                     "conflicting_fields",
-                    f"{schema_field}: a JSON answer and a forced tool call cannot both be asked for",
+                    f"{schema_field}: a constrained answer and a forced tool call cannot both be asked for",
                     param=schema_field,
                 )
             if choice.forced:
@@ -506,6 +508,8 @@ class ServerState:
                     ) from None
         if schema is not None:
             grammar = await self.compile_schema(schema, schema_field)
+        elif gbnf is not None:
+            grammar = await self.compile_gbnf(gbnf, schema_field)
         return self.request(
             prompt.text,
             prompt.ids,
@@ -603,6 +607,8 @@ class ServerState:
                 "context_length_exceeded",
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.n_ctx} "
                 "(prompt plus at least one generated token); shorten the prompt",
+                # llama-server's numbers, for clients that size the prompt from them.
+                details={"n_prompt_tokens": len(prompt_ids), "n_ctx": self.n_ctx},
             )
 
     def request(

@@ -21,9 +21,7 @@ def timings(usage: Usage) -> dict[str, Any]:
         "prompt_per_second": usage.prompt_per_second,
         "predicted_n": usage.completion_tokens,
         "predicted_ms": usage.predicted_ms,
-        "predicted_per_token_ms": usage.predicted_ms / usage.completion_tokens
-        if usage.completion_tokens
-        else 0.0,
+        "predicted_per_token_ms": usage.predicted_ms / usage.decode_tokens if usage.decode_tokens else 0.0,
         "predicted_per_second": usage.predicted_per_second,
         "draft_n": usage.draft_tokens,
         "draft_n_accepted": usage.draft_accepted,

@@ -56,15 +56,12 @@ INTEGER_FIELDS: dict[str, list[Any]] = {
     "seed": [-2, 2**64, 10**30, 0.5, *NOT_FINITE, *NOT_NUMBERS],
     "repeat_last_n": [-2, 10**12, 2.5, *NOT_FINITE, *NOT_NUMBERS],
 }
+# Keys that are not integers ("abc", "1.5") are text, tokenized as llama-server does
+# (tests/server/test_llama_compat.py): not hostile.
 LOGIT_BIAS = [
     {"-1": 1},
     {"320": 1},
     {"99999999999999999999": 1},
-    {"abc": 1},
-    {"1.5": 1},
-    {" 5": 1},
-    {"\u0663": 1},
-    {"1_0": 1},
     {"1": 100.5},
     {"1": -101},
     {"1": 10**400},

@@ -15,12 +15,16 @@ TEXT = "Counting: one two three."
 
 COUNTERS = (
     "llamacpp:prompt_tokens_total",
+    "llamacpp:prompt_tokens_cached_total",
     "llamacpp:prompt_seconds_total",
     "llamacpp:tokens_predicted_total",
     "llamacpp:tokens_predicted_seconds_total",
     "llamacpp:n_decode_total",
     "llamacpp:spec_decode_num_draft_tokens_total",
     "llamacpp:spec_decode_num_accepted_tokens_total",
+    "llamacpp:draft_tokens_total",
+    "llamacpp:draft_tokens_accepted_total",
+    "llamacpp:draft_verify_steps_total",
     "bubo_requests_total",
     "bubo_requests_deferred_total",
     "bubo_images_encoded_total",
@@ -33,6 +37,9 @@ GAUGES = (
     "llamacpp:requests_deferred",
     "llamacpp:kv_cache_usage_ratio",
     "llamacpp:kv_cache_tokens",
+    "llamacpp:n_tokens_max",
+    "llamacpp:draft_acceptance_rate",
+    "llamacpp:draft_mean_accept_len",
 )
 
 

@@ -80,6 +80,7 @@ def test_counts_reach_usage_timings_and_metrics(servers: list[LiveServer], model
 
     before = _metrics(server)
     llama = httpx.post(server.url + "/completion", json={"prompt": PROMPT}, timeout=60).json()
+    middle = _metrics(server)
     body = {"model": "bubo", "messages": [{"role": "user", "content": PROMPT}]}
     chat = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
     after = _metrics(server)
@@ -102,6 +103,19 @@ def test_counts_reach_usage_timings_and_metrics(servers: list[LiveServer], model
         - before["llamacpp:spec_decode_num_accepted_tokens_total"]
     )
     assert drafted == accepted == 4 + usage["draft_tokens"]
+    # llama-server's newer names count the same, with the verify passes that checked a draft: the two
+    # rounds of /completion.
+    assert after["llamacpp:draft_tokens_total"] == after["llamacpp:spec_decode_num_draft_tokens_total"]
+    assert (
+        after["llamacpp:draft_tokens_accepted_total"]
+        == after["llamacpp:spec_decode_num_accepted_tokens_total"]
+    )
+    assert middle["llamacpp:draft_verify_steps_total"] - before["llamacpp:draft_verify_steps_total"] == 2
+    steps = after["llamacpp:draft_verify_steps_total"]
+    assert after["llamacpp:draft_acceptance_rate"] == 1.0
+    assert after["llamacpp:draft_mean_accept_len"] == pytest.approx(
+        1 + after["llamacpp:draft_tokens_accepted_total"] / steps
+    )
     # Decode passes, not tokens: the 7 decoded tokens of /completion took 3 passes (2 + 1, 2 + 1, 1).
     passes = after["llamacpp:n_decode_total"] - before["llamacpp:n_decode_total"]
     decoded = timings["predicted_n"] - 1 + usage["completion_tokens"] - 1
