@@ -53,6 +53,7 @@ from bubo.server.chat import (
     named_tool_choice,
     output_schema,
     require_function_tool,
+    strict_schema,
     text_content,
     thinking_choice,
 )
@@ -63,7 +64,7 @@ from bubo.server.sse import EventStream
 from bubo.server.state import ServerState, new_id
 from bubo.server.usage import gufo, timings
 
-__all__ = ["function_tools", "input_messages", "routes", "strict_schema"]
+__all__ = ["function_tools", "input_messages", "routes"]
 
 _MESSAGE_ROLES = ("system", "developer", "user", "assistant")
 # Stateful or hosted features: Bubo keeps no responses and runs no hosted tools.
@@ -193,37 +194,6 @@ def input_messages(raw: Any, instructions: str | None = None) -> list[dict[str, 
     if not any(m["role"] != "system" for m in messages):
         raise ApiError(400, "missing_input", "input holds no message to answer", param="input")
     return chat_messages(messages, "input")
-
-
-# Where strict_schema looks for nested schemas: maps of them, lists of them, and single ones.
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-
-
-def strict_schema(schema: Any, where: str) -> Any:
-    """`schema` (at `where` in the body) as OpenAI's strict mode reads it: every object requires all of
-    its properties and allows no others unless it sets `additionalProperties` itself; nested objects
-    (properties, items, anyOf, $defs) too. A property that may be left out is spelled as a nullable
-    type in strict mode. 400 invalid_schema when `properties` is not an object of schemas."""
-    if not isinstance(schema, Mapping):
-        return schema
-    out = dict(schema)
-    if "properties" in out and not isinstance(out["properties"], Mapping):
-        raise bad_field(f"{where}.properties", "must be an object of schemas", code="invalid_schema")
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), Mapping):
-            out[key] = {name: strict_schema(sub, f"{where}.{key}.{name}") for name, sub in out[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [strict_schema(sub, f"{where}.{key}[{i}]") for i, sub in enumerate(out[key])]
-    if "items" in out:
-        out["items"] = strict_schema(out["items"], f"{where}.items")
-    types = out.get("type")
-    if types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out:
-        if "properties" in out:
-            out["required"] = list(out["properties"])
-        out.setdefault("additionalProperties", False)
-    return out
 
 
 def function_tools(raw: Any) -> list[dict[str, Any]] | None:

@@ -2,6 +2,7 @@
 structured output as vLLM and llama-server do it, forced tool calls that end the turn, prompt log
 probabilities, the tokenizer routes, the request log and the key's 401 wording."""
 
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -9,7 +10,8 @@ import openai
 import pytest
 
 from bubo.engine.loaded_model import LoadedModel
-from tests.server.live_server import LiveServer, serve_loaded
+from bubo.engine.sampler import SamplingParams
+from tests.server.live_server import LiveServer, scripted, serve_loaded
 
 # GET /v1/models/{id}
 
@@ -43,3 +45,68 @@ def slashed_server(tiny_llama: LoadedModel) -> Iterator[LiveServer]:
 def test_a_served_name_with_a_slash_is_retrieved(slashed_server: LiveServer) -> None:
     body = httpx.get(slashed_server.url + "/v1/models/org/tiny").json()
     assert body["id"] == "org/tiny"
+
+
+# Structured output
+
+EXTRA_KEYS = '{"a": true, "extra": 2}'
+
+
+@pytest.fixture(scope="module")
+def json_server(tiny_llama: LoadedModel) -> Iterator[LiveServer]:
+    """A server whose model writes EXTRA_KEYS: JSON with a key that schemas here do not list."""
+    live = serve_loaded(
+        scripted(tiny_llama, EXTRA_KEYS), defaults=SamplingParams(temperature=0.0, max_tokens=40)
+    )
+    yield live
+    live.stop()
+
+
+def _chat_json(server: LiveServer, response_format: dict) -> httpx.Response:
+    body = {
+        "model": "bubo",
+        "messages": [{"role": "user", "content": "JSON"}],
+        "response_format": response_format,
+    }
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def _json_schema(schema: dict, **extra: object) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, **extra}}
+
+
+A_ONLY = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+
+
+def test_a_schema_that_says_nothing_of_other_keys_forbids_them(json_server: LiveServer) -> None:
+    answer = _chat_json(json_server, _json_schema(A_ONLY)).json()["choices"][0]
+    assert (answer["message"]["content"], answer["finish_reason"]) == ('{"a": true}', "stop")
+    allowed = _chat_json(json_server, _json_schema({**A_ONLY, "additionalProperties": True})).json()
+    assert allowed["choices"][0]["message"]["content"] == EXTRA_KEYS
+
+
+def test_strict_requires_every_property(json_server: LiveServer) -> None:
+    # The grammar keeps the schema's order of properties: "b" can only come before "a".
+    schema = {"type": "object", "properties": {"b": {"enum": ["x"]}, "a": {"type": "boolean"}}}
+    loose = _chat_json(json_server, _json_schema(schema, strict=False)).json()
+    assert loose["choices"][0]["message"]["content"] == '{"a": true}'
+    strict = _chat_json(json_server, _json_schema(schema, strict=True)).json()
+    assert list(json.loads(strict["choices"][0]["message"]["content"])) == ["b", "a"]
+    wrong = _chat_json(json_server, _json_schema(schema, strict="yes"))
+    assert wrong.status_code == 400
+    assert wrong.json()["error"]["param"] == "response_format.json_schema.strict"
+
+
+def test_llama_servers_json_object_with_a_schema_is_honoured(json_server: LiveServer) -> None:
+    fmt = {
+        "type": "json_object",
+        "schema": {"type": "object", "properties": {"b": {"const": "x"}}, "required": ["b"]},
+    }
+    chat = _chat_json(json_server, fmt).json()
+    assert chat["choices"][0]["message"]["content"] == '{"b": "x"}'
+    completion = httpx.post(
+        json_server.url + "/completion", json={"prompt": "JSON", "response_format": fmt}, timeout=30
+    ).json()
+    assert completion["content"] == '{"b": "x"}'
+    free = _chat_json(json_server, {"type": "json_object"}).json()
+    assert free["choices"][0]["message"]["content"] == EXTRA_KEYS
