@@ -221,7 +221,9 @@ def test_an_object_that_lists_its_properties_takes_no_others_unless_it_says_so(
     assert _accepts(tiny_llama, json_schema_grammar(schema), text) is accepted
 
 
-def test_a_forced_calls_arguments_take_no_properties_the_schema_does_not_list(tiny_llama: LoadedModel) -> None:
+def test_a_forced_calls_arguments_take_no_properties_the_schema_does_not_list(
+    tiny_llama: LoadedModel,
+) -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": LISTED}}]
     grammar = lark_grammar(tool_call_grammar("json", tools, parallel=False))
     call = '<tool_call>\n{"name": "f", "arguments": {"a": true%s}}\n</tool_call>'
