@@ -5,6 +5,7 @@ probabilities, the tokenizer routes, the request log and the key's 401 wording."
 import json
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -110,3 +111,80 @@ def test_llama_servers_json_object_with_a_schema_is_honoured(json_server: LiveSe
     assert completion["content"] == '{"b": "x"}'
     free = _chat_json(json_server, {"type": "json_object"}).json()
     assert free["choices"][0]["message"]["content"] == EXTRA_KEYS
+
+
+# Forced tool calls
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def calling_server(long_llama: LoadedModel) -> Iterator[LiveServer]:
+    """A server whose model calls get_weather three times over, as small models do when let."""
+    live = serve_loaded(
+        scripted(long_llama, "\n".join([CALL] * 3)), defaults=SamplingParams(temperature=0.0, max_tokens=400)
+    )
+    yield live
+    live.stop()
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "parallel", "calls"),
+    [
+        ({"type": "function", "function": {"name": "get_weather"}}, True, 1),
+        ({"type": "function", "function": {"name": "get_weather"}}, False, 1),
+        ("required", True, 3),
+        ("required", False, 1),
+    ],
+)
+def test_a_named_tool_choice_forces_one_call_and_required_as_many_as_parallel_allows(
+    calling_server: LiveServer, tool_choice: object, parallel: bool, calls: int
+) -> None:
+    client = openai.OpenAI(base_url=calling_server.url + "/v1", api_key="none", max_retries=0)
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    request = dict(
+        model="bubo", messages=ask, tools=[WEATHER], tool_choice=tool_choice, parallel_tool_calls=parallel
+    )
+    choice = client.chat.completions.create(**request).choices[0]  # type: ignore[call-overload]
+    assert choice.finish_reason == "tool_calls"
+    assert [c.function.name for c in choice.message.tool_calls or []] == ["get_weather"] * calls
+    chunks = list(client.chat.completions.create(**request, stream=True))  # type: ignore[call-overload]
+    indexes = {t.index for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []}
+    assert indexes == set(range(calls))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_a_named_function_in_responses_is_called_once(calling_server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=calling_server.url + "/v1", api_key="none", max_retries=0)
+    response = client.responses.create(
+        model="bubo",
+        input="Weather in Paris?",
+        tools=[{"type": "function", **WEATHER["function"]}],  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
+    assert [item.type for item in response.output] == ["function_call"]
+    assert response.status == "completed"
+
+
+@pytest.mark.parametrize(("single", "calls"), [(True, 1), (False, 3)])
+def test_anthropics_named_tool_is_called_once_when_parallel_use_is_disabled(
+    calling_server: LiveServer, single: bool, calls: int
+) -> None:
+    """Anthropic's own rule: `tool` forces that tool, and only disable_parallel_tool_use makes it one call."""
+    client = anthropic.Anthropic(base_url=calling_server.url, api_key="none", max_retries=0)
+    message = client.messages.create(
+        model="bubo",
+        max_tokens=400,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],  # type: ignore[list-item]
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": single},
+    )
+    assert [block.type for block in message.content] == ["tool_use"] * calls
+    assert message.stop_reason == "tool_use"
