@@ -24,6 +24,8 @@ class GenerationRequest:
     (a grammar, a reasoning budget) and `tool_parser` (which turns the answer's tool-call markup into
     tool-call events) belong to this one request: they keep state as it runs. `images` are the
     prompt's images, whose pad tokens `prompt_ids` holds (bubo/engine/prompt_images.py).
+    `prompt_logprobs` (None: off) asks for each prompt token's log probability given the tokens before
+    it, with that many alternatives (bubo/engine/prompt_logprobs.py).
     """
 
     request_id: str
@@ -37,6 +39,7 @@ class GenerationRequest:
     tool_parser: ToolCallParser | None = None
     cache_prompt: bool = True
     images: tuple[PromptImage, ...] = ()
+    prompt_logprobs: int | None = None
 
     @property
     def cache_key(self) -> list[int | ImageToken]:
@@ -122,6 +125,8 @@ class Finished:
     slot_id: int = 0
     # The length of content_text before each call: the calls' places in the answer.
     tool_call_offsets: tuple[int, ...] = ()
+    # The prompt's tokens after the first, each given those before it (when the request asked).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     def answer_parts(self) -> list[str | ToolCall]:
         """The answer in the order it was generated: runs of text (never empty) and the calls."""

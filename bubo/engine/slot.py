@@ -28,6 +28,7 @@ from bubo.engine.generate import GenerationResult, Model, Tokenizer, generate
 from bubo.engine.output import OutputStream
 from bubo.engine.prompt_cache import PromptCache, SnapshotPolicy
 from bubo.engine.prompt_images import PromptVision, VisionEncoder
+from bubo.engine.prompt_logprobs import prompt_logprobs
 from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputEvent, Usage
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.speculative import Drafter
@@ -235,6 +236,9 @@ class SessionSlot:
         self, model: Model, request: GenerationRequest, cancelled: threading.Event
     ) -> Iterator[OutputEvent]:
         prompt = request.prompt_ids
+        scored = (
+            () if request.prompt_logprobs is None else prompt_logprobs(model, prompt, request.prompt_logprobs)
+        )
         key = request.cache_key
         pc = self.prompt_cache
         report = pc.prepare(key, enabled=request.cache_prompt)
@@ -329,4 +333,5 @@ class SessionSlot:
             output.tool_calls,
             self.id,
             tuple(output.tool_call_offsets),
+            tuple(scored),
         )

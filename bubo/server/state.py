@@ -558,6 +558,7 @@ class ServerState:
         tool_parser: ToolCallParser | None = None,
         cache_prompt: bool = True,
         images: tuple[PromptImage, ...] = (),
+        prompt_logprobs: int | None = None,
     ) -> GenerationRequest:
         """The neutral request, after the context check and the memory guard. A reasoning budget and a
         grammar (from `compile_schema`, `compile_gbnf` or a tool-call grammar) become the request's
@@ -597,6 +598,7 @@ class ServerState:
             tool_parser,
             cache_prompt,
             images,
+            prompt_logprobs,
         )
 
     async def compile_gbnf(self, source: str, field_name: str = "grammar") -> GrammarMatcher:

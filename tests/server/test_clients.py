@@ -9,6 +9,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+import torch
 
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.sampler import SamplingParams
@@ -188,3 +189,44 @@ def test_anthropics_named_tool_is_called_once_when_parallel_use_is_disabled(
     )
     assert [block.type for block in message.content] == ["tool_use"] * calls
     assert message.stop_reason == "tool_use"
+
+
+# What evaluation harnesses need
+
+
+def _reference_logprobs(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """log P(ids[i] | ids[:i]) for i >= 1, from one forward pass over the whole prompt."""
+    with torch.inference_mode():
+        logits = loaded.model(torch.tensor([ids]), loaded.model.new_cache(max_len=len(ids)))
+    logprobs = logits[0, :-1].float().log_softmax(-1)
+    return logprobs.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_with_logprobs_scores_the_prompt(
+    tiny_server: LiveServer, tiny_llama: LoadedModel, max_tokens: int
+) -> None:
+    prompt = "The capital of France is Paris"
+    ids = tiny_llama.tokenizer.encode(prompt)
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="none", max_retries=0)
+    choice = client.completions.create(
+        model="bubo", prompt=prompt, echo=True, logprobs=2, max_tokens=max_tokens, temperature=0
+    ).choices[0]
+    assert choice.logprobs is not None and choice.text.startswith(prompt)
+    scored = choice.logprobs.token_logprobs or []
+    assert len(scored) == len(ids) + max_tokens
+    assert scored[0] is None and (choice.logprobs.top_logprobs or [])[0] is None
+    expected = _reference_logprobs(tiny_llama, ids)
+    assert torch.allclose(torch.tensor(scored[1 : len(ids)]), expected, atol=1e-4)
+    assert "".join(choice.logprobs.tokens or []) == choice.text
+    # Two alternatives each (fewer where two byte tokens read as the same replacement character).
+    assert all(1 <= len(top) <= 2 for top in (choice.logprobs.top_logprobs or [])[1:])
+    assert choice.finish_reason == "length"
+
+
+def test_max_tokens_0_needs_echo(tiny_server: LiveServer) -> None:
+    body = {"model": "bubo", "prompt": "Hi", "max_tokens": 0}
+    assert httpx.post(tiny_server.url + "/v1/completions", json=body).status_code == 400
+    streamed = {**body, "echo": True, "logprobs": 1, "stream": True}
+    response = httpx.post(tiny_server.url + "/v1/completions", json=streamed)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stream"
