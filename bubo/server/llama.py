@@ -6,12 +6,14 @@ the OpenAI routes it ends without `data: [DONE]`, as llama-server's own /complet
 """
 
 import math
+from collections.abc import Sequence
 from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
 import bubo
+from bubo.engine.generate import TokenLogprob
 from bubo.engine.grammar import GrammarMatcher
 from bubo.engine.request import Finished, GenerationRequest, OutputDelta
 from bubo.engine.sampler import SamplingParams
@@ -70,6 +72,19 @@ class _Completion:
         self.generation = generation
         self.stream = stream
 
+    def probabilities(self, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+        """llama-server's completion_probabilities: each token's id, text, bytes and log probability,
+        with its top alternatives in the same shape."""
+        return [
+            {**self._token(lp.token_id, lp.logprob), "top_logprobs": [self._token(i, v) for i, v in lp.top]}
+            for lp in logprobs
+        ]
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self.state.require_ready().tokenizer.token_bytes(token_id)
+        text = raw.decode("utf-8", errors="replace")
+        return {"id": token_id, "token": text, "bytes": list(raw), "logprob": logprob}
+
     def final(self, finished: Finished, content: str) -> dict[str, Any]:
         result = finished.result
         usage = finished.usage
@@ -125,9 +140,14 @@ async def completion(request: web.Request) -> web.StreamResponse:
     model = state.resolve_model(body.raw("model"), required=False)
     text, ids = await state.prompt_work(body.size, state.completion_prompt, body.raw("prompt"))
     stream = body.boolean("stream")
-    if body.integer("n_probs", minimum=0, maximum=20):
+    # n_probs > 0: each token's log probability and that many alternatives (completion_probabilities).
+    n_probs = body.integer("n_probs", minimum=0, maximum=20) or None
+    if body.boolean("post_sampling_probs"):
         raise ApiError(
-            400, "unsupported_n_probs", "n_probs: token probabilities are not supported yet", param="n_probs"
+            400,
+            "unsupported_value",
+            "post_sampling_probs: only the model's own log probabilities are reported (leave it false)",
+            param="post_sampling_probs",
         )
     # n_predict 0 evaluates the prompt into the slot's cache and generates nothing (llama-server's way to
     # warm the cache for a prompt that requests will extend).
@@ -140,15 +160,16 @@ async def completion(request: web.Request) -> web.StreamResponse:
     )
     grammar = await _grammar(state, body)
     generation = state.request(
-        text, ids, params, grammar=grammar, cache_prompt=body.boolean("cache_prompt", True)
+        text, ids, params, logprobs=n_probs, grammar=grammar, cache_prompt=body.boolean("cache_prompt", True)
     )
     answer = _Completion(state, model, generation, stream)
     if stream:
         return await _stream(request, state, answer)
     finished = await state.complete(generation)
-    return web.json_response(
-        answer.final(finished, finished.content_text), headers={"x-request-id": request[REQUEST_ID]}
-    )
+    body_out = answer.final(finished, finished.content_text)
+    if n_probs:
+        body_out["completion_probabilities"] = answer.probabilities(finished.content_logprobs)
+    return web.json_response(body_out, headers={"x-request-id": request[REQUEST_ID]})
 
 
 async def _stream(request: web.Request, state: ServerState, answer: _Completion) -> web.StreamResponse:
@@ -161,9 +182,10 @@ async def _stream(request: web.Request, state: ServerState, answer: _Completion)
             event = first
             while event is not None:
                 if isinstance(event, OutputDelta):
-                    await sse.send(
-                        {"index": 0, "content": event.text, "id_slot": event.slot_id, "stop": False}
-                    )
+                    chunk = {"index": 0, "content": event.text, "id_slot": event.slot_id, "stop": False}
+                    if answer.generation.logprobs:
+                        chunk["completion_probabilities"] = answer.probabilities(event.logprobs)
+                    await sse.send(chunk)
                 else:
                     # The text went out in the chunks before; the last one carries only the statistics.
                     await sse.send(answer.final(event, ""))

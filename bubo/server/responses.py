@@ -25,13 +25,14 @@ message text.
 """
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
 
+from bubo.engine.generate import TokenLogprob
 from bubo.engine.request import (
     Finished,
     GenerationRequest,
@@ -43,6 +44,7 @@ from bubo.engine.request import (
     Usage,
 )
 from bubo.engine.sampler import SamplingParams
+from bubo.model.tokenizer import Tokenizer
 from bubo.server.chat import (
     REASONING_EFFORTS,
     ChatRequest,
@@ -284,13 +286,6 @@ def _check_unsupported(body: Body) -> None:
             "background: background responses need stored responses, which Bubo does not keep",
             param="background",
         )
-    if body.integer("top_logprobs", minimum=0, maximum=20):
-        raise ApiError(
-            400,
-            "unsupported_logprobs",
-            "top_logprobs: token log probabilities are not supported yet",
-            param="top_logprobs",
-        )
     metadata = body.object("metadata")
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
         raise bad_field("metadata", "values must be strings")
@@ -357,13 +352,58 @@ def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    content = [] if status == "in_progress" else [_output_text(text)]
+def _message_item(
+    item_id: str, text: str, status: str, logprobs: Sequence[dict[str, Any]] = ()
+) -> dict[str, Any]:
+    content = [] if status == "in_progress" else [_output_text(text, logprobs)]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _wanted_logprobs(body: Body) -> int | None:
+    """`top_logprobs` (0-20 alternatives), or `include` naming message.output_text.logprobs (none);
+    None when log probabilities are not asked for."""
+    top = body.integer("top_logprobs", minimum=0, maximum=20)
+    include = body.array("include", [])
+    if top is None and "message.output_text.logprobs" not in include:
+        return None
+    return top or 0
+
+
+class _Logprobs:
+    """Token log probabilities in the Responses shape (token, logprob, bytes, top_logprobs)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self.tokenizer.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def entries(self, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+        return [
+            {**self._token(lp.token_id, lp.logprob), "top_logprobs": [self._token(i, v) for i, v in lp.top]}
+            for lp in logprobs
+        ]
+
+
+def _split_by_text(entries: list[dict[str, Any]], texts: Sequence[str]) -> list[list[dict[str, Any]]]:
+    """The answer's token entries shared out over its runs of text (the message items), in order: each
+    run takes tokens until their text covers its length; the last takes whatever is left."""
+    shares: list[list[dict[str, Any]]] = []
+    i = 0
+    for n, text in enumerate(texts):
+        share: list[dict[str, Any]] = []
+        covered = 0
+        while i < len(entries) and (covered < len(text) or n == len(texts) - 1):
+            share.append(entries[i])
+            covered += len(entries[i]["token"])
+            i += 1
+        shares.append(share)
+    return shares
 
 
 def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -377,14 +417,18 @@ def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, s
     }
 
 
-def _output(finished: Finished) -> list[dict[str, Any]]:
+def _output(finished: Finished, logprobs: _Logprobs | None = None) -> list[dict[str, Any]]:
     """The output items of a finished answer; a cut answer marks the item it was cut in incomplete.
 
     Messages and calls come in the order they were generated, as a stream sends them; an answer of
-    only calls has no message (as OpenAI does), one of neither an empty message.
+    only calls has no message (as OpenAI does), one of neither an empty message. With `logprobs`, each
+    message carries its tokens' log probabilities.
     """
     cut = finished.finish_reason == "length"
     parts = finished.answer_parts() or [""]
+    texts = [part for part in parts if isinstance(part, str)]
+    entries = logprobs.entries(finished.content_logprobs) if logprobs is not None else []
+    shares = iter(_split_by_text(entries, texts))
     output = []
     if finished.reasoning_text:
         status = (
@@ -394,7 +438,7 @@ def _output(finished: Finished) -> list[dict[str, Any]]:
     for i, part in enumerate(parts):
         if isinstance(part, str):
             status = "incomplete" if cut and i == len(parts) - 1 else "completed"
-            output.append(_message_item(new_id("msg_"), part, status))
+            output.append(_message_item(new_id("msg_"), part, status, next(shares)))
         else:
             output.append(_function_call_item(new_id("fc_"), part.id, part.name, part.arguments, "completed"))
     return output
@@ -433,20 +477,23 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         add_generation_prompt=generation_prompt(kwargs),
         tool_choice=tool_choice,
     )
+    top_logprobs = _wanted_logprobs(body)
     generation = await state.chat_generation(
         chat,
         params,
         size=body.size,
+        logprobs=top_logprobs,
         schema=schema,
         schema_field="text.format",
         images=await state.load_images(chat),
     )
     reply = _Reply(model, _echo(body, params, instructions, text))
+    logprobs = _Logprobs(loaded.tokenizer) if top_logprobs is not None else None
     if stream:
-        return await _stream(request, state, generation, reply)
+        return await _stream(request, state, generation, reply, logprobs)
     finished = await state.complete(generation)
     return web.json_response(
-        reply.body(_status(finished), _output(finished), finished),
+        reply.body(_status(finished), _output(finished, logprobs), finished),
         headers={"x-request-id": request[REQUEST_ID]},
     )
 
@@ -478,9 +525,11 @@ class _EventWriter:
     """Writes the Responses event sequence for one answer, opening and closing output items as the
     reasoning, the answer text and the function calls arrive."""
 
-    def __init__(self, sse: EventStream, reply: _Reply) -> None:
+    def __init__(self, sse: EventStream, reply: _Reply, logprobs: _Logprobs | None = None) -> None:
         self.sse = sse
         self.reply = reply
+        self.logprobs = logprobs
+        self.open_logprobs: list[dict[str, Any]] = []  # the open message's token entries
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open_kind: str | None = None
@@ -503,6 +552,7 @@ class _EventWriter:
     async def _open(self, kind: str) -> None:
         self.open_kind = kind
         self.open_text = []
+        self.open_logprobs = []
         index = len(self.output)
         if kind == "reasoning":
             self.open_id = new_id("rs_")
@@ -522,7 +572,7 @@ class _EventWriter:
             return _reasoning_item(self.open_id, text, status)
         if self.open_kind == "function_call":
             return _function_call_item(self.open_id, *self.open_call, text, status)
-        return _message_item(self.open_id, text, status)
+        return _message_item(self.open_id, text, status, self.open_logprobs)
 
     async def _close(self, status: str) -> None:
         text = "".join(self.open_text)
@@ -530,7 +580,9 @@ class _EventWriter:
             await self.send("response.reasoning_text.done", **self._place(), text=text)
             part: dict[str, Any] = {"type": "reasoning_text", "text": text}
         else:
-            await self.send("response.output_text.done", **self._place(), text=text, logprobs=[])
+            await self.send(
+                "response.output_text.done", **self._place(), text=text, logprobs=self.open_logprobs
+            )
             part = {"type": "output_text", "text": text, "annotations": []}
         item = self._open_item(status)
         await self.send("response.content_part.done", **self._place(), part=part)
@@ -550,7 +602,9 @@ class _EventWriter:
         if kind == "reasoning":
             await self.send("response.reasoning_text.delta", **self._place(), delta=event.text)
         else:
-            await self.send("response.output_text.delta", **self._place(), delta=event.text, logprobs=[])
+            entries = self.logprobs.entries(event.logprobs) if self.logprobs is not None else []
+            self.open_logprobs += entries
+            await self.send("response.output_text.delta", **self._place(), delta=event.text, logprobs=entries)
 
     async def tool_call(self, event: ToolCallStart | ToolCallArguments | ToolCallEnd) -> None:
         """A function_call item: added with empty arguments, then its argument fragments, then done.
@@ -599,14 +653,18 @@ class _EventWriter:
 
 
 async def _stream(
-    request: web.Request, state: ServerState, generation: GenerationRequest, reply: _Reply
+    request: web.Request,
+    state: ServerState,
+    generation: GenerationRequest,
+    reply: _Reply,
+    logprobs: _Logprobs | None,
 ) -> web.StreamResponse:
     async with aclosing(state.stream(generation)) as events:
         # The first event decides the status: failures before it still answer with their own code.
         first = await anext(events)
         sse = EventStream(request, request[REQUEST_ID])
         await sse.start()
-        writer = _EventWriter(sse, reply)
+        writer = _EventWriter(sse, reply, logprobs)
         try:
             await writer.start()
             event: OutputEvent | None = first

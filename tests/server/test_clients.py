@@ -230,3 +230,49 @@ def test_max_tokens_0_needs_echo(tiny_server: LiveServer) -> None:
     streamed = {**body, "echo": True, "logprobs": 1, "stream": True}
     response = httpx.post(tiny_server.url + "/v1/completions", json=streamed)
     assert response.status_code == 400 and response.json()["error"]["param"] == "stream"
+
+
+def _sse_payloads(text: str) -> list[dict]:
+    return [
+        json.loads(line[6:])
+        for line in text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+
+
+def test_n_probs_lists_each_tokens_log_probability(tiny_server: LiveServer) -> None:
+    body = {"prompt": "Hello", "n_predict": 4, "n_probs": 2, "temperature": 0}
+    answer = httpx.post(tiny_server.url + "/completion", json=body).json()
+    probabilities = answer["completion_probabilities"]
+    assert len(probabilities) == answer["tokens_predicted"] == 4
+    for entry in probabilities:
+        assert set(entry) == {"id", "token", "bytes", "logprob", "top_logprobs"}
+        assert len(entry["top_logprobs"]) == 2
+        # Greedy: the token chosen is the most likely one.
+        assert entry["top_logprobs"][0]["id"] == entry["id"]
+        assert entry["logprob"] == pytest.approx(entry["top_logprobs"][0]["logprob"])
+    assert "".join(entry["token"] for entry in probabilities) == answer["content"]
+    chunks = _sse_payloads(httpx.post(tiny_server.url + "/completion", json={**body, "stream": True}).text)
+    streamed = [entry for chunk in chunks for entry in chunk.get("completion_probabilities", [])]
+    # The same tokens (the second run reads the prompt from the cache: logprobs equal to float noise).
+    assert [e["id"] for e in streamed] == [e["id"] for e in probabilities]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in probabilities], abs=1e-4)
+    refused = httpx.post(tiny_server.url + "/completion", json={**body, "post_sampling_probs": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "post_sampling_probs"
+
+
+def test_responses_top_logprobs_are_answered(tiny_server: LiveServer) -> None:
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="none", max_retries=0)
+    request = dict(model="bubo", input="Hello", max_output_tokens=4, temperature=0, top_logprobs=2)
+    response = client.responses.create(**request)  # type: ignore[call-overload]
+    [message] = response.output
+    part = message.content[0]  # type: ignore[union-attr]
+    assert len(part.logprobs) == 4 and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    events = list(client.responses.create(**request, stream=True))  # type: ignore[call-overload]
+    deltas = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert deltas == [lp.token for lp in part.logprobs]
+    included = client.responses.create(
+        model="bubo", input="Hello", max_output_tokens=4, include=["message.output_text.logprobs"]
+    )
+    assert len(included.output[0].content[0].logprobs) == 4  # type: ignore[union-attr]
