@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from bubo.server import anthropic, debug, health, llama, metrics, openai, responses
+from bubo.server import anthropic, debug, health, llama, metrics, openai, responses, tokenize
 from bubo.server.errors import ApiError, error_response
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.state import CURRENT_REQUEST_ID, ServerSettings, ServerState, new_id
@@ -188,7 +188,7 @@ def create_app(state: ServerState) -> web.Application:
         app.on_response_prepare.append(_cors_headers)
     app[STATE] = state
     routes: list[web.RouteDef] = []
-    for module in (health, openai, responses, anthropic, llama, metrics):
+    for module in (health, openai, responses, anthropic, llama, tokenize, metrics):
         routes += module.routes()
     routes += [web.post(path, not_implemented) for path in NOT_IMPLEMENTED]
     routes.append(web.route("*", "/sdapi/v1/{tail:.*}", not_implemented))

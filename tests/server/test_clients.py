@@ -276,3 +276,74 @@ def test_responses_top_logprobs_are_answered(tiny_server: LiveServer) -> None:
         model="bubo", input="Hello", max_output_tokens=4, include=["message.output_text.logprobs"]
     )
     assert len(included.output[0].content[0].logprobs) == 4  # type: ignore[union-attr]
+
+
+def test_tokenize_in_llama_servers_shape(tiny_server: LiveServer, tiny_llama: LoadedModel) -> None:
+    tokenizer = tiny_llama.tokenizer
+    text = "Hello world<|im_end|>"
+    plain = httpx.post(tiny_server.url + "/tokenize", json={"content": text}).json()
+    assert plain == {"tokens": tokenizer.encode(text, add_bos=False)}
+    special = httpx.post(tiny_server.url + "/tokenize", json={"content": text, "add_special": True}).json()
+    assert special["tokens"] == tokenizer.encode(text)
+    literal = httpx.post(tiny_server.url + "/tokenize", json={"content": text, "parse_special": False}).json()
+    assert tokenizer.token_to_id("<|im_end|>") not in literal["tokens"]
+    pieces = httpx.post(tiny_server.url + "/tokenize", json={"content": "é!", "with_pieces": True}).json()
+    # The byte-level fixture vocabulary splits "é" into two bytes that are not UTF-8 alone.
+    assert [p["id"] for p in pieces["tokens"]] == tokenizer.encode("é!", add_bos=False)
+    assert (
+        b"".join(
+            bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode()
+            for p in pieces["tokens"]
+        )
+        == "é!".encode()
+    )
+    missing = httpx.post(tiny_server.url + "/tokenize", json={"content": 5})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "content"
+    neither = httpx.post(tiny_server.url + "/tokenize", json={"content": None})
+    assert neither.status_code == 400 and "content" in neither.json()["error"]["message"]
+
+
+def test_tokenize_in_vllms_shape(tiny_server: LiveServer, tiny_llama: LoadedModel) -> None:
+    tokenizer = tiny_llama.tokenizer
+    answer = httpx.post(
+        tiny_server.url + "/tokenize", json={"model": "bubo", "prompt": "Hi there", "return_token_strs": True}
+    ).json()
+    ids = tokenizer.encode("Hi there")
+    assert answer == {
+        "count": len(ids),
+        "max_model_len": 512,
+        "tokens": ids,
+        "token_strs": [tokenizer.token_bytes(i).decode() for i in ids],
+    }
+    bare = httpx.post(
+        tiny_server.url + "/tokenize", json={"prompt": "Hi there", "add_special_tokens": False}
+    ).json()
+    assert bare["tokens"] == tokenizer.encode("Hi there", add_bos=False)
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    rendered = httpx.post(tiny_server.url + "/apply-template", json=chat).json()["prompt"]
+    counted = httpx.post(tiny_server.url + "/tokenize", json=chat).json()
+    assert counted["tokens"] == tokenizer.encode(rendered, add_bos=False)
+    wrong = httpx.post(tiny_server.url + "/tokenize", json={"model": "nope", "prompt": "x"})
+    assert wrong.status_code == 404
+
+
+def test_detokenize_answers_in_both_shapes(tiny_server: LiveServer, tiny_llama: LoadedModel) -> None:
+    ids = tiny_llama.tokenizer.encode("Hello world", add_bos=False)
+    answer = httpx.post(tiny_server.url + "/detokenize", json={"tokens": ids}).json()
+    assert answer == {"content": "Hello world", "prompt": "Hello world"}
+    for bad in ([-1], [10**9], ["a"], [True]):
+        response = httpx.post(tiny_server.url + "/detokenize", json={"tokens": bad})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tokens"
+
+
+def test_tokenizer_info_is_what_a_remote_tokenizer_reads(
+    tiny_server: LiveServer, tiny_llama: LoadedModel
+) -> None:
+    info = httpx.get(tiny_server.url + "/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == 512
+    assert "im_start" in info["chat_template"]
+    # lm-eval's remote tokenizer finds the end token's id by tokenizing its text.
+    eos = httpx.post(
+        tiny_server.url + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}
+    ).json()
+    assert eos["tokens"] == [tiny_llama.tokenizer.eos_id]
