@@ -76,7 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route")
+    srv.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route",
+    )
     srv.add_argument(
         "--cors-origin",
         action="append",

@@ -118,7 +118,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
             raise ApiError(
                 401,
                 "invalid_api_key",
-                "a valid API key is required: send Authorization: Bearer KEY",
+                # Both headers are read on every route; Anthropic's clients send x-api-key.
+                "a valid API key is required: send Authorization: Bearer KEY or x-api-key: KEY",
                 type="authentication_error",
                 headers={"WWW-Authenticate": "Bearer"},
             )

@@ -347,3 +347,28 @@ def test_tokenizer_info_is_what_a_remote_tokenizer_reads(
         tiny_server.url + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}
     ).json()
     assert eos["tokens"] == [tiny_llama.tokenizer.eos_id]
+
+
+# Operability
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_llama: LoadedModel) -> Iterator[LiveServer]:
+    live = serve_loaded(tiny_llama, api_key="sesame")
+    yield live
+    live.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
+def test_the_401_names_both_key_headers(keyed_server: LiveServer, path: str) -> None:
+    response = httpx.post(keyed_server.url + path, json={})
+    assert response.status_code == 401
+    error = response.json()["error"]
+    assert "x-api-key" in error["message"] and "Authorization: Bearer" in error["message"]
+    anthropic_client = anthropic.Anthropic(base_url=keyed_server.url, api_key="sesame", max_retries=0)
+    assert (
+        anthropic_client.messages.count_tokens(
+            model="bubo", messages=[{"role": "user", "content": "hi"}]
+        ).input_tokens
+        > 0
+    )
