@@ -176,7 +176,9 @@ def _parser() -> argparse.ArgumentParser:
     ins = commands.add_parser(
         "inspect", help="print a GGUF file's architecture, layer plan, metadata and tensors"
     )
-    ins.add_argument("file", type=Path)
+    ins.add_argument(
+        "file", type=Path, nargs="?", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)"
+    )
     ins.add_argument("--all-metadata", action="store_true", help="print long strings and arrays whole")
     ins.set_defaults(run=_inspect)
     return parser
@@ -238,11 +240,17 @@ def _add_speculation_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve_model(args: argparse.Namespace) -> Path:
-    path = args.model if args.model is not None else default_model_path()
+    return model_file(args.model)
+
+
+def model_file(path: Path | None) -> Path:
+    """The GGUF file a command works on (None: the default model), worded the same way by every
+    command when it is missing or is a directory."""
+    path = path if path is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model file not found: {path}")
     if path.is_dir():
-        raise IsADirectoryError(f"--model expects a GGUF file, got a directory: {path}")
+        raise IsADirectoryError(f"expected a GGUF model file, got a directory: {path}")
     return path
 
 
@@ -408,8 +416,9 @@ def _cache_dtypes(args: argparse.Namespace) -> tuple[torch.dtype, torch.dtype]:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    with GGUFFile(args.file) as f:
-        print(f"file:         {args.file}")
+    path = model_file(args.file)
+    with GGUFFile(path) as f:
+        print(f"file:         {path}")
         print(f"gguf version: {f.version}")
         print(f"architecture: {f.architecture}")
         print(f"tensors:      {len(f.tensors)} ({_human_bytes(sum(t.nbytes for t in f.tensors.values()))})")
