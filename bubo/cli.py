@@ -158,6 +158,18 @@ def _parser() -> argparse.ArgumentParser:
         help="fetch http(s) image URLs in requests (never from private or loopback addresses); "
         "without it images must be sent inline (data: URLs, base64)",
     )
+    srv.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="least severe log lines written (default info: one line per request, and load progress)",
+    )
+    srv.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="log lines as text, or one JSON object a line for a log collector (default text)",
+    )
     srv.add_argument("--temp", "--temperature", type=float, default=0.8, help="default temperature (0.8)")
     srv.add_argument("--top-k", type=int, default=40, help="default top-k (40; 0 = off)")
     srv.add_argument("--top-p", type=float, default=0.95, help="default top-p (0.95; 1 = off)")
@@ -332,13 +344,12 @@ def _print_stats(result: Any, load_seconds: float) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
-
     _prepare_process(args)
 
     from bubo.engine.prompt_cache import SnapshotPolicy
     from bubo.engine.sampler import SamplingParams
     from bubo.server.app import is_loopback, serve
+    from bubo.server.request_log import configure_logging
     from bubo.server.state import ServerSettings, ServerState
 
     if args.debug_hooks and not is_loopback(args.host):
@@ -407,7 +418,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     state = ServerState(settings)
     state.preflight()
-    logging.basicConfig(level=logging.INFO, format="bubo: %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     return serve(state)
 
 

@@ -18,6 +18,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from bubo.server import anthropic, debug, health, llama, metrics, openai, responses, tokenize
 from bubo.server.errors import ApiError, error_response
 from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.request_log import request_log_middleware
 from bubo.server.state import CURRENT_REQUEST_ID, ServerSettings, ServerState, new_id
 
 __all__ = ["create_app", "create_runner", "exposure_warning", "is_loopback", "serve"]
@@ -184,6 +185,8 @@ def create_app(state: ServerState) -> web.Application:
     middlewares = [errors_middleware, body_limit_middleware, auth_middleware, device_middleware]
     if settings.cors_origins:
         middlewares.insert(0, cors_middleware)
+    # Outermost: it logs the status that went out, whatever answered.
+    middlewares.insert(0, request_log_middleware)
     app = web.Application(middlewares=middlewares, client_max_size=body_limit(settings))
     if settings.cors_origins:
         app.on_response_prepare.append(_cors_headers)

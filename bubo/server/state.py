@@ -49,6 +49,7 @@ from bubo.server.memory_guard import (
     request_cost,
     vision_bytes,
 )
+from bubo.server.request_tokens import record_usage
 from bubo.server.shutdown import StreamCutoff
 from bubo.templates.chat_template import (
     ChatTemplate,
@@ -640,6 +641,8 @@ class ServerState:
         try:
             async with aclosing(self.slots.run(request)) as events:
                 while (event := await self.cutoff.next(events)) is not None:
+                    if isinstance(event, Finished):
+                        record_usage(event.usage)
                     yield event
         except KVPoolExhaustedError as error:
             raise ApiError(

@@ -3,6 +3,7 @@ structured output as vLLM and llama-server do it, forced tool calls that end the
 probabilities, the tokenizer routes, the request log and the key's 401 wording."""
 
 import json
+import logging
 from collections.abc import Iterator
 
 import anthropic
@@ -13,6 +14,7 @@ import torch
 
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.sampler import SamplingParams
+from bubo.server.request_log import JsonFormatter
 from tests.server.live_server import LiveServer, scripted, serve_loaded
 
 # GET /v1/models/{id}
@@ -372,3 +374,46 @@ def test_the_401_names_both_key_headers(keyed_server: LiveServer, path: str) -> 
         ).input_tokens
         > 0
     )
+
+
+def _request_lines(caplog: pytest.LogCaptureFixture) -> list[dict]:
+    return [record.http for record in caplog.records if record.name == "bubo.requests"]  # type: ignore[attr-defined]
+
+
+def test_every_request_gets_one_log_line(tiny_server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="bubo.requests")
+    chat = {"model": "bubo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    answer = httpx.post(tiny_server.url + "/v1/chat/completions", json=chat)
+    streamed = httpx.post(tiny_server.url + "/v1/chat/completions", json={**chat, "stream": True})
+    missing = httpx.get(tiny_server.url + "/nowhere", headers={"x-request-id": "mine-1"})
+    [first, second, third] = _request_lines(caplog)
+    usage = answer.json()["usage"]
+    assert first == {
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "status": 200,
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+        "ms": first["ms"],
+        "request_id": answer.headers["x-request-id"],
+    }
+    assert first["ms"] > 0
+    # A stream is logged once it has ended, with its tokens.
+    assert (second["status"], second["completion_tokens"]) == (200, 3)
+    assert second["request_id"] == streamed.headers["x-request-id"]
+    assert (third["status"], third["prompt_tokens"], third["request_id"]) == (404, None, "mine-1")
+    assert missing.status_code == 404
+    text = next(r.getMessage() for r in caplog.records if r.name == "bubo.requests")
+    assert (
+        text.startswith("POST /v1/chat/completions 200 prompt_tokens=")
+        and f"id={first['request_id']}" in text
+    )
+
+
+def test_json_log_lines_carry_the_requests_fields() -> None:
+    record = logging.LogRecord("bubo.requests", logging.INFO, __file__, 1, "GET %s", ("/health",), None)
+    record.http = {"method": "GET", "path": "/health", "status": 200}
+    line = json.loads(JsonFormatter().format(record))
+    assert line["message"] == "GET /health" and line["level"] == "INFO" and line["logger"] == "bubo.requests"
+    assert (line["method"], line["path"], line["status"]) == ("GET", "/health", 200)
+    assert line["time"].endswith("Z")
