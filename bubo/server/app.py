@@ -18,7 +18,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from bubo.server import anthropic, debug, health, llama, metrics, openai, responses, tokenize
 from bubo.server.errors import ApiError, error_response
 from bubo.server.keys import REQUEST_ID, STATE
-from bubo.server.request_log import request_log_middleware
+from bubo.server.request_log import announce, request_log_middleware
 from bubo.server.state import CURRENT_REQUEST_ID, ServerSettings, ServerState, new_id
 
 __all__ = ["create_app", "create_runner", "exposure_warning", "is_loopback", "serve"]
@@ -272,9 +272,8 @@ async def _serve(state: ServerState) -> int:
         await site.start()
     except OSError as error:
         await runner.cleanup()
-        print(
-            f"bubo: error: cannot listen on {settings.host}:{settings.port}: {error.strerror or error}",
-            file=sys.stderr,
+        announce(
+            f"error: cannot listen on {settings.host}:{settings.port}: {error.strerror or error}", "error"
         )
         return 1
     # Before anything is printed: a supervisor that reads "listening" may signal at once.
@@ -282,30 +281,22 @@ async def _serve(state: ServerState) -> int:
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    print(
-        f"bubo: listening on http://{settings.host}:{settings.port} (loading {settings.model_path.name})",
-        file=sys.stderr,
-        flush=True,
-    )
+    announce(f"listening on http://{settings.host}:{settings.port} (loading {settings.model_path.name})")
     warning = exposure_warning(settings)
     if warning:
-        print(warning, file=sys.stderr, flush=True)
+        announce(warning.replace("bubo: WARNING: ", "").replace("\n", " "), "warning", text=warning)
     loading = _load_in_background(state)
     stopping = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if loading.done():
             if loading.exception() is not None:
-                print(
-                    f"bubo: error: cannot load {settings.model_path}: {loading.exception()}", file=sys.stderr
-                )
+                announce(f"error: cannot load {settings.model_path}: {loading.exception()}", "error")
                 return 1
-            print(f"bubo: ready: serving '{state.model_id}' (also as 'bubo')", file=sys.stderr, flush=True)
+            announce(f"ready: serving '{state.model_id}' (also as 'bubo')")
             await stopping
-        print(
-            f"bubo: stopping: no new connections; requests in flight get {settings.shutdown_grace:g} s to finish",
-            file=sys.stderr,
-            flush=True,
+        announce(
+            f"stopping: no new connections; requests in flight get {settings.shutdown_grace:g} s to finish"
         )
         loop.call_later(settings.shutdown_grace, state.cutoff.end_streams)
         return 0

@@ -5,6 +5,7 @@ generation the request ran (bubo/server/request_tokens.py)."""
 
 import json
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -13,7 +14,7 @@ from aiohttp import web
 from bubo.server.keys import REQUEST_ID
 from bubo.server.request_tokens import count_tokens
 
-__all__ = ["JsonFormatter", "configure_logging", "request_log_middleware"]
+__all__ = ["JsonFormatter", "announce", "configure_logging", "request_log_middleware"]
 
 log = logging.getLogger("bubo.requests")
 
@@ -21,6 +22,8 @@ log = logging.getLogger("bubo.requests")
 CLIENT_CLOSED = 499
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# Whether lines are JSON (--log-format json): the lifecycle lines `announce` writes follow it.
+_json_lines = False
 
 
 @web.middleware
@@ -93,3 +96,21 @@ def configure_logging(level: str = "info", fmt: str = "text") -> None:
         formatter = logging.Formatter("bubo: %(levelname)s %(name)s: %(message)s")
     handler.setFormatter(formatter)
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    global _json_lines
+    _json_lines = fmt == "json"
+
+
+def announce(message: str, level: str = "info", text: str | None = None) -> None:
+    """A line of the server's life (listening, ready, stopping, a fatal error) on stderr whatever the
+    log level, since supervisors wait for them: `text` (default "bubo: MESSAGE") as text, or with
+    --log-format json a JSON line like the log's."""
+    if _json_lines:
+        record = logging.LogRecord(
+            "bubo.server", getattr(logging, level.upper()), __file__, 0, message, None, None
+        )
+        formatter = JsonFormatter()
+        formatter.converter = time.gmtime
+        line = formatter.format(record)
+    else:
+        line = text if text is not None else f"bubo: {message}"
+    print(line, file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import re
 import secrets
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -35,6 +36,7 @@ from bubo.engine.slot import DeviceLostError
 from bubo.engine.slot_pool import SlotPool
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
+from bubo.model.load_progress import LoadProgress
 from bubo.model.mtp_weights import check_mtp_file, load_mtp_weights
 from bubo.server.chat import ChatRequest, without_image_sources
 from bubo.server.errors import ApiError, bad_field
@@ -204,6 +206,7 @@ class ServerState:
                 dtype=self.settings.dtype,
                 device=self.settings.device,
                 cache_dtypes=self.settings.cache_dtypes,
+                progress=LoadProgress(bar=sys.stderr.isatty()),
             )
             if self.settings.mtp_weights is not None:
                 load_mtp_weights(loaded.model, self.settings.mtp_weights)

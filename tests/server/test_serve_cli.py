@@ -113,6 +113,13 @@ def test_serve_answers_then_stops_cleanly(tiny_llama_path: Path) -> None:
     assert line["logger"] == "bubo.requests" and line["status"] == 200 and line["method"] == "POST"
     assert (line["prompt_tokens"], line["completion_tokens"]) == (reply["usage"]["prompt_tokens"], 3)
     assert line["request_id"] == response.headers["x-request-id"] and line["ms"] > 0
+    # The lifecycle lines follow the format too.
+    lifecycle = [entry["message"] for entry in logged if entry["logger"] == "bubo.server"]
+    assert lifecycle[0].startswith(f"listening on {url}") and "ready: serving 'tiny' (also as 'bubo')" in lifecycle
+    # Without a terminal, the load is told in lines: the weights, then the compiling.
+    loading = [entry["message"] for entry in logged if entry["logger"] == "bubo.load"]
+    assert any(m.startswith("loading and repacking weights: ") for m in loading), loading
+    assert any(m.startswith("compiling the decode step") and "done in" in m for m in loading), loading
 
 
 def test_cache_type_flags_set_the_kv_pool(tiny_llama_path: Path) -> None:
