@@ -115,7 +115,10 @@ def test_serve_answers_then_stops_cleanly(tiny_llama_path: Path) -> None:
     assert line["request_id"] == response.headers["x-request-id"] and line["ms"] > 0
     # The lifecycle lines follow the format too.
     lifecycle = [entry["message"] for entry in logged if entry["logger"] == "bubo.server"]
-    assert lifecycle[0].startswith(f"listening on {url}") and "ready: serving 'tiny' (also as 'bubo')" in lifecycle
+    assert (
+        lifecycle[0].startswith(f"listening on {url}")
+        and "ready: serving 'tiny' (also as 'bubo')" in lifecycle
+    )
     # Without a terminal, the load is told in lines: the weights, then the compiling.
     loading = [entry["message"] for entry in logged if entry["logger"] == "bubo.load"]
     assert any(m.startswith("loading and repacking weights: ") for m in loading), loading
