@@ -1,5 +1,5 @@
 """The log probability of every prompt token given the tokens before it: what evaluation harnesses
-score a multiple-choice answer by (OpenAI's legacy `echo` with `logprobs`, llama-server's `n_probs`).
+score a multiple-choice answer by (OpenAI's legacy `echo` with `logprobs` on /v1/completions).
 
 The prompt runs through a cache of its own, so the slot's cache and what it has computed stay as they
 were; the logits come a piece at a time, so a long prompt never holds [tokens, vocab] floats at once.
