@@ -348,8 +348,8 @@ def require_function_tool(tool: Mapping[str, Any], where: str) -> None:
 
 
 def chat_tools(raw: Any) -> list[dict[str, Any]] | None:
-    """OpenAI chat `tools`: {"type": "function", "function": {"name", "description"?, "parameters"?}}.
-    Checked here because the templates, the tool-call parser and the forcing grammar all index into
+    """OpenAI chat `tools`: {"type": "function", "function": {"name", "description"?, "parameters"?,
+    "strict"?}}, a strict function's schema made strict (`strict_schema`). Checked here because the templates, the tool-call parser and the forcing grammar all index into
     them: a tool without a name or with a non-object schema would otherwise fail deep inside (a 500)."""
     tools = tool_list(raw)
     for i, tool in enumerate(tools or []):
@@ -369,6 +369,16 @@ def chat_tools(raw: Any) -> list[dict[str, Any]] | None:
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, Mapping):
             raise bad_field(f"{where}.function.parameters", "must be a JSON schema object")
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_field(f"{where}.function.strict", "must be true, false or null")
+        if strict:
+            # OpenAI's strict function calling: the schema the template shows and the forcing grammar
+            # holds the arguments to requires every property (as Responses' strict tools do).
+            strict_parameters = strict_schema(
+                parameters or {"type": "object"}, f"{where}.function.parameters"
+            )
+            tools[i] = {**tool, "function": {**function, "parameters": strict_parameters}}
     return tools
 
 

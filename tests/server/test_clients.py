@@ -417,3 +417,28 @@ def test_json_log_lines_carry_the_requests_fields() -> None:
     assert line["message"] == "GET /health" and line["level"] == "INFO" and line["logger"] == "bubo.requests"
     assert (line["method"], line["path"], line["status"]) == ("GET", "/health", 200)
     assert line["time"].endswith("Z")
+
+
+@pytest.mark.parametrize(("strict", "keys"), [(False, ["city"]), (True, ["city", "unit"])])
+def test_a_strict_chat_tool_requires_every_property(
+    calling_server: LiveServer, strict: bool, keys: list[str]
+) -> None:
+    """openai-agents sends its chat tools with strict: true; the forced call then fills every property."""
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"enum": ["c"]}},
+        "required": ["city"],
+    }
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": parameters, "strict": strict},
+    }
+    client = openai.OpenAI(base_url=calling_server.url + "/v1", api_key="none", max_retries=0)
+    choice = client.chat.completions.create(
+        model="bubo",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    ).choices[0]
+    [call] = choice.message.tool_calls or []
+    assert list(json.loads(call.function.arguments)) == keys  # type: ignore[union-attr]
