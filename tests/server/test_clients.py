@@ -16,6 +16,7 @@ from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.sampler import SamplingParams
 from bubo.server.request_log import JsonFormatter
 from tests.server.live_server import LiveServer, scripted, serve_loaded
+from tests.server.openapi_doc import response_schema, validator
 
 # GET /v1/models/{id}
 
@@ -246,6 +247,7 @@ def test_n_probs_lists_each_tokens_log_probability(tiny_server: LiveServer) -> N
     body = {"prompt": "Hello", "n_predict": 4, "n_probs": 2, "temperature": 0}
     answer = httpx.post(tiny_server.url + "/completion", json=body).json()
     probabilities = answer["completion_probabilities"]
+    assert not list(validator(response_schema("/completion", "POST", 200)).iter_errors(answer))
     assert len(probabilities) == answer["tokens_predicted"] == 4
     for entry in probabilities:
         assert set(entry) == {"id", "token", "bytes", "logprob", "top_logprobs"}
