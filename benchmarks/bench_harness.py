@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+HARNESSES = ("lm_eval", "guidellm")
 
 # (country, capital), the items of both tasks; the wrong choices of a question are other capitals.
 CAPITALS = [
@@ -236,7 +237,8 @@ def summarize_guidellm(report: dict[str, Any]) -> dict[str, Any]:
         "requests_failed": totals["errored"],
         "latency_s": median("request_latency"),
         "ttft_ms": median("time_to_first_token_ms"),
-        "output_tokens_per_s": median("output_tokens_per_second"),
+        "time_per_output_token_ms": median("time_per_output_token_ms"),
+        "output_tokens": median("output_token_count"),
     }
 
 
@@ -252,14 +254,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--harness-python", default=sys.executable, help="the Python that has lm_eval and guidellm"
     )
+    parser.add_argument("--harnesses", default=",".join(HARNESSES), help="which to run (default: both)")
     parser.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
 
-    harnesses = {name: has_module(args.harness_python, name) for name in ("lm_eval", "guidellm")}
+    wanted = [name.strip() for name in args.harnesses.split(",") if name.strip()]
+    if set(wanted) - set(HARNESSES):
+        parser.error(f"--harnesses: choose from {', '.join(HARNESSES)}")
+    harnesses = {name: name in wanted and has_module(args.harness_python, name) for name in HARNESSES}
     report: dict[str, Any] = {"model": str(args.model or "default"), "threads": args.threads}
     for name, present in harnesses.items():
-        if not present:
+        if name not in wanted:
+            report[name] = {"skipped": "not asked for (--harnesses)"}
+        elif not present:
             report[name] = {"skipped": f"{name} is not installed for {args.harness_python}"}
     if any(harnesses.values()):
         port = free_port()
@@ -278,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 server.terminate()
                 server.wait(30)
-    for name in ("lm_eval", "guidellm"):
+    for name in HARNESSES:
         print(f"{name}: {json.dumps(report[name])}")
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
