@@ -85,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
         "--api-key",
         action="append",
         default=[],
-        help="require `Authorization: Bearer KEY` on every route; repeatable (any of the keys is taken)",
+        help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route; repeatable (any of "
+        "the keys is taken)",
     )
     srv.add_argument(
         "--cache-isolation",
@@ -200,6 +201,18 @@ def _parser() -> argparse.ArgumentParser:
         help="fetch http(s) image URLs in requests (never from private or loopback addresses); "
         "without it images must be sent inline (data: URLs, base64)",
     )
+    srv.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="least severe log lines written (default info: one line per request, and load progress)",
+    )
+    srv.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="log lines as text, or one JSON object a line for a log collector (default text)",
+    )
     srv.add_argument("--temp", "--temperature", type=float, default=0.8, help="default temperature (0.8)")
     srv.add_argument("--top-k", type=int, default=40, help="default top-k (40; 0 = off)")
     srv.add_argument("--top-p", type=float, default=0.95, help="default top-p (0.95; 1 = off)")
@@ -218,7 +231,9 @@ def _parser() -> argparse.ArgumentParser:
     ins = commands.add_parser(
         "inspect", help="print a GGUF file's architecture, layer plan, metadata and tensors"
     )
-    ins.add_argument("file", type=Path)
+    ins.add_argument(
+        "file", type=Path, nargs="?", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)"
+    )
     ins.add_argument("--all-metadata", action="store_true", help="print long strings and arrays whole")
     ins.set_defaults(run=_inspect)
     return parser
@@ -334,11 +349,17 @@ def _add_speculation_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve_model(args: argparse.Namespace) -> Path:
-    path = args.model if args.model is not None else default_model_path()
+    return model_file(args.model)
+
+
+def model_file(path: Path | None) -> Path:
+    """The GGUF file a command works on (None: the default model), worded the same way by every
+    command when it is missing or is a directory."""
+    path = path if path is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"model file not found: {path}")
     if path.is_dir():
-        raise IsADirectoryError(f"--model expects a GGUF file, got a directory: {path}")
+        raise IsADirectoryError(f"expected a GGUF model file, got a directory: {path}")
     return path
 
 
@@ -418,13 +439,12 @@ def _print_stats(result: Any, load_seconds: float) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
-
     _prepare_process(args)
 
     from bubo.engine.prompt_cache import SnapshotPolicy
     from bubo.engine.sampler import SamplingParams
     from bubo.server.app import is_loopback, serve
+    from bubo.server.request_log import configure_logging
     from bubo.server.state import ServerSettings, ServerState
 
     if args.debug_hooks and not is_loopback(args.host):
@@ -508,7 +528,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     state = ServerState(settings)
     state.preflight()
-    logging.basicConfig(level=logging.INFO, format="bubo: %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     return serve(state)
 
 
@@ -517,12 +537,13 @@ def _cache_dtypes(args: argparse.Namespace) -> tuple[torch.dtype, torch.dtype]:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    with GGUFFile(args.file) as f:
+    path = model_file(args.file)
+    with GGUFFile(path) as f:
         # A broken file is refused in one line, as `bubo serve` refuses it (the listing would walk its
         # layers for as long as its block count says).
         if f.architecture in SUPPORTED_ARCHITECTURES:
             check_block_count(f)
-        print(f"file:         {args.file}")
+        print(f"file:         {path}")
         print(f"gguf version: {f.version}")
         print(f"architecture: {f.architecture}")
         print(f"tensors:      {len(f.tensors)} ({_human_bytes(sum(t.nbytes for t in f.tensors.values()))})")

@@ -255,3 +255,22 @@ def test_inspect_says_why_a_supported_architecture_can_not_be_built(tmp_path: Pa
     out = capsys.readouterr().out
     assert "layer plan:   none: Bubo can't build this model:" in out
     assert "missing required metadata key 'llama.embedding_length'" in out
+
+
+def test_inspect_without_a_file_inspects_the_default_model(smollm2_path: Path, capsys) -> None:
+    assert cli.main(["inspect"]) == 0
+    out = capsys.readouterr().out
+    assert f"file:         {smollm2_path}" in out and "architecture: llama" in out
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["generate", "--prompt", "x", "--model"]])
+def test_every_command_words_a_missing_file_and_a_directory_the_same_way(
+    command: list[str], tmp_path: Path, capsys
+) -> None:
+    missing = tmp_path / "absent.gguf"
+    assert cli.main([*command, str(missing)]) == 1
+    assert capsys.readouterr().err == f"bubo: error: model file not found: {missing}\n"
+    assert cli.main([*command, str(tmp_path)]) == 1
+    assert (
+        capsys.readouterr().err == f"bubo: error: expected a GGUF model file, got a directory: {tmp_path}\n"
+    )

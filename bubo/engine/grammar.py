@@ -22,6 +22,7 @@ __all__ = [
     "JSON_LAYOUT",
     "GrammarError",
     "GrammarMatcher",
+    "closed_objects",
     "gbnf_grammar",
     "json_schema_grammar",
     "lark_grammar",
@@ -89,10 +90,56 @@ def _ll_tokenizer(tokenizer: Vocabulary, n_vocab: int) -> llguidance.LLTokenizer
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# Where closed_objects looks for nested schemas: maps of them, lists of them, and single ones.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_SINGLES = ("items", "additionalProperties", "contains")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with every object that lists its `properties` and says nothing of others closed
+    (`additionalProperties: false`), nested ones too, as vLLM's and llama-server's grammars read a
+    schema. JSON Schema allows extra keys by default, and a small model given that freedom adds keys
+    until it runs out of tokens. An object that allows others (`additionalProperties`,
+    `patternProperties` or `unevaluatedProperties` given) or lists no properties stays open, and so
+    do the members of an `allOf`, which each list only part of the object's properties."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_SINGLES:
+        if isinstance(out.get(key), Mapping):
+            out[key] = closed_objects(out[key])
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_closed_inside(sub) for sub in out["allOf"]]
+    opened = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if isinstance(out.get("properties"), Mapping) and not any(key in out for key in opened):
+        out["additionalProperties"] = False
+    return out
+
+
+def _closed_inside(schema: Any) -> Any:
+    """`schema`'s nested objects closed, itself left as it is (an `allOf` member)."""
+    if not isinstance(schema, Mapping):
+        return schema
+    closed = closed_objects(schema)
+    if "additionalProperties" not in schema:
+        closed.pop("additionalProperties", None)
+    return closed
+
+
 def json_schema_grammar(schema: Mapping[str, Any]) -> str:
-    """A grammar for JSON text valid against `schema`; GrammarError when the schema is not one."""
+    """A grammar for JSON text valid against `schema`, its objects closed (`closed_objects`);
+    GrammarError when the schema is not one."""
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(closed_objects(schema)), defaults=JSON_LAYOUT
+        )
     except ValueError as error:
         raise GrammarError(str(error)) from None
     return _checked(grammar)

@@ -1,6 +1,8 @@
 """A GGUF file opened into everything generation needs: config, decoder and tokenizer."""
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +12,7 @@ from bubo.engine.runner import runner_for
 from bubo.gguf.config import ModelConfig, config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
+from bubo.model.load_progress import LoadProgress
 from bubo.model.loader import load_decoder
 from bubo.model.quantized_linear import bf16_prefill, has_packed_weights
 from bubo.model.tokenizer import Tokenizer
@@ -41,11 +44,12 @@ def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-    progress: bool = False,
+    progress: bool | LoadProgress = False,
     cache_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
 ) -> LoadedModel:
     """Open `path`, check its architecture, and build the decoder and tokenizer from it; its caches
-    store keys and values in `cache_dtypes` (default: `dtype`).
+    store keys and values in `cache_dtypes` (default: `dtype`). `progress`: a bar of the weights
+    loaded (True), or a LoadProgress that also tells the compiling that follows.
 
     The config is read first so an unsupported architecture fails before any weight is touched.
     """
@@ -60,13 +64,20 @@ def load_model(
         if cache_dtypes is not None:
             # Before the decode step is prepared: its warm-up compiles attention for these dtypes.
             model.cache_dtypes = cache_dtypes
-        runner_for(model).prepare()
+        stage = progress.stage if isinstance(progress, LoadProgress) else _quietly
+        with stage("compiling the decode step (a first start compiles; later starts read the kernel cache)"):
+            runner_for(model).prepare()
         drop_trace_caches()
         _report_cpu_precision(model, dtype)
     except BaseException:
         file.close()
         raise
     return LoadedModel(Path(path), file, config, model, tokenizer)
+
+
+@contextmanager
+def _quietly(what: str) -> Iterator[None]:
+    yield
 
 
 def _report_cpu_precision(model: Decoder, dtype: torch.dtype) -> None:

@@ -27,6 +27,8 @@ class GenerationRequest:
     tool-call events) belong to this one request: they keep state as it runs. `images` are the
     prompt's images, whose pad tokens `prompt_ids` holds (bubo/engine/prompt_images.py). `special` keeps
     the text of special tokens such as <|im_end|> in the output, which is otherwise dropped.
+    `prompt_logprobs` (None: off) asks for each prompt token's log probability given the tokens before
+    it, with that many alternatives (bubo/engine/prompt_logprobs.py).
     """
 
     request_id: str
@@ -47,6 +49,7 @@ class GenerationRequest:
     # usage on every OutputDelta.
     return_progress: bool = False
     timings_per_token: bool = False
+    prompt_logprobs: int | None = None
 
     @property
     def cache_key(self) -> list[Hashable]:
@@ -159,6 +162,8 @@ class Finished:
     slot_id: int = 0
     # The length of content_text before each call: the calls' places in the answer.
     tool_call_offsets: tuple[int, ...] = ()
+    # The prompt's tokens after the first, each given those before it (when the request asked).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     def answer_parts(self) -> list[str | ToolCall]:
         """The answer in the order it was generated: runs of text (never empty) and the calls."""

@@ -27,6 +27,7 @@ from bubo.engine.generate import GenerationResult, Model, Tokenizer, generate
 from bubo.engine.output import OutputStream
 from bubo.engine.prompt_cache import PromptCache, SnapshotPolicy
 from bubo.engine.prompt_images import PromptVision, VisionEncoder
+from bubo.engine.prompt_logprobs import prompt_logprobs
 from bubo.engine.prompt_progress import ProgressReporter
 from bubo.engine.request import CacheReport, Finished, GenerationRequest, OutputDelta, OutputEvent, Usage
 from bubo.engine.sampler import SamplingParams
@@ -263,6 +264,9 @@ class SessionSlot:
         send: Callable[[OutputEvent], None],
     ) -> Iterator[OutputEvent]:
         prompt = request.prompt_ids
+        scored = (
+            () if request.prompt_logprobs is None else prompt_logprobs(model, prompt, request.prompt_logprobs)
+        )
         key = request.cache_key
         pc = self.prompt_cache
         report = pc.prepare(key, enabled=request.cache_prompt)
@@ -379,6 +383,7 @@ class SessionSlot:
             output.tool_calls,
             self.id,
             tuple(output.tool_call_offsets),
+            tuple(scored),
         )
 
 

@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bubo.engine.grammar import JSON_LAYOUT
+from bubo.engine.grammar import JSON_LAYOUT, closed_objects
 from bubo.templates.tool_calls import ToolCallFormat
 
 __all__ = ["tool_call_grammar"]
@@ -22,7 +22,8 @@ def _functions(tools: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict[str, 
     out = []
     for tool in tools:
         function = tool.get("function", tool)
-        parameters = function.get("parameters") or {"type": "object"}
+        # Arguments are held to the schema the way a JSON answer is: no keys it does not list.
+        parameters = closed_objects(function.get("parameters") or {"type": "object"})
         out.append((function["name"], dict(parameters)))
     return out
 

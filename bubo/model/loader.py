@@ -10,6 +10,7 @@ import ctypes
 import mmap
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
@@ -20,6 +21,7 @@ from bubo.gguf.config import ModelConfig
 from bubo.gguf.quants import SUPPORTED_TYPES
 from bubo.gguf.reader import GGUFError, GGUFFile, GGUFTensor
 from bubo.model.decoder import Decoder
+from bubo.model.load_progress import LoadProgress
 from bubo.model.moe import ExpertMatrices, Experts, QuantizedExpertMatrices
 from bubo.model.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from bubo.process_memory import trim_heap
@@ -73,7 +75,7 @@ class GGUFWeights:
     Each tensor is materialised once, so a tied output matrix shares the embedding's storage.
     """
 
-    def __init__(self, f: GGUFFile, dtype: torch.dtype, device: torch.device, progress: tqdm) -> None:
+    def __init__(self, f: GGUFFile, dtype: torch.dtype, device: torch.device, progress: Any) -> None:
         self.file = f
         self.dtype = dtype
         self.device = device
@@ -183,9 +185,11 @@ def load_decoder(
     config: ModelConfig,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    progress: bool = False,
+    progress: bool | LoadProgress = False,
 ) -> Decoder:
     """The model `config` describes, with its weights from `f`, computing in `dtype` on `device`.
+
+    `progress`: a bar of the tensors loaded (True), or a LoadProgress that tells them its way.
 
     Raises GGUFError naming the tensor when one is missing, has an unexpected shape or type, or
     when the file holds tensors the model would ignore (a sign the config misreads the file).
@@ -211,7 +215,11 @@ def load_decoder(
         # A block without `nextn_predict_layers` to say it is one is left alone (spec section 4.11).
         ignored += (f"blk.{n}.", "mtp.")
     wanted = [n for n in f.tensors if not n.endswith(_NOT_LOADED) and not n.startswith(ignored)]
-    with tqdm(total=len(wanted), desc="Loading weights", unit="tensor", disable=not progress) as bar:
+    if isinstance(progress, LoadProgress):
+        counter = progress.counter(len(wanted), "loading and repacking weights")
+    else:
+        counter = tqdm(total=len(wanted), desc="Loading weights", unit="tensor", disable=not progress)
+    with counter as bar:
         weights = GGUFWeights(f, dtype, torch.device(device), bar)
         model = Decoder(config, weights)
     unused = weights.unused(ignored)

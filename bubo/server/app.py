@@ -15,10 +15,11 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from bubo.server import anthropic, debug, health, llama, metrics, openai, responses
+from bubo.server import anthropic, debug, health, llama, metrics, openai, responses, tokenize
 from bubo.server.connections import ConnectionLimits, ServerRunner, connection_cap, raise_open_files_limit
 from bubo.server.errors import ApiError, error_response
 from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.request_log import announce, request_log_middleware
 from bubo.server.state import CURRENT_API_KEY, CURRENT_REQUEST_ID, ServerSettings, ServerState, new_id
 
 __all__ = ["create_app", "create_runner", "exposure_warning", "is_loopback", "serve"]
@@ -131,7 +132,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
             raise ApiError(
                 401,
                 "invalid_api_key",
-                "a valid API key is required: send Authorization: Bearer KEY",
+                # Both headers are read on every route; Anthropic's clients send x-api-key.
+                "a valid API key is required: send Authorization: Bearer KEY or x-api-key: KEY",
                 type="authentication_error",
                 headers={"WWW-Authenticate": "Bearer"},
             )
@@ -197,12 +199,14 @@ def create_app(state: ServerState) -> web.Application:
     middlewares = [errors_middleware, body_limit_middleware, auth_middleware, device_middleware]
     if settings.cors_origins:
         middlewares.insert(0, cors_middleware)
+    # Outermost: it logs the status that went out, whatever answered.
+    middlewares.insert(0, request_log_middleware)
     app = web.Application(middlewares=middlewares, client_max_size=body_limit(settings))
     if settings.cors_origins:
         app.on_response_prepare.append(_cors_headers)
     app[STATE] = state
     routes: list[web.RouteDef] = []
-    for module in (health, openai, responses, anthropic, llama, metrics):
+    for module in (health, openai, responses, anthropic, llama, tokenize, metrics):
         routes += module.routes()
     routes += [web.post(path, not_implemented) for path in NOT_IMPLEMENTED]
     routes.append(web.route("*", "/sdapi/v1/{tail:.*}", not_implemented))
@@ -290,9 +294,8 @@ async def _serve(state: ServerState) -> int:
         await site.start()
     except OSError as error:
         await runner.cleanup()
-        print(
-            f"bubo: error: cannot listen on {settings.host}:{settings.port}: {error.strerror or error}",
-            file=sys.stderr,
+        announce(
+            f"error: cannot listen on {settings.host}:{settings.port}: {error.strerror or error}", "error"
         )
         return 1
     # Before anything is printed: a supervisor that reads "listening" may signal at once.
@@ -300,30 +303,22 @@ async def _serve(state: ServerState) -> int:
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    print(
-        f"bubo: listening on http://{settings.host}:{settings.port} (loading {settings.model_path.name})",
-        file=sys.stderr,
-        flush=True,
-    )
+    announce(f"listening on http://{settings.host}:{settings.port} (loading {settings.model_path.name})")
     warning = exposure_warning(settings)
     if warning:
-        print(warning, file=sys.stderr, flush=True)
+        announce(warning.replace("bubo: WARNING: ", "").replace("\n", " "), "warning", text=warning)
     loading = _load_in_background(state)
     stopping = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if loading.done():
             if loading.exception() is not None:
-                print(
-                    f"bubo: error: cannot load {settings.model_path}: {loading.exception()}", file=sys.stderr
-                )
+                announce(f"error: cannot load {settings.model_path}: {loading.exception()}", "error")
                 return 1
-            print(f"bubo: ready: serving '{state.model_id}' (also as 'bubo')", file=sys.stderr, flush=True)
+            announce(f"ready: serving '{state.model_id}' (also as 'bubo')")
             await stopping
-        print(
-            f"bubo: stopping: no new connections; requests in flight get {settings.shutdown_grace:g} s to finish",
-            file=sys.stderr,
-            flush=True,
+        announce(
+            f"stopping: no new connections; requests in flight get {settings.shutdown_grace:g} s to finish"
         )
         loop.call_later(settings.shutdown_grace, state.cutoff.end_streams)
         return 0

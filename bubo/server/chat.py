@@ -31,6 +31,7 @@ __all__ = [
     "openai_tool_choice",
     "output_schema",
     "require_function_tool",
+    "strict_schema",
     "text_content",
     "thinking_choice",
     "tool_list",
@@ -347,8 +348,8 @@ def require_function_tool(tool: Mapping[str, Any], where: str) -> None:
 
 
 def chat_tools(raw: Any) -> list[dict[str, Any]] | None:
-    """OpenAI chat `tools`: {"type": "function", "function": {"name", "description"?, "parameters"?}}.
-    Checked here because the templates, the tool-call parser and the forcing grammar all index into
+    """OpenAI chat `tools`: {"type": "function", "function": {"name", "description"?, "parameters"?,
+    "strict"?}}, a strict function's schema made strict (`strict_schema`). Checked here because the templates, the tool-call parser and the forcing grammar all index into
     them: a tool without a name or with a non-object schema would otherwise fail deep inside (a 500)."""
     tools = tool_list(raw)
     for i, tool in enumerate(tools or []):
@@ -368,6 +369,16 @@ def chat_tools(raw: Any) -> list[dict[str, Any]] | None:
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, Mapping):
             raise bad_field(f"{where}.function.parameters", "must be a JSON schema object")
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_field(f"{where}.function.strict", "must be true, false or null")
+        if strict:
+            # OpenAI's strict function calling: the schema the template shows and the forcing grammar
+            # holds the arguments to requires every property (as Responses' strict tools do).
+            strict_parameters = strict_schema(
+                parameters or {"type": "object"}, f"{where}.function.parameters"
+            )
+            tools[i] = {**tool, "function": {**function, "parameters": strict_parameters}}
     return tools
 
 
@@ -438,19 +449,60 @@ def _check_final_messages(messages: list[dict[str, Any]], body: Body, opens_turn
 
 
 def output_schema(fmt: Any, field_name: str) -> dict[str, Any] | None:
-    """The JSON schema an output format asks for: None for plain text, {"type": "object"} for
-    json_object, the given schema for json_schema (its `schema` member, or the object itself when the
-    dialect puts the schema there directly)."""
+    """The JSON schema an output format asks for: None for plain text; for json_object, its `schema`
+    when it has one (llama-server's form) and else any object; for json_schema, the given schema (its
+    `schema` member, or the object itself when the dialect puts the schema there directly), made
+    strict (`strict_schema`) with `strict: true` beside it, as OpenAI's structured outputs are."""
     kind = fmt.get("type") if isinstance(fmt, Mapping) else None
     if kind == "text":
         return None
-    if kind == "json_object":
-        return {"type": "object"}
-    if kind != "json_schema":
+    if kind not in ("json_object", "json_schema"):
         raise bad_field(f"{field_name}.type", f"must be text, json_object or json_schema; got {kind!r}")
     assert isinstance(fmt, Mapping)
+    if kind == "json_object":
+        schema = fmt.get("schema")
+        if schema is None:
+            return {"type": "object"}
+        if not isinstance(schema, Mapping):
+            raise bad_field(f"{field_name}.schema", "must be a JSON schema object")
+        return dict(schema)
+    where = f"{field_name}.json_schema" if "json_schema" in fmt else field_name
     holder = fmt.get("json_schema", fmt)
     schema = holder.get("schema") if isinstance(holder, Mapping) else None
     if not isinstance(schema, Mapping):
         raise bad_field(f"{field_name}.schema", "json_schema needs a `schema` object")
-    return dict(schema)
+    strict = holder.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_field(f"{where}.strict", "must be true, false or null")
+    return strict_schema(schema, f"{where}.schema") if strict else dict(schema)
+
+
+# Where strict_schema looks for nested schemas: maps of them, lists of them, and single ones.
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+
+
+def strict_schema(schema: Any, where: str) -> Any:
+    """`schema` (at `where` in the body) as OpenAI's strict mode reads it: every object requires all of
+    its properties and allows no others unless it sets `additionalProperties` itself; nested objects
+    (properties, items, anyOf, $defs) too. A property that may be left out is spelled as a nullable
+    type in strict mode. 400 invalid_schema when `properties` is not an object of schemas."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    if "properties" in out and not isinstance(out["properties"], Mapping):
+        raise bad_field(f"{where}.properties", "must be an object of schemas", code="invalid_schema")
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: strict_schema(sub, f"{where}.{key}.{name}") for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(sub, f"{where}.{key}[{i}]") for i, sub in enumerate(out[key])]
+    if "items" in out:
+        out["items"] = strict_schema(out["items"], f"{where}.items")
+    types = out.get("type")
+    if types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out:
+        if "properties" in out:
+            out["required"] = list(out["properties"])
+        out.setdefault("additionalProperties", False)
+    return out

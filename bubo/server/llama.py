@@ -6,12 +6,14 @@ the OpenAI routes it ends without `data: [DONE]`, as llama-server's own /complet
 """
 
 import math
+from collections.abc import Sequence
 from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
 import bubo
+from bubo.engine.generate import TokenLogprob
 from bubo.engine.request import Finished, GenerationRequest, OutputDelta, PromptProgress
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import SessionSlot
@@ -99,6 +101,19 @@ class _Completion:
             **extra,
         }
 
+    def probabilities(self, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+        """llama-server's completion_probabilities: each token's id, text, bytes and log probability,
+        with its top alternatives in the same shape."""
+        return [
+            {**self._token(lp.token_id, lp.logprob), "top_logprobs": [self._token(i, v) for i, v in lp.top]}
+            for lp in logprobs
+        ]
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self.state.require_ready().tokenizer.token_bytes(token_id)
+        text = raw.decode("utf-8", errors="replace")
+        return {"id": token_id, "token": text, "bytes": list(raw), "logprob": logprob}
+
     def final(self, finished: Finished, content: str) -> dict[str, Any]:
         result = finished.result
         usage = finished.usage
@@ -144,9 +159,14 @@ async def completion(request: web.Request) -> web.StreamResponse:
     stream = body.boolean("stream")
     return_tokens = body.boolean("return_tokens")
     fields = _response_fields(body)
-    if body.integer("n_probs", minimum=0, maximum=20):
+    # n_probs > 0: each token's log probability and that many alternatives (completion_probabilities).
+    n_probs = body.integer("n_probs", minimum=0, maximum=20) or None
+    if body.boolean("post_sampling_probs"):
         raise ApiError(
-            400, "unsupported_n_probs", "n_probs: token probabilities are not supported yet", param="n_probs"
+            400,
+            "unsupported_value",
+            "post_sampling_probs: only the model's own log probabilities are reported (leave it false)",
+            param="post_sampling_probs",
         )
     # n_predict 0 evaluates the prompt into the slot's cache and generates nothing (llama-server's way to
     # warm the cache for a prompt that requests will extend).
@@ -163,7 +183,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
     grammar = await constraint_grammar(state, output_constraint(body, schema))
     generation = state.request(
-        text, ids, params, grammar=grammar, cache_prompt=body.boolean("cache_prompt", True)
+        text, ids, params, logprobs=n_probs, grammar=grammar, cache_prompt=body.boolean("cache_prompt", True)
     )
     generation = with_stream_extras(generation, body, stream)
     answer = _Completion(state, model, generation, stream, return_tokens)
@@ -171,6 +191,8 @@ async def completion(request: web.Request) -> web.StreamResponse:
         return await _stream(request, state, answer)
     finished = await state.complete(generation)
     reply = answer.final(finished, finished.content_text)
+    if n_probs:
+        reply["completion_probabilities"] = answer.probabilities(finished.content_logprobs)
     if fields:
         reply = _picked(reply, fields)
     return web.json_response(reply, headers={"x-request-id": request[REQUEST_ID]})
@@ -227,7 +249,10 @@ async def _stream(request: web.Request, state: ServerState, answer: _Completion)
             event = first
             while event is not None:
                 if isinstance(event, OutputDelta | PromptProgress):
-                    await sse.send(answer.chunk(event))
+                    chunk = answer.chunk(event)
+                    if isinstance(event, OutputDelta) and answer.generation.logprobs:
+                        chunk["completion_probabilities"] = answer.probabilities(event.logprobs)
+                    await sse.send(chunk)
                 elif isinstance(event, Finished):
                     # The text went out in the chunks before; the last one carries only the statistics.
                     await sse.send(answer.final(event, ""))

@@ -119,10 +119,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )
     # The legacy API's `logprobs` is the number of alternatives (0-5 there; up to 20 here).
     top_logprobs = body.integer("logprobs", minimum=0, maximum=20)
+    # With echo, logprobs covers the prompt's tokens too, and max_tokens 0 asks for nothing more: how
+    # evaluation harnesses score the likelihood of a text.
+    scored = top_logprobs if echo else None
+    if scored is not None and stream:
+        raise ApiError(
+            400,
+            "unsupported_value",
+            "stream: echo with logprobs (the prompt's log probabilities) is answered without streaming",
+            param="stream",
+        )
     params = sampling_params(
         body,
         state.settings.defaults,
         loaded.tokenizer.vocab_size,
+        limit_minimum=0 if echo else 1,
         tokenize=bias_text_tokens(loaded.tokenizer),
     )
     schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
@@ -133,6 +144,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         logprobs=top_logprobs,
         grammar=await constraint_grammar(state, output_constraint(body, schema)),
         cache_prompt=body.boolean("cache_prompt", True),
+        prompt_logprobs=scored,
     )
     generation = with_stream_extras(generation, body, stream)
     prefix = text if echo else ""
@@ -140,10 +152,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if stream:
         return await _stream(request, state, generation, reply, include_usage, _text_chunk)
     finished = await state.complete(generation)
+    echoed = (ids[0], finished.prompt_logprobs) if scored is not None else None
     choice = {
         "index": 0,
         "text": reply.prefix + finished.content_text,
-        "logprobs": reply.text_logprobs(finished.content_logprobs),
+        "logprobs": reply.text_logprobs(finished.content_logprobs, echoed),
         "finish_reason": finished.finish_reason,
     }
     return web.json_response(reply.body(choice, finished), headers={"x-request-id": request[REQUEST_ID]})
@@ -173,7 +186,7 @@ class _Reply:
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         raw = self.tokenizer.token_bytes(token_id)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+        return {"token": self._text(token_id), "logprob": logprob, "bytes": list(raw)}
 
     def chat_logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if self.logprobs is None:
@@ -184,20 +197,34 @@ class _Reply:
         ]
         return {"content": content, "refusal": None}
 
-    def text_logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+    def text_logprobs(
+        self, logprobs: Sequence[TokenLogprob], echoed: tuple[int, Sequence[TokenLogprob]] | None = None
+    ) -> dict[str, Any] | None:
+        """The legacy shape. `echoed` (the prompt's first token, then the log probabilities of the
+        others) puts the prompt's tokens first, the first one's log probability null as OpenAI's was."""
         if self.logprobs is None:
             return None
-        tokens = [self._token(lp.token_id, lp.logprob)["token"] for lp in logprobs]
+        rows: list[tuple[int, float | None, dict[str, float] | None]] = []
+        if echoed is not None:
+            first, scored = echoed
+            rows.append((first, None, None))
+            self.offset = 0
+            logprobs = [*scored, *logprobs]
+        rows += [(lp.token_id, lp.logprob, {self._text(i): v for i, v in lp.top}) for lp in logprobs]
+        tokens = [self._text(token_id) for token_id, _, _ in rows]
         offsets = []
         for token in tokens:
             offsets.append(self.offset)
             self.offset += len(token)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{self._token(i, v)["token"]: v for i, v in lp.top} for lp in logprobs],
+            "token_logprobs": [logprob for _, logprob, _ in rows],
+            "top_logprobs": [top for _, _, top in rows],
             "text_offset": offsets,
         }
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def body(self, choice: dict[str, Any], finished: Finished) -> dict[str, Any]:
         return {

@@ -25,13 +25,14 @@ message text.
 """
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
 
+from bubo.engine.generate import TokenLogprob
 from bubo.engine.request import (
     Finished,
     GenerationRequest,
@@ -44,6 +45,7 @@ from bubo.engine.request import (
     Usage,
 )
 from bubo.engine.sampler import SamplingParams
+from bubo.model.tokenizer import Tokenizer
 from bubo.server.chat import (
     REASONING_EFFORTS,
     ChatRequest,
@@ -54,6 +56,7 @@ from bubo.server.chat import (
     named_tool_choice,
     output_schema,
     require_function_tool,
+    strict_schema,
     text_content,
     thinking_choice,
 )
@@ -66,7 +69,7 @@ from bubo.server.state import ServerState, new_id
 from bubo.server.stream_extras import delta_timings, progress_json, with_stream_extras
 from bubo.server.usage import gufo, timings
 
-__all__ = ["function_tools", "input_messages", "routes", "strict_schema"]
+__all__ = ["function_tools", "input_messages", "routes"]
 
 _MESSAGE_ROLES = ("system", "developer", "user", "assistant")
 # Stateful or hosted features: Bubo keeps no responses and runs no hosted tools.
@@ -198,37 +201,6 @@ def input_messages(raw: Any, instructions: str | None = None) -> list[dict[str, 
     return chat_messages(messages, "input")
 
 
-# Where strict_schema looks for nested schemas: maps of them, lists of them, and single ones.
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-
-
-def strict_schema(schema: Any, where: str) -> Any:
-    """`schema` (at `where` in the body) as OpenAI's strict mode reads it: every object requires all of
-    its properties and allows no others unless it sets `additionalProperties` itself; nested objects
-    (properties, items, anyOf, $defs) too. A property that may be left out is spelled as a nullable
-    type in strict mode. 400 invalid_schema when `properties` is not an object of schemas."""
-    if not isinstance(schema, Mapping):
-        return schema
-    out = dict(schema)
-    if "properties" in out and not isinstance(out["properties"], Mapping):
-        raise bad_field(f"{where}.properties", "must be an object of schemas", code="invalid_schema")
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), Mapping):
-            out[key] = {name: strict_schema(sub, f"{where}.{key}.{name}") for name, sub in out[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [strict_schema(sub, f"{where}.{key}[{i}]") for i, sub in enumerate(out[key])]
-    if "items" in out:
-        out["items"] = strict_schema(out["items"], f"{where}.items")
-    types = out.get("type")
-    if types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out:
-        if "properties" in out:
-            out["required"] = list(out["properties"])
-        out.setdefault("additionalProperties", False)
-    return out
-
-
 def function_tools(raw: Any) -> list[dict[str, Any]] | None:
     """Responses function tools (flat: name, description, parameters, strict) in the OpenAI chat
     shape the templates know. `strict` is kept only when it is true or false: absent or null means
@@ -317,13 +289,6 @@ def _check_unsupported(body: Body) -> None:
             "background: background responses need stored responses, which Bubo does not keep",
             param="background",
         )
-    if body.integer("top_logprobs", minimum=0, maximum=20):
-        raise ApiError(
-            400,
-            "unsupported_logprobs",
-            "top_logprobs: token log probabilities are not supported yet",
-            param="top_logprobs",
-        )
     metadata = body.object("metadata")
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
         raise bad_field("metadata", "values must be strings")
@@ -390,13 +355,58 @@ def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    content = [] if status == "in_progress" else [_output_text(text)]
+def _message_item(
+    item_id: str, text: str, status: str, logprobs: Sequence[dict[str, Any]] = ()
+) -> dict[str, Any]:
+    content = [] if status == "in_progress" else [_output_text(text, logprobs)]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _wanted_logprobs(body: Body) -> int | None:
+    """`top_logprobs` (0-20 alternatives), or `include` naming message.output_text.logprobs (none);
+    None when log probabilities are not asked for."""
+    top = body.integer("top_logprobs", minimum=0, maximum=20)
+    include = body.array("include", [])
+    if top is None and "message.output_text.logprobs" not in include:
+        return None
+    return top or 0
+
+
+class _Logprobs:
+    """Token log probabilities in the Responses shape (token, logprob, bytes, top_logprobs)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self.tokenizer.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def entries(self, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+        return [
+            {**self._token(lp.token_id, lp.logprob), "top_logprobs": [self._token(i, v) for i, v in lp.top]}
+            for lp in logprobs
+        ]
+
+
+def _split_by_text(entries: list[dict[str, Any]], texts: Sequence[str]) -> list[list[dict[str, Any]]]:
+    """The answer's token entries shared out over its runs of text (the message items), in order: each
+    run takes tokens until their text covers its length; the last takes whatever is left."""
+    shares: list[list[dict[str, Any]]] = []
+    i = 0
+    for n, text in enumerate(texts):
+        share: list[dict[str, Any]] = []
+        covered = 0
+        while i < len(entries) and (covered < len(text) or n == len(texts) - 1):
+            share.append(entries[i])
+            covered += len(entries[i]["token"])
+            i += 1
+        shares.append(share)
+    return shares
 
 
 def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -410,14 +420,18 @@ def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, s
     }
 
 
-def _output(finished: Finished) -> list[dict[str, Any]]:
+def _output(finished: Finished, logprobs: _Logprobs | None = None) -> list[dict[str, Any]]:
     """The output items of a finished answer; a cut answer marks the item it was cut in incomplete.
 
     Messages and calls come in the order they were generated, as a stream sends them; an answer of
-    only calls has no message (as OpenAI does), one of neither an empty message.
+    only calls has no message (as OpenAI does), one of neither an empty message. With `logprobs`, each
+    message carries its tokens' log probabilities.
     """
     cut = finished.finish_reason == "length"
     parts = finished.answer_parts() or [""]
+    texts = [part for part in parts if isinstance(part, str)]
+    entries = logprobs.entries(finished.content_logprobs) if logprobs is not None else []
+    shares = iter(_split_by_text(entries, texts))
     output = []
     if finished.reasoning_text:
         status = (
@@ -427,7 +441,7 @@ def _output(finished: Finished) -> list[dict[str, Any]]:
     for i, part in enumerate(parts):
         if isinstance(part, str):
             status = "incomplete" if cut and i == len(parts) - 1 else "completed"
-            output.append(_message_item(new_id("msg_"), part, status))
+            output.append(_message_item(new_id("msg_"), part, status, next(shares)))
         else:
             output.append(_function_call_item(new_id("fc_"), part.id, part.name, part.arguments, "completed"))
     return output
@@ -470,20 +484,23 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         add_generation_prompt=generation_prompt(kwargs),
         tool_choice=tool_choice,
     )
+    top_logprobs = _wanted_logprobs(body)
     generation = await state.chat_generation(
         chat,
         params,
         size=body.size,
+        logprobs=top_logprobs,
         **chat_constraint(output_constraint(body, schema, "text.format")),
         images=await state.load_images(chat),
     )
     generation = with_stream_extras(generation, body, stream)
     reply = _Reply(model, _echo(body, params, instructions, text))
+    logprobs = _Logprobs(loaded.tokenizer) if top_logprobs is not None else None
     if stream:
-        return await _stream(request, state, generation, reply)
+        return await _stream(request, state, generation, reply, logprobs)
     finished = await state.complete(generation)
     return web.json_response(
-        reply.body(_status(finished), _output(finished), finished),
+        reply.body(_status(finished), _output(finished, logprobs), finished),
         headers={"x-request-id": request[REQUEST_ID]},
     )
 
@@ -515,9 +532,11 @@ class _EventWriter:
     """Writes the Responses event sequence for one answer, opening and closing output items as the
     reasoning, the answer text and the function calls arrive."""
 
-    def __init__(self, sse: EventStream, reply: _Reply) -> None:
+    def __init__(self, sse: EventStream, reply: _Reply, logprobs: _Logprobs | None = None) -> None:
         self.sse = sse
         self.reply = reply
+        self.logprobs = logprobs
+        self.open_logprobs: list[dict[str, Any]] = []  # the open message's token entries
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open_kind: str | None = None
@@ -540,6 +559,7 @@ class _EventWriter:
     async def _open(self, kind: str) -> None:
         self.open_kind = kind
         self.open_text = []
+        self.open_logprobs = []
         index = len(self.output)
         if kind == "reasoning":
             self.open_id = new_id("rs_")
@@ -559,7 +579,7 @@ class _EventWriter:
             return _reasoning_item(self.open_id, text, status)
         if self.open_kind == "function_call":
             return _function_call_item(self.open_id, *self.open_call, text, status)
-        return _message_item(self.open_id, text, status)
+        return _message_item(self.open_id, text, status, self.open_logprobs)
 
     async def _close(self, status: str) -> None:
         text = "".join(self.open_text)
@@ -567,7 +587,9 @@ class _EventWriter:
             await self.send("response.reasoning_text.done", **self._place(), text=text)
             part: dict[str, Any] = {"type": "reasoning_text", "text": text}
         else:
-            await self.send("response.output_text.done", **self._place(), text=text, logprobs=[])
+            await self.send(
+                "response.output_text.done", **self._place(), text=text, logprobs=self.open_logprobs
+            )
             part = {"type": "output_text", "text": text, "annotations": []}
         item = self._open_item(status)
         await self.send("response.content_part.done", **self._place(), part=part)
@@ -587,11 +609,13 @@ class _EventWriter:
         if kind == "reasoning":
             await self.send("response.reasoning_text.delta", **self._place(), delta=event.text)
         else:
+            entries = self.logprobs.entries(event.logprobs) if self.logprobs is not None else []
+            self.open_logprobs += entries
             await self.send(
                 "response.output_text.delta",
                 **self._place(),
                 delta=event.text,
-                logprobs=[],
+                logprobs=entries,
                 **delta_timings(event),
             )
 
@@ -647,14 +671,18 @@ class _EventWriter:
 
 
 async def _stream(
-    request: web.Request, state: ServerState, generation: GenerationRequest, reply: _Reply
+    request: web.Request,
+    state: ServerState,
+    generation: GenerationRequest,
+    reply: _Reply,
+    logprobs: _Logprobs | None,
 ) -> web.StreamResponse:
     async with aclosing(state.stream(generation)) as events:
         # The first event decides the status: failures before it still answer with their own code.
         first = await anext(events)
         sse = EventStream(request, request[REQUEST_ID])
         await sse.start()
-        writer = _EventWriter(sse, reply)
+        writer = _EventWriter(sse, reply, logprobs)
         try:
             await writer.start()
             event: OutputEvent | None = first

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import re
 import secrets
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from bubo.engine.tool_grammar import tool_call_grammar
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.block_pool import BlockPool, KVPoolExhaustedError
+from bubo.model.load_progress import LoadProgress
 from bubo.model.mtp_weights import check_mtp_file, load_mtp_weights
 from bubo.server.chat import ChatRequest, without_image_sources
 from bubo.server.errors import ApiError, bad_field
@@ -58,6 +60,7 @@ from bubo.server.memory_guard import (
     request_cost,
     vision_bytes,
 )
+from bubo.server.request_tokens import record_usage
 from bubo.server.shutdown import StreamCutoff
 from bubo.templates.chat_template import (
     ChatTemplate,
@@ -230,6 +233,7 @@ class ServerState:
                 dtype=self.settings.dtype,
                 device=self.settings.device,
                 cache_dtypes=self.settings.cache_dtypes,
+                progress=LoadProgress(bar=sys.stderr.isatty()),
             )
             if self.settings.mtp_weights is not None:
                 load_mtp_weights(loaded.model, self.settings.mtp_weights)
@@ -625,6 +629,7 @@ class ServerState:
         tool_parser: ToolCallParser | None = None,
         cache_prompt: bool = True,
         images: tuple[PromptImage, ...] = (),
+        prompt_logprobs: int | None = None,
     ) -> GenerationRequest:
         """The neutral request, after the context check and the memory guard. A reasoning budget and a
         grammar (from `compile_schema`, `compile_gbnf` or a tool-call grammar) become the request's
@@ -666,6 +671,7 @@ class ServerState:
             cache_prompt,
             images,
             self._cache_scope(request_id),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _cache_scope(self, request_id: str) -> Any:
@@ -722,6 +728,8 @@ class ServerState:
         try:
             async with aclosing(self.slots.run(request)) as events:
                 while (event := await self.cutoff.next(events)) is not None:
+                    if isinstance(event, Finished):
+                        record_usage(event.usage)
                     yield event
         except KVPoolExhaustedError as error:
             raise ApiError(

@@ -188,3 +188,44 @@ def test_masked_logits_keep_the_models_log_probabilities(tiny_llama: LoadedModel
         )[0, -1]
     assert first.logprob == pytest.approx(float(logits.log_softmax(-1)[first.token_id]), abs=1e-5)
     assert replace(first, top=()) == first
+
+
+def _accepts(loaded: LoadedModel, grammar: str, text: str) -> bool:
+    """Whether the grammar takes all of `text` and may end there."""
+    matcher = GrammarMatcher(grammar, loaded.tokenizer, loaded.config.vocab_size)
+    tokens = loaded.tokenizer.encode(text, add_bos=False, parse_special=False)
+    return all(matcher.consume(t) for t in tokens) and bool(matcher.allowed()[loaded.tokenizer.eos_id])
+
+
+LISTED = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+
+
+@pytest.mark.parametrize(
+    ("schema", "text", "accepted"),
+    [
+        (LISTED, '{"a": true}', True),
+        (LISTED, '{"a": true, "b": 1}', False),
+        ({"type": "array", "items": LISTED}, '[{"a": true, "b": 1}]', False),
+        ({"$defs": {"x": LISTED}, "$ref": "#/$defs/x"}, '{"b": 1}', False),
+        ({**LISTED, "additionalProperties": True}, '{"a": true, "b": 1}', True),
+        ({**LISTED, "additionalProperties": {"type": "integer"}}, '{"a": true, "b": 1}', True),
+        ({**LISTED, "patternProperties": {"^b": {}}}, '{"a": true, "b": 1}', True),
+        ({"type": "object"}, '{"a": true, "b": 1}', True),
+        # allOf members each list part of the object: closing them would leave no key possible.
+        ({"allOf": [LISTED, {"properties": {"b": {"type": "integer"}}}]}, '{"a": true, "b": 1}', True),
+    ],
+)
+def test_an_object_that_lists_its_properties_takes_no_others_unless_it_says_so(
+    tiny_llama: LoadedModel, schema: dict, text: str, accepted: bool
+) -> None:
+    assert _accepts(tiny_llama, json_schema_grammar(schema), text) is accepted
+
+
+def test_a_forced_calls_arguments_take_no_properties_the_schema_does_not_list(
+    tiny_llama: LoadedModel,
+) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": LISTED}}]
+    grammar = lark_grammar(tool_call_grammar("json", tools, parallel=False))
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": true%s}}\n</tool_call>'
+    assert _accepts(tiny_llama, grammar, call % "")
+    assert not _accepts(tiny_llama, grammar, call % ', "b": 1')

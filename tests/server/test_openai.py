@@ -408,10 +408,12 @@ def test_completion_logprobs_have_offsets(hello_server: LiveServer) -> None:
     reply = httpx.post(hello_server.url + "/v1/completions", json=body).json()
     logprobs = reply["choices"][0]["logprobs"]
     text = reply["choices"][0]["text"]
-    assert len(logprobs["tokens"]) == 3 and all(len(t) == 2 for t in logprobs["top_logprobs"])
+    # With echo the prompt's tokens come first ("S", "a", "y"), the first without a log probability.
+    assert len(logprobs["tokens"]) == 6 and all(len(t) == 2 for t in logprobs["top_logprobs"][1:])
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     for token, offset in zip(logprobs["tokens"], logprobs["text_offset"], strict=True):
         assert text[offset : offset + len(token)] == token
-    assert logprobs["text_offset"][0] == len("Say")
+    assert logprobs["text_offset"][3] == len("Say")
 
 
 def test_top_logprobs_without_logprobs_is_refused(tiny_server: LiveServer) -> None:

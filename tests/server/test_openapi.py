@@ -131,7 +131,7 @@ def server(tiny_llama: LoadedModel) -> Iterator[LiveServer]:
 
 
 def _concrete(path: str) -> str:
-    return path.replace("{tail}", "txt2img")
+    return path.replace("{tail}", "txt2img").replace("{model_id}", "bubo")
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,8 @@ from openai.types.responses import (
 
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.sampler import SamplingParams
-from bubo.server.chat import ChatRequest
-from bubo.server.responses import function_tools, input_messages, strict_schema
+from bubo.server.chat import ChatRequest, strict_schema
+from bubo.server.responses import function_tools, input_messages
 from tests.server.live_server import LiveServer, scripted, serve_loaded
 
 ANSWER = "Hello from Bubo."

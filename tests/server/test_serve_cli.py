@@ -1,5 +1,6 @@
 """`bubo serve` as a user starts it: a real process, its port, its exit codes and one-line errors."""
 
+import json
 import signal
 import socket
 import subprocess
@@ -90,6 +91,8 @@ def test_serve_answers_then_stops_cleanly(tiny_llama_path: Path) -> None:
             "0",
             "-n",
             "3",
+            "--log-format",
+            "json",
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -98,7 +101,8 @@ def test_serve_answers_then_stops_cleanly(tiny_llama_path: Path) -> None:
     try:
         wait_ready(url)
         assert httpx.get(url + "/ready").json() == {"status": "ready", "model": "tiny"}
-        reply = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hello"}).json()
+        response = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hello"})
+        reply = response.json()
         assert reply["usage"]["completion_tokens"] == 3  # -n 3 is the default limit
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
@@ -106,6 +110,22 @@ def test_serve_answers_then_stops_cleanly(tiny_llama_path: Path) -> None:
         process.kill()
         stderr = process.stderr.read() if process.stderr else ""
     assert f"listening on {url}" in stderr and "ready: serving 'tiny'" in stderr
+    # --log-format json: the request log's line for the completion, as one JSON object.
+    logged = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    [line] = [entry for entry in logged if entry.get("path") == "/v1/completions"]
+    assert line["logger"] == "bubo.requests" and line["status"] == 200 and line["method"] == "POST"
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (reply["usage"]["prompt_tokens"], 3)
+    assert line["request_id"] == response.headers["x-request-id"] and line["ms"] > 0
+    # The lifecycle lines follow the format too.
+    lifecycle = [entry["message"] for entry in logged if entry["logger"] == "bubo.server"]
+    assert (
+        lifecycle[0].startswith(f"listening on {url}")
+        and "ready: serving 'tiny' (also as 'bubo')" in lifecycle
+    )
+    # Without a terminal, the load is told in lines: the weights, then the compiling.
+    loading = [entry["message"] for entry in logged if entry["logger"] == "bubo.load"]
+    assert any(m.startswith("loading and repacking weights: ") for m in loading), loading
+    assert any(m.startswith("compiling the decode step") and "done in" in m for m in loading), loading
 
 
 def test_cache_type_flags_set_the_kv_pool(tiny_llama_path: Path) -> None:
