@@ -258,19 +258,26 @@ def _one_sequence(cache: object) -> bool:
 _runners: "weakref.WeakKeyDictionary[torch.nn.Module, Runner]" = weakref.WeakKeyDictionary()
 
 
-def runner_for(model: torch.nn.Module) -> Runner:
-    """The runner of `model` (one per model; made on first use). A model that isn't a Decoder (a test
-    double, a stand-in) gets a runner that always says eager."""
+def runner_for(model: object) -> Runner:
+    """The runner of `model` (one per model; made on first use). Anything that isn't a Decoder (a
+    batching wrapper, a test double of the Model protocol) gets the runner that always says eager."""
+    if not isinstance(model, Decoder):
+        return _EAGER
     runner = _runners.get(model)
     if runner is None:
-        runner = _runners[model] = Runner(model) if isinstance(model, Decoder) else _EagerRunner(model)
+        runner = _runners[model] = Runner(model)
     return runner
 
 
 class _EagerRunner(Runner):
     """For models without fast steps (a batching wrapper, test doubles of the Model protocol): every
     step eager, and no thread governor (a batching wrapper's steps run, and are governed, on the
-    batcher's compute thread)."""
+    batcher's compute thread). It holds no model: one serves them all."""
+
+    def __init__(self) -> None:
+        self._fast = "not a Decoder"
+        self._packed = False
+        self._governor = None
 
     @property
     def governor(self) -> ThreadGovernor | None:
@@ -281,3 +288,11 @@ class _EagerRunner(Runner):
 
     def prepare(self) -> None:
         return None
+
+    @property
+    def plan(self) -> Plan:
+        eager = PathChoice("eager", self._why_eager())
+        return Plan("a stand-in model", "cpu", eager, eager, eager, eager)
+
+
+_EAGER = _EagerRunner()

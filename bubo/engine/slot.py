@@ -211,8 +211,16 @@ class SessionSlot:
         self, request: GenerationRequest, cancelled: threading.Event | None = None
     ) -> Iterator[OutputEvent]:
         """The request's events, generated on the calling thread (the Python API's path; `run` runs the
-        same in the slot's worker thread for the server). Closing the iterator stops the generation."""
-        yield from self._generate(request, threading.Event() if cancelled is None else cancelled)
+        same in the slot's worker thread for the server). Closing the iterator stops the generation. Prompt
+        progress (`return_progress`) comes in order with the rest, once the prefill has run."""
+        progress: list[OutputEvent] = []
+        for event in self._generate(
+            request, threading.Event() if cancelled is None else cancelled, progress.append
+        ):
+            yield from progress
+            progress.clear()
+            yield event
+        yield from progress
 
     def _work(
         self,

@@ -167,7 +167,9 @@ def test_a_batch_of_caches_decodes_as_each_alone(which: str, request: pytest.Fix
         for _ in range(3):
             batched = model(step, CacheBatch(caches))
             single = torch.cat([model(step[i : i + 1], solo) for i, solo in enumerate(alone)])
-            torch.testing.assert_close(batched, single, atol=1e-5, rtol=1e-5)
+            # The same float32 math in another summation order: oneDNN picks its GEMM kernel by row count,
+            # and on an AMX Xeon one 64-wide product of 3 rows differs from the same rows alone by ~6e-6.
+            torch.testing.assert_close(batched, single, atol=1e-4, rtol=1e-4)
             step = batched[:, -1].argmax(-1, keepdim=True)
     assert [c.length for c in caches] == [len(p) + 3 for p in PROMPTS]
 

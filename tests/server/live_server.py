@@ -101,6 +101,10 @@ class _ScriptCache:
     def truncate(self, n: int) -> None:
         self.length = n
 
+    def reset(self) -> None:
+        """Hold nothing (KVCache.reset: a request that asked not to be cached)."""
+        self.length = 0
+
     def reserve(self, n: int) -> bool:
         return self.length + n <= self.max_len
 

@@ -133,7 +133,7 @@ def test_sigterm_lets_a_stream_finish_and_closes_the_port(tiny_llama_path: Path)
     assert reader.error is None, reader.error
     events = reader.data()
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "stop"
-    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
     assert text == "go " * 20
     assert took < 15, f"exit took {took:.1f} s"
     assert "stopping: no new connections" in stderr
