@@ -31,7 +31,7 @@ WINDOW = 8
 MIN_SAMPLES = 4
 # Steps a probe runs at the other count, unless its first is far slower (ABORT times the median).
 PROBE_STEPS = 3
-ABORT = 2.0
+ABORT = 1.5
 # A probe switches only when it is clearly faster: this fraction of the current median or less.
 SWITCH = 0.85
 # Steps between probes: at first, and at most (doubled after each probe that did not switch).
