@@ -16,7 +16,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,17 +26,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from servers import free_port, wait_ready  # noqa: E402
 
 from bubo.default_model import default_model_path  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea, with many details."
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spin() -> None:
@@ -59,26 +54,11 @@ def neighbours(count: int) -> Iterator[None]:
             p.join()
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not ready after {timeout} s")
-
-
 def start_servers(model: Path, threads: int, engines: list[str]) -> dict[str, tuple[subprocess.Popen, str]]:
     """Each engine's server process and base URL, ready."""
     servers = {}
     for engine in engines:
-        port = _free_port()
+        port = free_port()
         if engine.startswith("bubo"):
             command = [sys.executable, "-m", "bubo", "serve", "--model", str(model), "--port", str(port)]
             command += ["--threads", str(threads)]
@@ -90,7 +70,7 @@ def start_servers(model: Path, threads: int, engines: list[str]) -> dict[str, tu
             command += ["--n_threads", str(threads), "--n_ctx", "2048"]
             ready = f"http://127.0.0.1:{port}/v1/models"
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_ready(ready, proc)
+        wait_ready(ready, proc)
         servers[engine] = (proc, f"http://127.0.0.1:{port}")
     return servers
 

@@ -18,6 +18,10 @@ import time
 
 import httpx
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from servers import wait_ready
+
 PROMPT = (
     "I believe the meaning of life is to find your gift. The purpose of life is to give it away, they say."
 )
@@ -32,18 +36,6 @@ def start(ctx: int, port: int, model: str | None, threads: int | None) -> subpro
     return subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy()
     )
-
-
-def wait_ready(url: str, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/ready").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not get ready")
 
 
 def one(url: str, n_predict: int) -> tuple[float, float, float, int]:
@@ -74,8 +66,8 @@ def main() -> None:
     servers = {ctx: start(ctx, args.port + i, args.model, args.threads) for i, ctx in enumerate(args.ctx)}
     urls = {ctx: f"http://127.0.0.1:{args.port + i}" for i, ctx in enumerate(args.ctx)}
     try:
-        for url in urls.values():
-            wait_ready(url)
+        for ctx, url in urls.items():
+            wait_ready(url + "/ready", servers[ctx])
             one(url, args.n_predict)  # the prompt into the cache, and the compiled step warmed up
         results: dict[int, list[tuple[float, float, float, int]]] = {ctx: [] for ctx in args.ctx}
         for _ in range(args.rounds):

@@ -18,7 +18,6 @@ skipped:
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,9 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from servers import free_port, wait_ready  # noqa: E402
+
 HARNESSES = ("lm_eval", "guidellm")
 
 # (country, capital), the items of both tasks; the wrong choices of a question are other capitals.
@@ -129,32 +130,12 @@ def has_module(python: str, module: str) -> bool:
     return probe.returncode == 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model: Path | None, threads: int, port: int, log: Path) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "bubo", "serve", "--port", str(port), "--threads", str(threads)]
     if model is not None:
         command += ["--model", str(model)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-
-
-def wait_ready(url: str, server: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"bubo serve exited with code {server.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/ready").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"bubo serve was not ready within {timeout:g} s")
 
 
 def run_lm_eval(python: str, url: str, folder: Path, limit: int | None) -> dict[str, Any]:
@@ -276,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             folder = Path(tmp)
             server = start_server(args.model, args.threads, port, folder / "serve.log")
             try:
-                wait_ready(url, server, args.ready_timeout)
+                wait_ready(url + "/ready", server, args.ready_timeout)
                 if harnesses["lm_eval"]:
                     report["lm_eval"] = run_lm_eval(args.harness_python, url, folder, args.limit)
                 if harnesses["guidellm"]:

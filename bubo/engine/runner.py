@@ -116,14 +116,17 @@ class Runner:
             return "CUDA graphs turned off by --no-cuda-graphs"
         if model.device.type not in ("cpu", "cuda"):
             return f"no fast step on {model.device.type}"
-        if self._packed is None:
-            self._packed = has_packed_weights(model)
-        if model.device.type == "cpu" and not self._packed:
+        if model.device.type == "cpu" and not self._has_packed_weights():
             # Only repacked weights make the eager step slow (small float models run it in
             # microseconds): not worth a compile, which the many tiny test models would each pay.
             return "no repacked quantized weights: the eager step is already cheap"
         fast = self._build()
         return fast if isinstance(fast, str) else ""
+
+    def _has_packed_weights(self) -> bool:
+        if self._packed is None:
+            self._packed = has_packed_weights(self.model)
+        return self._packed
 
     def _build(self) -> CompiledDecodeStep | GraphDecodeStep | str:
         """The model's fast step (the compiled step on a CPU, the captured one on CUDA), built once, or
@@ -143,12 +146,11 @@ class Runner:
         return self._fast
 
     def _compiled(self) -> CompiledDecodeStep | None:
-        fast = None if self._why_eager() else self._build()
-        return fast if isinstance(fast, CompiledDecodeStep) else None
+        # No reason to run eagerly means the fast step was built (`_why_eager` built it).
+        return self._fast if not self._why_eager() and isinstance(self._fast, CompiledDecodeStep) else None
 
     def _graph(self) -> GraphDecodeStep | None:
-        fast = None if self._why_eager() else self._build()
-        return fast if isinstance(fast, GraphDecodeStep) else None
+        return self._fast if not self._why_eager() and isinstance(self._fast, GraphDecodeStep) else None
 
     def prepare(self) -> None:
         """Build the model's fast step and compile it now (seconds to a minute on a cold inductor cache)
@@ -162,7 +164,7 @@ class Runner:
             compiled.warm_up()
             log.info("compiled decode step ready in %.1f s", time.perf_counter() - started)
         elif model.device.type == "cpu" and (
-            model.cache_dtypes != (model.dtype, model.dtype) or has_packed_weights(model)
+            model.cache_dtypes != (model.dtype, model.dtype) or self._has_packed_weights()
         ):
             with torch.inference_mode():
                 model(torch.zeros(1, 1, dtype=torch.long, device=model.device), model.new_cache(max_len=2))
@@ -275,9 +277,7 @@ class _EagerRunner(Runner):
     batcher's compute thread). It holds no model: one serves them all."""
 
     def __init__(self) -> None:
-        self._fast = "not a Decoder"
-        self._packed = False
-        self._governor = None
+        """Holds no model, so `Runner`'s state is never set: every choice stops at `_why_eager`."""
 
     @property
     def governor(self) -> ThreadGovernor | None:
