@@ -21,8 +21,7 @@ recurrent and convolution states are inputs the graph updates in place.
 The eager forward stays the reference; tests/engine/test_compiled_decode.py holds this step to it, on every
 architecture it covers. Not covered (the runner, bubo/engine/runner.py, then runs the eager step and says
 why): qwen4exp (its QSA indexer and n-gram states are not yet ops of the step), compute in a dtype other
-than float32 or off the CPU, a batch of hybrid models' sequences, and a step inside which the prompt
-cache wants recurrent-state snapshots.
+than float32 or off the CPU, and a step inside which the prompt cache wants recurrent-state snapshots.
 """
 
 import dataclasses
@@ -122,11 +121,12 @@ def _set(place: Place, tensor: torch.Tensor) -> None:
 
 
 class _TracedCache:
-    """What a layer's forward sees as its cache while traced: an empty sequence (no masks, no snapshots)
-    whose recurrent state, whichever index the layer asks for, is the graph's state inputs."""
+    """What a layer's forward sees as one sequence's cache while traced: an empty sequence (no masks, no
+    snapshots) whose recurrent state, whichever index the layer asks for, is the graph's state inputs."""
 
     length = 0
     rope_delta = 0
+    batch = 1
     snapshot_at: tuple[int, ...] = ()
 
     def __init__(self, recurrent: DeltaNetState | None) -> None:
@@ -141,24 +141,37 @@ class _TracedCache:
         return self._recurrent
 
 
-def _state_tensors(layer: nn.Module, cache: KVCache) -> tuple[torch.Tensor, ...]:
-    """The per-sequence state a layer's graph takes as inputs (and updates): a DeltaNet layer's."""
+def _state_tensors(layer: nn.Module, cache: KVCache | CacheBatch) -> tuple[torch.Tensor, ...]:
+    """The per-sequence state a layer's graph takes as inputs (and updates): a DeltaNet layer's, of each
+    row's sequence in turn."""
     mixer = layer.attention
-    if isinstance(mixer, DeltaNetMixer):
-        state = cache.recurrent[mixer.state_index]
-        return state.conv_state, state.recurrent_state
-    return ()
+    if not isinstance(mixer, DeltaNetMixer):
+        return ()
+    caches = cache.caches if isinstance(cache, CacheBatch) else [cache]
+    states = [c.recurrent[mixer.state_index] for c in caches]
+    return tuple(t for state in states for t in (state.conv_state, state.recurrent_state))
+
+
+def _traced_cache(rows: int, state: Sequence[torch.Tensor]) -> "_TracedCache | CacheBatch":
+    """The cache a layer's trace sees: one sequence's, or for a batch's rows each row's own (a DeltaNet
+    layer then runs its own batching of the rows' states, `DeltaNetMixer._forward_rows`)."""
+    states = [DeltaNetState(*state[i : i + 2]) for i in range(0, len(state), 2)] or [None] * rows
+    if rows == 1:
+        return _TracedCache(states[0])
+    return CacheBatch([_TracedCache(s) for s in states])  # type: ignore[misc]
 
 
 def _layer_graph(layer: nn.Module, tensors: LayerTensors, states: int) -> StaticKernel:
     """`layer`'s forward as a kernel of (x, cos, sin, tokens, *state tensors, *layer tensors): compiled
-    once per layout of those, for any layer with the same `signature`."""
+    once per layout of those, for any layer with the same `signature`. A batch's rows (x [B, 1, hidden],
+    B > 1) are distinct sequences, with `states` state tensors each."""
 
     def layer_step(
         x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *rest: torch.Tensor
     ) -> torch.Tensor:
-        tokens, state, weights = rest[0], rest[1 : 1 + states], rest[1 + states :]
-        cache = _TracedCache(DeltaNetState(*state) if state else None)
+        rows = x.shape[0]
+        tokens, state, weights = rest[0], rest[1 : 1 + states * rows], rest[1 + states * rows :]
+        cache = _traced_cache(rows, state)
         with tensors.swapped(weights), layer_in_compiled_step():
             return layer(x, cos, sin, cache, tokens)
 
@@ -195,7 +208,6 @@ class CompiledDecodeStep:
         self._index = {id(layer): i for i, layer in enumerate(self.layers)}
         self._tensors = [LayerTensors(layer) for layer in self.layers]
         self._weights = [t.tensors() for t in self._tensors]
-        self._stateful = any(isinstance(layer.attention, DeltaNetMixer) for layer in self.layers)
         # One graph per kind of layer (the first layer of each signature is traced for all of them).
         graphs: dict[tuple, StaticKernel] = {}
         self._graphs = []
@@ -210,11 +222,6 @@ class CompiledDecodeStep:
         self._kernels: dict[tuple, Callable[..., Any]] = {}
         self._attention_kernels: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
 
-    @property
-    def batches_stateful(self) -> bool:
-        """Whether `batch` can run this model: not a hybrid's (its recurrent states are per sequence)."""
-        return not self._stateful
-
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         count = tokens.numel()
         sequences = [(cache, count, cache.single_run(cache.length + count))]
@@ -225,8 +232,6 @@ class CompiledDecodeStep:
         """The next token of each of several sequences (tokens [B], one single-sequence KVCache each; every
         cache advances by one) -> logits [B, vocab]: the sequences are the rows of one pass, so every
         matvec expands the weights' codes once for all of them, and each row attends over its own cache."""
-        if self._stateful:
-            raise UnsupportedModelError("a batch of a hybrid model's sequences runs eagerly")
         sequences = [(cache, 1, cache.single_run(cache.length + 1)) for cache in caches]
         return self._forward(tokens.view(-1, 1), CacheBatch(caches), sequences)[:, -1]
 
@@ -252,7 +257,7 @@ class CompiledDecodeStep:
     ) -> torch.Tensor:
         """One layer of a step through its compiled graph."""
         i = self._index[id(layer)]
-        state = _state_tensors(layer, cache) if isinstance(cache, KVCache) else ()
+        state = _state_tensors(layer, cache)
         args = (x, cos, sin, tokens, *state, *self._weights[i])
         key = (i, x.shape, cos.shape)
         kernel = self._kernels.get(key)

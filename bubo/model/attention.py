@@ -81,6 +81,9 @@ class Attention(nn.Module):
             caches = cache.caches if isinstance(cache, CacheBatch) else [cache]
             out = paged_decode_attention(q, k, v, caches, self.layer_index)
             return self.output(out.transpose(1, 2), gate)
+        if in_compiled_step():
+            # The step's op attends each row over its own cache, causally (`attend`).
+            return self.attend(q, k, v, gate, cache, None)
         if isinstance(cache, CacheBatch):
             rows = [
                 self.attend(

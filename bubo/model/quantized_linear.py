@@ -242,6 +242,7 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
         if in_compiled_step():
             # Traced into a layer's graph: one matvec expands the codes once for all rows, and its input
             # is stored once (as an expression inductor would recompute it, a norm say, in every tile).
+            flat = flat.contiguous()  # a view (gate's columns of a gate|up product) is copied once
             return packed.matvec(force_stride_order(flat, flat.stride()))
         if flat.shape[0] == 1:
             return packed.matvec(flat.view(-1))[None]

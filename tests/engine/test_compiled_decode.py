@@ -182,6 +182,25 @@ def test_several_tokens_in_one_step_match_the_eager_pass(
         assert (got - expected).abs().max().item() <= LOGIT_TOLERANCE
 
 
+def _compare_batch(model: Decoder, step: CompiledDecodeStep, caches: list[KVCache] | None = None) -> None:
+    """`batch` over sequences of different lengths against each sequence's own eager steps."""
+    prompts = ([3, 17, 42], [8, 1, 5, 66, 9, 12, 30], [7])
+    caches = caches or [model.new_cache(max_len=16) for _ in prompts]
+    alone = [model.new_cache(max_len=16) for _ in prompts]
+    with torch.inference_mode():
+        for prompt, a, b in zip(prompts, caches, alone, strict=True):
+            model(torch.tensor([prompt]), a, last_only=True)
+            model(torch.tensor([prompt]), b, last_only=True)
+        for tokens in ([4, 5, 6], [70, 2, 11]):
+            got = step.batch(torch.tensor(tokens), caches)
+            expected = torch.stack(
+                [model(torch.tensor([[t]]), c)[0, -1] for t, c in zip(tokens, alone, strict=True)]
+            )
+            assert got.shape == expected.shape
+            assert (got - expected).abs().max().item() <= LOGIT_TOLERANCE
+    assert [c.length for c in caches] == [c.length for c in alone] == [len(p) + 2 for p in prompts]
+
+
 def test_several_sequences_in_one_step_match_their_own_steps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -193,19 +212,8 @@ def test_several_sequences_in_one_step_match_their_own_steps(
     pool = model.new_block_pool(64, block_size=2)
     held = [pool.take() for _ in range(pool.num_blocks)]
     pool.release(held[1::2])
-    prompts = ([3, 17, 42], [8, 1, 5, 66, 9, 12, 30], [7])
-    caches = [model.new_cache(max_len=16) for _ in prompts[:2]] + [model.new_cache(max_len=16, pool=pool)]
-    alone = [model.new_cache(max_len=16) for _ in prompts]
-    with torch.inference_mode():
-        for prompt, a, b in zip(prompts, caches, alone, strict=True):
-            model(torch.tensor([prompt]), a, last_only=True)
-            model(torch.tensor([prompt]), b, last_only=True)
-        for tokens in ([4, 5, 6], [70, 2, 11]):
-            got = step.batch(torch.tensor(tokens), caches)
-            expected = torch.stack([step(torch.tensor(t), c) for t, c in zip(tokens, alone, strict=True)])
-            assert got.shape == expected.shape
-            assert (got - expected).abs().max().item() <= LOGIT_TOLERANCE
-    assert [c.length for c in caches] == [c.length for c in alone] == [len(p) + 2 for p in prompts]
+    caches = [model.new_cache(max_len=16) for _ in range(2)] + [model.new_cache(max_len=16, pool=pool)]
+    _compare_batch(model, step, caches)
 
 
 # A hybrid's DeltaNet input projections, gated attention and feed-forwards packed (Q8_0 once the threshold
@@ -234,8 +242,8 @@ def test_hybrid_models_match_the_eager_step(
     file = GGUFFile(write_gguf(reference, tmp_path / "hybrid.gguf", quantize=_HYBRID_Q))
     model = load_decoder(file, config_from_gguf(file), dtype=torch.float32)
     step = CompiledDecodeStep(model)
-    assert not step.batches_stateful
     _compare(model, step)
+    _compare_batch(model, step)
 
 
 class _ScaledNorm(torch.nn.Module):
