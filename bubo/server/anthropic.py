@@ -22,6 +22,17 @@ from typing import Any
 
 from aiohttp import web
 
+from bubo.engine.chat_messages import IMAGE_PART, ImagePart, chat_messages
+from bubo.engine.chat_request import (
+    ChatRequest,
+    ThinkingChoice,
+    ToolChoice,
+    generation_prompt,
+    named_tool_choice,
+    thinking_choice,
+    tool_list,
+)
+from bubo.engine.output_format import output_constraint, output_schema
 from bubo.engine.request import (
     Finished,
     GenerationRequest,
@@ -33,25 +44,12 @@ from bubo.engine.request import (
     Usage,
 )
 from bubo.engine.sampler import SamplingParams
-from bubo.server.chat import (
-    IMAGE_PART,
-    ChatRequest,
-    ThinkingChoice,
-    ToolChoice,
-    chat_messages,
-    generation_prompt,
-    named_tool_choice,
-    output_schema,
-    thinking_choice,
-    tool_list,
-)
-from bubo.server.constraint_fields import chat_constraint, output_constraint
 from bubo.server.errors import ApiError, bad_field, error_body
 from bubo.server.fields import Body, read_json, sampling_params, stop_strings
-from bubo.server.image_input import ImagePart
 from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.request_context import new_id
 from bubo.server.sse import EventStream
-from bubo.server.state import ServerState, new_id
+from bubo.server.state import ServerState
 from bubo.server.usage import gufo, timings
 
 __all__ = ["routes"]
@@ -423,7 +421,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         chat,
         params,
         size=body.size,
-        **chat_constraint(output_constraint(body, schema, "output_config.format")),
+        constraint=output_constraint(body, schema, "output_config.format"),
         images=await state.load_images(chat),
     )
     message_id = new_id("msg_")
