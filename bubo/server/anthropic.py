@@ -1,10 +1,11 @@
 """The Anthropic dialect: POST /v1/messages (JSON or SSE) and POST /v1/messages/count_tokens.
 
 Anthropic clients (the official SDK, agents) send content blocks: text, tool_use, tool_result,
-thinking. This adapter turns them into the OpenAI-style template messages `chat.py` checks (tool_use
-becomes assistant `tool_calls`, tool_result a `tool` message, thinking `reasoning_content`), runs the
-neutral request, and writes the answer as a `message` with thinking, text and tool_use blocks, or as
-Anthropic's named SSE events (message_start, content_block_*, message_delta, message_stop).
+thinking. This adapter turns them into the OpenAI-style template messages that
+bubo/engine/chat_messages.py checks (tool_use becomes assistant `tool_calls`, tool_result a `tool`
+message, thinking `reasoning_content`), runs the neutral request, and writes the answer as a `message`
+with thinking, text and tool_use blocks, or as Anthropic's named SSE events (message_start,
+content_block_*, message_delta, message_stop).
 
 Tool-call ids: the engine names a call "call_X" and the client sees "toolu_X"; ids coming back in the
 history ("toolu_X" on a tool_use and on its tool_result) are turned back into "call_X", so the
