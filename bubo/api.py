@@ -278,14 +278,14 @@ class Model:
     @overload
     def chat(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: list[dict[str, Any]],
         *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
-        response_format: Mapping[str, Any] | None = None,
+        response_format: dict[str, Any] | None = None,
         reasoning_effort: str | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         stream: Literal[False] = False,
         **sampling: Any,
     ) -> ChatResult: ...
@@ -293,28 +293,28 @@ class Model:
     @overload
     def chat(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: list[dict[str, Any]],
         *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
-        response_format: Mapping[str, Any] | None = None,
+        response_format: dict[str, Any] | None = None,
         reasoning_effort: str | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         stream: Literal[True],
         **sampling: Any,
     ) -> Iterator[OutputEvent]: ...
 
     def chat(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: list[dict[str, Any]],
         *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
-        response_format: Mapping[str, Any] | None = None,
+        response_format: dict[str, Any] | None = None,
         reasoning_effort: str | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         stream: bool = False,
         **sampling: Any,
     ) -> ChatResult | Iterator[OutputEvent]:

@@ -15,6 +15,7 @@ from bubo.api import Model
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.request import Finished, OutputDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 from bubo.engine.request_error import RequestError
+from tests.server.live_server import scripted
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -192,6 +193,21 @@ def test_chat_answers_as_the_default_model_does(smollm2: LoadedModel) -> None:
     assert "".join(e.text for e in events[:-1]) == reply.text == events[-1].content_text
     # The chat template's prompt, rendered as the server renders it, and cached between the two calls.
     assert events[-1].usage.cached_tokens > 0
+
+
+def test_chat_splits_off_the_reasoning_and_keeps_its_budget(qwen3_template_llama: LoadedModel) -> None:
+    # A stand-in that thinks for 100 words (500 tokens of the byte-level vocabulary), then answers;
+    # reasoning_effort "minimal" allows 256 tokens.
+    model = Model(scripted(qwen3_template_llama, "<think>\n" + "step " * 100 + "</think>\n\nanswer"))
+    free = model.chat(ASK, max_tokens=700)
+    assert free.reasoning.split() == ["step"] * 100 and free.text == "answer"
+    events = list(model.chat(ASK, reasoning_effort="minimal", max_tokens=700, stream=True))
+    channels = [e.channel for e in events if isinstance(e, OutputDelta)]
+    assert channels == sorted(channels, reverse=True) and channels[-1] == "content"  # reasoning first
+    capped = events[-1]
+    assert isinstance(capped, Finished)
+    assert capped.reasoning_text.count("step") < 100 and capped.content_text
+    assert capped.usage.reasoning_tokens >= 256
 
 
 def test_a_forced_tool_call_is_parsed(model: Model) -> None:

@@ -13,7 +13,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from bubo.engine.chat_messages import text_only
-from bubo.engine.chat_prompt import PreparedChat, RenderedPrompt, prompt_tokens
+from bubo.engine.chat_prompt import ImagePlacer, PreparedChat, RenderedPrompt, prompt_tokens
 from bubo.engine.chat_request import ChatRequest
 from bubo.engine.grammar import GrammarMatcher
 from bubo.engine.output_format import OutputConstraint
@@ -51,7 +51,7 @@ class ServerState(ServedModel):
     async def prompt_work(self, size: int, work: Callable[..., _T], *args: Any) -> _T:
         """`work(*args)` (rendering, tokenizing) for a request body of `size` bytes: on the event loop
         up to INLINE_PROMPT_BYTES, else on the prompt thread so that the loop keeps serving every other
-        connection meanwhile. Its errors (ApiError included) are raised here either way."""
+        connection meanwhile. Its errors (ApiError, RequestError) are raised here either way."""
         if size <= INLINE_PROMPT_BYTES:
             return work(*args)
         return await self._off_loop(work, *args)
@@ -152,9 +152,7 @@ class ServerState(ServedModel):
         assert self.prompter is not None
         return self.prompter.prompt(chat, self._image_placer(chat, images))
 
-    def _image_placer(
-        self, chat: ChatRequest, images: Sequence[DecodedImage] | None
-    ) -> Callable[[list[int]], tuple[list[int], tuple[PromptImage, ...]]] | None:
+    def _image_placer(self, chat: ChatRequest, images: Sequence[DecodedImage] | None) -> ImagePlacer | None:
         """How the chat's decoded `images` go into its tokens; None where it has none to place."""
         if images is None or not chat.images:
             return None
