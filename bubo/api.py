@@ -29,7 +29,7 @@ from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.ngram_drafter import DEFAULT_NGRAM_SIZE
 from bubo.engine.output_format import output_constraint, output_schema
 from bubo.engine.output_grammar import request_constraints
-from bubo.engine.request import Finished, GenerationRequest, OutputEvent, Usage, check_prompt_fits
+from bubo.engine.request import Finished, GenerationRequest, OutputEvent, ToolCall, Usage, check_prompt_fits
 from bubo.engine.request_error import RequestError
 from bubo.engine.request_fields import Body
 from bubo.engine.runner import Plan, runner_for
@@ -43,7 +43,6 @@ from bubo.model.state import KVCache
 from bubo.model.tokenizer import Tokenizer
 from bubo.model.trace import Trace
 from bubo.options import RuntimeOptions, use_options
-from bubo.templates.tool_calls import ToolCall
 
 __all__ = ["ChatResult", "Model", "load"]
 
