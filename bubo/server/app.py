@@ -76,8 +76,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except TemplateSandboxError as error:
         # The model file's template is at fault, not the request.
         log.error("the chat template was stopped: %s", error)
-        error = ApiError(500, "template_error", f"the model's chat template was stopped: {error}")
-        return error_response(error, anthropic=anthropic_shape, request_id=request_id)
+        stopped = ApiError(500, "template_error", f"the model's chat template was stopped: {error}")
+        return error_response(stopped, anthropic=anthropic_shape, request_id=request_id)
     except web.HTTPException as http:
         return error_response(_from_http(http, request), anthropic=anthropic_shape, request_id=request_id)
     except (asyncio.CancelledError, ConnectionResetError):
