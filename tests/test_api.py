@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ from bubo.api import Model
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.request import Finished, OutputDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 from bubo.engine.request_error import RequestError
-from tests.server.live_server import scripted
+from tests.server.live_server import scripted, serve_loaded
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -227,6 +228,26 @@ def test_a_forced_tool_call_is_parsed(long_llama: LoadedModel) -> None:
     assert kinds == [ToolCallStart, *[ToolCallArguments] * (len(kinds) - 3), ToolCallEnd, Finished]
     streamed = "".join(e.fragment for e in events if isinstance(e, ToolCallArguments))
     assert json.loads(streamed) == json.loads(call.arguments)
+
+
+def test_chat_is_prepared_as_the_server_prepares_it(long_llama: LoadedModel) -> None:
+    # The same arguments to Model.chat and to /v1/chat/completions: the same prompt and the same answer,
+    # a call held to the same forcing grammar.
+    arguments = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 200}
+    reply = Model(long_llama).chat(**arguments, temperature=0, parallel_tool_calls=False)
+    server = serve_loaded(long_llama)
+    try:
+        body = {"model": "bubo", **arguments, "temperature": 0, "parallel_tool_calls": False}
+        answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    finally:
+        server.stop()
+    (call,) = answer["choices"][0]["message"]["tool_calls"]
+    assert answer["usage"]["prompt_tokens"] == reply.usage.prompt_tokens
+    assert answer["choices"][0]["finish_reason"] == reply.finish_reason == "tool_calls"
+    assert (call["function"]["name"], call["function"]["arguments"]) == (
+        reply.tool_calls[0].name,
+        reply.tool_calls[0].arguments,
+    )
 
 
 def test_a_json_schema_answer_is_valid_json(model: Model) -> None:
