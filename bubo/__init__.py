@@ -12,11 +12,23 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Finished", "Model", "OutputDelta", "RuntimeOptions", "SamplingParams", "__version__", "load"]
+__all__ = [
+    "ChatResult",
+    "Finished",
+    "Model",
+    "OutputDelta",
+    "RequestError",
+    "RuntimeOptions",
+    "SamplingParams",
+    "__version__",
+    "load",
+]
 
 _EXPORTS = {
     "load": "bubo.api",
     "Model": "bubo.api",
+    "ChatResult": "bubo.api",
+    "RequestError": "bubo.engine.request_error",
     "RuntimeOptions": "bubo.options",
     "SamplingParams": "bubo.engine.sampler",
     "OutputDelta": "bubo.engine.request",

@@ -1,15 +1,20 @@
-"""The public Python API: `bubo.load(...)` opens a GGUF file into a `Model`, which generates text, runs
-forward passes step by step on explicit state, and says which path each kind of step takes.
+"""The public Python API: `bubo.load(...)` opens a GGUF file into a `Model`, which generates text, chats
+(with tools, JSON output and reasoning budgets), runs forward passes step by step on explicit state, and
+says which path each kind of step takes.
 
-The CLI and the server are clients of the same pieces: `Model.generate` runs a request on a session
-slot (bubo/engine/slot.py) exactly as a server slot does, with its prompt cache, and yields the same
-protocol-neutral events the server formats (bubo/engine/request.py).
+The CLI and the server are clients of the same pieces: `Model.generate` and `Model.chat` run a request
+on a session slot (bubo/engine/slot.py) exactly as a server slot does, with its prompt cache, and yield
+the same protocol-neutral events the server formats (bubo/engine/request.py); `Model.chat` prepares its
+chat as the server's chat routes do (bubo/engine/chat_prompt.py), and refuses what they refuse with a
+RequestError (bubo/engine/request_error.py), a ValueError.
 """
 
 import contextlib
 import itertools
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -17,10 +22,16 @@ import torch
 
 from bubo.default_model import default_model_path
 from bubo.dtypes import CACHE_TYPES, DTYPES
+from bubo.engine.chat_prompt import ChatPrompter, chat_template
+from bubo.engine.chat_request import chat_request
 from bubo.engine.drafters import drafter_for, prepare_drafting
 from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.ngram_drafter import DEFAULT_NGRAM_SIZE
-from bubo.engine.request import Finished, GenerationRequest, OutputEvent
+from bubo.engine.output_format import output_constraint, output_schema
+from bubo.engine.output_grammar import request_constraints
+from bubo.engine.request import Finished, GenerationRequest, OutputEvent, ToolCall, Usage, check_prompt_fits
+from bubo.engine.request_error import RequestError
+from bubo.engine.request_fields import Body
 from bubo.engine.runner import Plan, runner_for
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import SessionSlot
@@ -33,7 +44,7 @@ from bubo.model.tokenizer import Tokenizer
 from bubo.model.trace import Trace
 from bubo.options import RuntimeOptions, use_options
 
-__all__ = ["Model", "load"]
+__all__ = ["ChatResult", "Model", "load"]
 
 
 def load(
@@ -98,6 +109,31 @@ def load(
         loaded.file.close()
         raise
     return Model(loaded, ctx_size, drafter)
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """A chat's answer: its `text`, its `reasoning` (the thinking block's text, "" without one), the
+    `tool_calls` it made (each a name and its arguments as JSON object text), why it ended (`finish_reason`:
+    "stop", "length" or "tool_calls"), its `usage`, and the `finished` event with the engine's detail."""
+
+    text: str
+    reasoning: str
+    tool_calls: tuple[ToolCall, ...]
+    finish_reason: str
+    usage: Usage
+    finished: Finished
+
+    @classmethod
+    def of(cls, finished: Finished) -> "ChatResult":
+        return cls(
+            finished.content_text,
+            finished.reasoning_text,
+            finished.tool_calls,
+            finished.finish_reason,
+            finished.usage,
+            finished,
+        )
 
 
 class Model:
@@ -196,6 +232,11 @@ class Model:
 
     # Generation
 
+    @cached_property
+    def _prompter(self) -> ChatPrompter:
+        """The model's chat template with its tokenizer, as the server prepares chats with it."""
+        return ChatPrompter(chat_template(self.loaded), self.tokenizer, self.config.vocab_size)
+
     @overload
     def generate(
         self,
@@ -219,8 +260,7 @@ class Model:
         defaults). Returns the `Finished` event (its `content_text`, `usage`, `finish_reason`), or with
         `stream=True` yields `OutputDelta` pieces as they are generated and then the `Finished` event.
         `special` keeps the text of special tokens (<|im_end|>), which is dropped by default."""
-        params = SamplingParams(**sampling)
-        params.validate()
+        params = _sampling(sampling)
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
             text = prompt
@@ -229,21 +269,101 @@ class Model:
             if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
                 raise ValueError(f"token ids must be in [0, {self.tokenizer.vocab_size})")
             text = self.tokenizer.decode(ids)
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        if len(ids) >= self.ctx_size:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens but the context holds {self.ctx_size} "
-                "(prompt plus at least one generated token)"
-            )
+        check_prompt_fits(ids, self.ctx_size)
         request = GenerationRequest(f"gen-{next(self._ids)}", text, ids, params, special=special)
         events = self._run(request)
-        if stream:
-            return events
-        for event in events:
-            if isinstance(event, Finished):
-                return event
-        raise RuntimeError("the generation ended without a result")
+        return events if stream else _finished(events)
+
+    @overload
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        response_format: dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        stream: Literal[False] = False,
+        **sampling: Any,
+    ) -> ChatResult: ...
+
+    @overload
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        response_format: dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        stream: Literal[True],
+        **sampling: Any,
+    ) -> Iterator[OutputEvent]: ...
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        response_format: dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        stream: bool = False,
+        **sampling: Any,
+    ) -> ChatResult | Iterator[OutputEvent]:
+        """Answer a conversation, as the server's /v1/chat/completions does with the fields of these
+        names: `messages` in OpenAI's shape ({"role", "content"}, tool calls and results), `tools`
+        (function tools), `tool_choice` ("auto", "none", "required" or {"type": "function", "function":
+        {"name": ...}}, which force a call by a grammar), `response_format` ({"type": "json_schema",
+        "json_schema": {"schema": ...}} or {"type": "json_object"}: the answer is JSON held to it),
+        `reasoning_effort` (off, minimal ... max: thinking on or off, and its token budget, where the
+        template thinks). `sampling` are SamplingParams fields, as for `generate`.
+
+        Returns a ChatResult, or with `stream=True` yields the neutral events: OutputDelta pieces of
+        reasoning or answer text, ToolCallStart / ToolCallArguments / ToolCallEnd pieces of each call,
+        then the Finished event (usage and timings). A request the server would refuse raises
+        RequestError (a ValueError) naming the argument, before anything runs."""
+        body = {
+            "messages": messages,
+            "tools": tools,
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": parallel_tool_calls,
+            "response_format": response_format,
+            "reasoning_effort": reasoning_effort,
+            "chat_template_kwargs": chat_template_kwargs,
+        }
+        fields = Body(body)
+        chat = chat_request(fields)
+        schema = output_schema(fields.object("response_format") or {"type": "text"}, "response_format")
+        params = _sampling(sampling)
+        prepared = self._prompter.prepare(chat, output_constraint(fields, schema))
+        prompt = prepared.prompt
+        check_prompt_fits(prompt.ids, self.ctx_size)
+        constraints = request_constraints(
+            self.tokenizer,
+            reasoning=prompt.reasoning,
+            in_reasoning=prompt.in_reasoning,
+            budget=prepared.reasoning_budget,
+            grammar=prepared.grammar,
+        )
+        request = GenerationRequest(
+            f"chat-{next(self._ids)}",
+            prompt.text,
+            prompt.ids,
+            params,
+            prompt.reasoning,
+            prompt.in_reasoning,
+            constraints=constraints,
+            tool_parser=prepared.tool_parser,
+        )
+        events = self._run(request)
+        return events if stream else ChatResult.of(_finished(events))
 
     def _run(self, request: GenerationRequest) -> Iterator[OutputEvent]:
         """The request's events from the model's slot; one generation at a time. Closing the iterator
@@ -269,3 +389,22 @@ class Model:
 
     def __repr__(self) -> str:
         return f"<bubo.Model {self.config.architecture} from {self.path.name} on {self.device}>"
+
+
+def _sampling(fields: Mapping[str, Any]) -> SamplingParams:
+    """SamplingParams of the keyword arguments (an unknown name is Python's TypeError); RequestError
+    for an unusable value."""
+    params = SamplingParams(**fields)
+    try:
+        params.validate()
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    return params
+
+
+def _finished(events: Iterator[OutputEvent]) -> Finished:
+    """The last event of a generation, run to its end."""
+    for event in events:
+        if isinstance(event, Finished):
+            return event
+    raise RuntimeError("the generation ended without a result")

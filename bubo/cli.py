@@ -445,7 +445,8 @@ def _serve(args: argparse.Namespace) -> int:
     from bubo.engine.sampler import SamplingParams
     from bubo.server.app import is_loopback, serve
     from bubo.server.request_log import configure_logging
-    from bubo.server.state import ServerSettings, ServerState
+    from bubo.server.settings import ServerSettings
+    from bubo.server.state import ServerState
 
     if args.debug_hooks and not is_loopback(args.host):
         raise ValueError(

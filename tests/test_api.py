@@ -3,30 +3,39 @@ agrees with itself and with `generate`, and bad arguments are refused with a mes
 
 import contextlib
 import io
+import json
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 import bubo
 from bubo.api import Model
 from bubo.engine.loaded_model import LoadedModel
-from bubo.engine.request import Finished, OutputDelta
+from bubo.engine.request import Finished, OutputDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from bubo.engine.request_error import RequestError
+from tests.server.live_server import scripted, serve_loaded
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_readme_python_api_example_runs(smollm2_path: Path) -> None:
-    """The README's Python API section, run exactly as a user would paste it."""
+    """The README's Python API section, its examples run in order exactly as a user would paste them."""
     section = README.read_text().split("## Python API", 1)[1].split("\n## ", 1)[0]
-    (example,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    examples = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(examples) == 2
     printed = io.StringIO()
+    names: dict = {}
     with contextlib.redirect_stdout(printed):
-        exec(compile(example, "README.md", "exec"), {})
+        for example in examples:
+            exec(compile(example, "README.md", "exec"), names)
     text = printed.getvalue()
     assert "plan for llama on cpu:" in text
     assert " Paris" in text  # the greedy answer, and the token `forward` picks
+    assert 'tool_calls get_weather {"city": "Paris"}' in text  # the forced call, parsed
+    assert json.loads(text.strip().splitlines()[-1]) == {"capital": "Paris"}  # the JSON answer
 
 
 @pytest.fixture
@@ -158,3 +167,145 @@ def test_no_trace_while_generating(model: Model) -> None:
     with pytest.raises(RuntimeError, match="finish or close that generation"), model.trace():
         pass
     running.close()
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+            "required": ["city"],
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+def test_chat_answers_as_the_default_model_does(smollm2: LoadedModel) -> None:
+    model = Model(smollm2, ctx_size=256)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = model.chat(question, max_tokens=12, temperature=0)
+    assert "Paris" in reply.text
+    assert reply.finish_reason == "stop" and reply.reasoning == "" and reply.tool_calls == ()
+    events = list(model.chat(question, max_tokens=12, temperature=0, stream=True))
+    assert all(isinstance(e, OutputDelta) and e.channel == "content" for e in events[:-1])
+    assert "".join(e.text for e in events[:-1]) == reply.text == events[-1].content_text
+    # The chat template's prompt, rendered as the server renders it, and cached between the two calls.
+    assert events[-1].usage.cached_tokens > 0
+
+
+def test_chat_splits_off_the_reasoning_and_keeps_its_budget(qwen3_template_llama: LoadedModel) -> None:
+    # A stand-in that thinks for 100 words (500 tokens of the byte-level vocabulary), then answers;
+    # reasoning_effort "minimal" allows 256 tokens.
+    model = Model(scripted(qwen3_template_llama, "<think>\n" + "step " * 100 + "</think>\n\nanswer"))
+    free = model.chat(ASK, max_tokens=700)
+    assert free.reasoning.split() == ["step"] * 100 and free.text == "answer"
+    events = list(model.chat(ASK, reasoning_effort="minimal", max_tokens=700, stream=True))
+    channels = [e.channel for e in events if isinstance(e, OutputDelta)]
+    assert channels == sorted(channels, reverse=True) and channels[-1] == "content"  # reasoning first
+    capped = events[-1]
+    assert isinstance(capped, Finished)
+    assert capped.reasoning_text.count("step") < 100 and capped.content_text
+    assert capped.usage.reasoning_tokens >= 256
+
+
+def test_a_forced_tool_call_is_parsed(long_llama: LoadedModel) -> None:
+    # The forcing grammar makes even the tiny random model write a well-formed call (the tools prompt
+    # takes ~540 tokens of its byte-level vocabulary: the 4096-token context holds it).
+    model = Model(long_llama)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    reply = model.chat(ASK, tools=[WEATHER], tool_choice=choice, max_tokens=200, temperature=0)
+    assert reply.finish_reason == "tool_calls"
+    (call,) = reply.tool_calls
+    assert call.name == "get_weather"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome", "Oslo")
+    events = list(
+        model.chat(ASK, tools=[WEATHER], tool_choice=choice, max_tokens=200, temperature=0, stream=True)
+    )
+    kinds = [type(e) for e in events if not isinstance(e, OutputDelta)]
+    assert kinds == [ToolCallStart, *[ToolCallArguments] * (len(kinds) - 3), ToolCallEnd, Finished]
+    streamed = "".join(e.fragment for e in events if isinstance(e, ToolCallArguments))
+    assert json.loads(streamed) == json.loads(call.arguments)
+
+
+def test_chat_is_prepared_as_the_server_prepares_it(long_llama: LoadedModel) -> None:
+    # The same arguments to Model.chat and to /v1/chat/completions: the same prompt and the same answer,
+    # a call held to the same forcing grammar.
+    arguments = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 200}
+    reply = Model(long_llama).chat(**arguments, temperature=0, parallel_tool_calls=False)
+    server = serve_loaded(long_llama)
+    try:
+        body = {"model": "bubo", **arguments, "temperature": 0, "parallel_tool_calls": False}
+        answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    finally:
+        server.stop()
+    (call,) = answer["choices"][0]["message"]["tool_calls"]
+    assert answer["usage"]["prompt_tokens"] == reply.usage.prompt_tokens
+    assert answer["choices"][0]["finish_reason"] == reply.finish_reason == "tool_calls"
+    assert (call["function"]["name"], call["function"]["arguments"]) == (
+        reply.tool_calls[0].name,
+        reply.tool_calls[0].arguments,
+    )
+
+
+def test_a_json_schema_answer_is_valid_json(model: Model) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    reply = model.chat(
+        ASK,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        max_tokens=40,
+        temperature=0,
+    )
+    value = json.loads(reply.text)
+    assert reply.finish_reason == "stop"
+    assert set(value) == {"answer"} and 0 <= value["answer"] <= 99
+
+
+@pytest.mark.parametrize(
+    ("arguments", "param", "code", "message"),
+    [
+        ({"messages": []}, "messages", "missing_messages", "messages is required"),
+        ({"tool_choice": "required"}, "tool_choice", "invalid_value", '"required" needs tools'),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+            "tool_choice.function.name",
+            "invalid_value",
+            "'get_time' is not one of the tools",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "invalid_value", "got 'yaml'"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort", "invalid_value", "must be one of off"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+            "conflicting_fields",
+            "cannot both be asked for",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "data:,"}]}]},
+            "messages[0].content",
+            "unsupported_content",
+            "takes text only",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi " * 80}]},
+            None,
+            "context_length_exceeded",
+            "holds 64",
+        ),
+        ({"top_p": 0.0}, None, "invalid_value", "top_p must be in"),
+    ],
+)
+def test_chat_refuses_bad_arguments(
+    model: Model, arguments: dict, param: str, code: str, message: str
+) -> None:
+    with pytest.raises(RequestError, match=re.escape(message)) as refused:
+        model.chat(**{"messages": ASK, **arguments})
+    assert isinstance(refused.value, ValueError)
+    assert (refused.value.param, refused.value.code) == (param, code)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from bubo.engine.generate import GenerationResult, TokenLogprob
 from bubo.engine.prompt_images import PromptImage, cache_key
+from bubo.engine.request_error import RequestError
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.token_choice import TokenConstraint
 from bubo.templates.reasoning import Channel
@@ -61,6 +62,23 @@ class GenerationRequest:
         if self.cache_scope is not None and key:
             key[0] = (self.cache_scope, key[0])
         return key
+
+
+def check_prompt_fits(prompt_ids: list[int], n_ctx: int) -> None:
+    """RequestError unless the prompt has a token and leaves room in a context of `n_ctx` positions for
+    at least one generated token."""
+    if not prompt_ids:
+        raise RequestError(
+            "the prompt is empty: give at least one token", param="prompt", code="empty_prompt"
+        )
+    if len(prompt_ids) >= n_ctx:
+        raise RequestError(
+            f"the prompt has {len(prompt_ids)} tokens but the context holds {n_ctx} "
+            "(prompt plus at least one generated token); shorten the prompt",
+            code="context_length_exceeded",
+            # llama-server's numbers, for clients that size the prompt from them.
+            details={"n_prompt_tokens": len(prompt_ids), "n_ctx": n_ctx},
+        )
 
 
 @dataclass(frozen=True)

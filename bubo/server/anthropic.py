@@ -1,10 +1,11 @@
 """The Anthropic dialect: POST /v1/messages (JSON or SSE) and POST /v1/messages/count_tokens.
 
 Anthropic clients (the official SDK, agents) send content blocks: text, tool_use, tool_result,
-thinking. This adapter turns them into the OpenAI-style template messages `chat.py` checks (tool_use
-becomes assistant `tool_calls`, tool_result a `tool` message, thinking `reasoning_content`), runs the
-neutral request, and writes the answer as a `message` with thinking, text and tool_use blocks, or as
-Anthropic's named SSE events (message_start, content_block_*, message_delta, message_stop).
+thinking. This adapter turns them into the OpenAI-style template messages that
+bubo/engine/chat_messages.py checks (tool_use becomes assistant `tool_calls`, tool_result a `tool`
+message, thinking `reasoning_content`), runs the neutral request, and writes the answer as a `message`
+with thinking, text and tool_use blocks, or as Anthropic's named SSE events (message_start,
+content_block_*, message_delta, message_stop).
 
 Tool-call ids: the engine names a call "call_X" and the client sees "toolu_X"; ids coming back in the
 history ("toolu_X" on a tool_use and on its tool_result) are turned back into "call_X", so the
@@ -22,6 +23,17 @@ from typing import Any
 
 from aiohttp import web
 
+from bubo.engine.chat_messages import IMAGE_PART, ImagePart, chat_messages
+from bubo.engine.chat_request import (
+    ChatRequest,
+    ThinkingChoice,
+    ToolChoice,
+    generation_prompt,
+    named_tool_choice,
+    thinking_choice,
+    tool_list,
+)
+from bubo.engine.output_format import output_constraint, output_schema
 from bubo.engine.request import (
     Finished,
     GenerationRequest,
@@ -33,25 +45,12 @@ from bubo.engine.request import (
     Usage,
 )
 from bubo.engine.sampler import SamplingParams
-from bubo.server.chat import (
-    IMAGE_PART,
-    ChatRequest,
-    ThinkingChoice,
-    ToolChoice,
-    chat_messages,
-    generation_prompt,
-    named_tool_choice,
-    output_schema,
-    thinking_choice,
-    tool_list,
-)
-from bubo.server.constraint_fields import chat_constraint, output_constraint
 from bubo.server.errors import ApiError, bad_field, error_body
 from bubo.server.fields import Body, read_json, sampling_params, stop_strings
-from bubo.server.image_input import ImagePart
 from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.request_context import new_id
 from bubo.server.sse import EventStream
-from bubo.server.state import ServerState, new_id
+from bubo.server.state import ServerState
 from bubo.server.usage import gufo, timings
 
 __all__ = ["routes"]
@@ -423,7 +422,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         chat,
         params,
         size=body.size,
-        **chat_constraint(output_constraint(body, schema, "output_config.format")),
+        constraint=output_constraint(body, schema, "output_config.format"),
         images=await state.load_images(chat),
     )
     message_id = new_id("msg_")

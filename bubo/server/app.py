@@ -15,12 +15,16 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from bubo.engine.request_error import RequestError
 from bubo.server import anthropic, debug, health, llama, metrics, openai, responses, tokenize
 from bubo.server.connections import ConnectionLimits, ServerRunner, connection_cap, raise_open_files_limit
-from bubo.server.errors import ApiError, error_response
+from bubo.server.errors import ApiError, error_response, request_refused
 from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.request_context import CURRENT_API_KEY, CURRENT_REQUEST_ID, new_id
 from bubo.server.request_log import announce, request_log_middleware
-from bubo.server.state import CURRENT_API_KEY, CURRENT_REQUEST_ID, ServerSettings, ServerState, new_id
+from bubo.server.settings import ServerSettings
+from bubo.server.state import ServerState
+from bubo.templates.chat_template import TemplateSandboxError
 
 __all__ = ["create_app", "create_runner", "exposure_warning", "is_loopback", "serve"]
 
@@ -67,6 +71,13 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return await handler(request)
     except ApiError as error:
         return error_response(error, anthropic=anthropic_shape, request_id=request_id)
+    except RequestError as error:
+        return error_response(request_refused(error), anthropic=anthropic_shape, request_id=request_id)
+    except TemplateSandboxError as error:
+        # The model file's template is at fault, not the request.
+        log.error("the chat template was stopped: %s", error)
+        stopped = ApiError(500, "template_error", f"the model's chat template was stopped: {error}")
+        return error_response(stopped, anthropic=anthropic_shape, request_id=request_id)
     except web.HTTPException as http:
         return error_response(_from_http(http, request), anthropic=anthropic_shape, request_id=request_id)
     except (asyncio.CancelledError, ConnectionResetError):

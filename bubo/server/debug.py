@@ -12,7 +12,7 @@ import torch
 from aiohttp import web
 
 import bubo
-from bubo.server.chat import chat_request
+from bubo.engine.chat_request import chat_request
 from bubo.server.fields import read_json
 from bubo.server.keys import STATE
 

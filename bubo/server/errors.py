@@ -11,7 +11,9 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-__all__ = ["ApiError", "bad_field", "error_body", "error_response"]
+from bubo.engine.request_error import RequestError
+
+__all__ = ["ApiError", "bad_field", "error_body", "error_response", "request_refused"]
 
 # The status codes Anthropic's API documents, with the `error.type` it sends for each.
 _ANTHROPIC_TYPES = {
@@ -59,6 +61,11 @@ class ApiError(Exception):
 def bad_field(field: str, message: str, code: str = "invalid_value") -> ApiError:
     """A 400 for one request field; the message names the field."""
     return ApiError(400, code, f"{field}: {message}", param=field)
+
+
+def request_refused(error: RequestError) -> ApiError:
+    """The 400 for a request the library refused (a chat it cannot prepare, a field's value)."""
+    return ApiError(400, error.code, error.message, param=error.param, details=error.details)
 
 
 def error_body(error: ApiError, *, anthropic: bool, request_id: str) -> dict[str, object]:

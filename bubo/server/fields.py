@@ -1,11 +1,11 @@
-"""Reading request bodies: JSON parsing, typed field access, and the fields every dialect shares
-(sampling, stop strings, token limits, the model name). Every failure is a 400 that names the field."""
+"""Reading request bodies: the HTTP body as JSON (`read_json`), and the fields every dialect shares
+(sampling, logit bias, the choice count). The typed getters and the JSON limits are the library's
+(bubo/engine/request_fields.py); every failure is a 400 that names the field."""
 
 import asyncio
 import json
 import math
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -13,6 +13,18 @@ from typing import Any
 
 from aiohttp import web
 
+from bubo.engine.request_fields import (
+    MAX_COUNT,
+    MAX_JSON_DEPTH,
+    MAX_STOP_BYTES,
+    MAX_STOP_STRINGS,
+    Body,
+    check_values,
+    json_text,
+    parse_json,
+    shown_number,
+    stop_strings,
+)
 from bubo.engine.sampler import SamplingParams
 from bubo.model.tokenizer import Tokenizer
 from bubo.server.errors import ApiError, bad_field
@@ -34,13 +46,6 @@ __all__ = [
     "stop_strings",
 ]
 
-# Deeper bodies are refused before any handler walks them: schemas, templates and grammars recurse.
-MAX_JSON_DEPTH = 64
-# Token counts, top_k and window sizes are int32 in llama-server; larger ones are client mistakes.
-MAX_COUNT = 2**31 - 1
-# Every stop string is searched for after every token, so their number and size are bounded.
-MAX_STOP_STRINGS = 64
-MAX_STOP_BYTES = 1024
 MAX_LOGIT_BIAS = 100.0
 # How long a request body may stop arriving before the request is given up on.
 BODY_STALL_SECONDS = 60.0
@@ -54,7 +59,7 @@ INLINE_JSON_BYTES = 64 << 10
 _JSON_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bubo-json")
 
 
-async def read_json(request: web.Request) -> "Body":
+async def read_json(request: web.Request) -> Body:
     """The body as a JSON object; malformed JSON, JSON that is not an object, a body that cannot be
     decoded (a corrupt Content-Encoding) or nesting deeper than MAX_JSON_DEPTH is 400 parse_error. NaN,
     Infinity, numbers past float range, integers past Python's digit limit and unpaired surrogate
@@ -66,7 +71,7 @@ async def read_json(request: web.Request) -> "Body":
     return await asyncio.get_running_loop().run_in_executor(_JSON_THREAD, _decode, raw)
 
 
-def _decode(raw: bytes) -> "Body":
+def _decode(raw: bytes) -> Body:
     if not raw:
         raise ApiError(400, "parse_error", "the request body must be a JSON object, got empty")
     # An upper bound on the values the body holds (braces and commas inside strings count too).
@@ -78,7 +83,7 @@ def _decode(raw: bytes) -> "Body":
             f"the request body holds more than {MAX_JSON_VALUES} JSON objects, arrays and items",
         )
     try:
-        data = _parse(raw)
+        data = parse_json(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ApiError(400, "parse_error", f"the request body is not valid JSON: {error}") from None
     except RecursionError:
@@ -86,8 +91,7 @@ def _decode(raw: bytes) -> "Body":
     if not isinstance(data, dict):
         kind = "null" if data is None else f"a JSON {type(data).__name__}"
         raise ApiError(400, "parse_error", f"the request body must be a JSON object, got {kind}")
-    if not _plain(data):
-        _refuse_values(data, _too_deep())
+    check_values(data, _too_deep())
     return Body(data, size=len(raw))
 
 
@@ -114,288 +118,8 @@ async def _read_body(request: web.Request) -> bytes:
         raise ApiError(400, "parse_error", f"the request body cannot be read: {error}") from None
 
 
-def json_text(text: str, field: str) -> Any:
-    """JSON that the body carries in a string (a tool call's arguments), held to read_json's rules: 400
-    invalid_value naming `field` (or the place inside it) when it is not JSON, nests deeper than
-    MAX_JSON_DEPTH, or holds a number or string that read_json refuses in the body itself."""
-    try:
-        value = _parse(text)
-    except json.JSONDecodeError:
-        raise bad_field(field, "is not valid JSON") from None
-    except RecursionError:
-        raise _nested_too_deep(field) from None
-    holder = {field: value}
-    if not _plain(holder):
-        _refuse_values(holder, _nested_too_deep(field))
-    return value
-
-
-def _nested_too_deep(field: str) -> ApiError:
-    return bad_field(field, f"nests deeper than {MAX_JSON_DEPTH} levels")
-
-
-class _LongInteger:
-    """An integer literal longer than Python converts (4300 digits by default), kept so that the walk
-    over the body can name its field."""
-
-    def __init__(self, digits: int) -> None:
-        self.digits = digits
-
-
-class _Underflow(float):
-    """A number literal with a non-zero digit that reads as 0.0 (1e-400): no integer field takes it."""
-
-
-def _parse(raw: bytes | str) -> Any:
-    # JSON on the wire is UTF-8 (RFC 8259): json.loads would take UTF-16 too, and decode encoded
-    # surrogates (ED A0 80, invalid UTF-8) into unpaired ones.
-    text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-    try:
-        return json.loads(text, parse_float=_float)
-    except ValueError as error:
-        if isinstance(error, json.JSONDecodeError):
-            raise
-    # Python refuses to convert integers of more than 4300 digits: read again, keeping them as
-    # _LongInteger (a slower parse, only for such bodies).
-    return json.loads(text, parse_float=_float, parse_int=_integer)
-
-
-def _float(text: str) -> float:
-    value = float(text)
-    if value == 0.0 and text.lstrip("-0.").partition("e")[0].partition("E")[0].strip("0."):
-        return _Underflow(value)
-    return value
-
-
-def _integer(text: str) -> int | _LongInteger:
-    if len(text) > sys.get_int_max_str_digits() > 0:
-        return _LongInteger(len(text))
-    return int(text)
-
-
 def _too_deep() -> ApiError:
     return ApiError(400, "parse_error", f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
-
-
-def _plain(data: dict[str, Any]) -> bool:
-    """Whether the parsed body nests at most MAX_JSON_DEPTH deep and holds only finite numbers and
-    encodable strings. This walk (no recursion, no paths) is the one every request pays for; a body
-    that fails it is walked again by `_refuse_values`, which names the place."""
-    pending: list[tuple[dict[str, Any] | list[Any], int]] = [(data, 1)]
-    while pending:
-        container, depth = pending.pop()
-        if depth > MAX_JSON_DEPTH:
-            return False
-        if isinstance(container, dict):
-            for key in container:
-                if not key.isascii() and not _encodable(key):
-                    return False
-            items: Any = container.values()
-        else:
-            items = container
-        for item in items:
-            kind = type(item)
-            if kind is str:
-                if not item.isascii() and not _encodable(item):
-                    return False
-            elif kind is float:
-                if not math.isfinite(item):
-                    return False
-            elif kind is dict or kind is list:
-                pending.append((item, depth + 1))
-            elif kind is _LongInteger:
-                return False
-    return True
-
-
-def _encodable(text: str) -> bool:
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _refuse_values(data: dict[str, Any], too_deep: ApiError) -> None:
-    """Walk the parsed body without recursion and raise for the first of: nesting past the limit
-    (`too_deep`), a non-finite number (JSON has no NaN or Infinity, and 1e999 reads as infinity), an
-    over-long integer, a string with an unpaired UTF-16 surrogate."""
-    pending: list[tuple[str, Any, int]] = [("", data, 1)]
-    while pending:
-        path, value, depth = pending.pop()
-        if isinstance(value, dict | list):
-            if depth > MAX_JSON_DEPTH:
-                raise too_deep
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, item in items:
-                if isinstance(key, str):
-                    if not _encodable(key):
-                        raise _surrogate(path or "body")
-                    where = f"{path}.{key}" if path else key
-                else:
-                    where = f"{path}[{key}]"
-                pending.append((where, item, depth + 1))
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise bad_field(path, f"must be a finite number, got {value}")
-        elif isinstance(value, _LongInteger):
-            raise bad_field(path, f"must be a number of usable size, got one of {value.digits} digits")
-        elif isinstance(value, str) and not _encodable(value):
-            raise _surrogate(path)
-
-
-def _surrogate(path: str) -> ApiError:
-    return bad_field(path, "contains an unpaired UTF-16 surrogate escape")
-
-
-def _shown(number: int) -> str:
-    """A number for an error message: a client's 4000-digit integer is not echoed back whole."""
-    text = str(number)
-    return text if len(text) <= 24 else f"a number of {len(text)} digits"
-
-
-def _type_name(value: object) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
-        type(value), "number"
-    )
-
-
-class Body:
-    """A JSON object with getters that check types; `None` (JSON null) counts as absent. `size` is the
-    length in bytes of the request body it was read from (0 for one made in code): a measure of how
-    much work rendering and tokenizing its prompt is."""
-
-    def __init__(self, data: Mapping[str, Any], size: int = 0) -> None:
-        self.data = data
-        self.size = size
-
-    def __contains__(self, name: str) -> bool:
-        return self.data.get(name) is not None
-
-    def raw(self, name: str, default: Any = None) -> Any:
-        value = self.data.get(name)
-        return default if value is None else value
-
-    def string(self, name: str, default: str | None = None, *, choices: Sequence[str] = ()) -> str | None:
-        value = self.data.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, str):
-            raise bad_field(name, f"must be a string, got {_type_name(value)}")
-        if choices and value not in choices:
-            raise bad_field(name, f"must be one of {', '.join(choices)}; got {value!r}")
-        return value
-
-    def boolean(self, name: str, default: bool = False) -> bool:
-        value = self.data.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise bad_field(name, f"must be true or false, got {_type_name(value)}")
-        return value
-
-    def integer(
-        self, name: str, default: int | None = None, *, minimum: int | None = None, maximum: int | None = None
-    ) -> int | None:
-        value = self.data.get(name)
-        if value is None:
-            return default
-        if isinstance(value, _Underflow):
-            raise bad_field(name, "must be an integer, got a fraction too small for a float (such as 1e-400)")
-        # JSON has one number type: 5.0 is an integer, 5.5 is not.
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad_field(
-                name,
-                f"must be an integer, got {_type_name(value) if not isinstance(value, float) else value}",
-            )
-        if minimum is not None and value < minimum:
-            raise bad_field(name, f"must be >= {minimum}, got {_shown(value)}")
-        if maximum is not None and value > maximum:
-            raise bad_field(name, f"must be <= {maximum}, got {_shown(value)}")
-        return value
-
-    def number(
-        self,
-        name: str,
-        default: float | None = None,
-        *,
-        minimum: float | None = None,
-        maximum: float | None = None,
-    ) -> float | None:
-        value = self.data.get(name)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise bad_field(name, f"must be a finite number, got {_type_name(value)}")
-        # An integer past float range (10**400) would overflow float(); NaN cannot get past read_json.
-        if not -sys.float_info.max <= value <= sys.float_info.max:
-            raise bad_field(name, f"must be a finite number within float range, got {_type_name(value)}")
-        if minimum is not None and value < minimum:
-            raise bad_field(name, f"must be >= {minimum}, got {value}")
-        if maximum is not None and value > maximum:
-            raise bad_field(name, f"must be <= {maximum}, got {value}")
-        return float(value)
-
-    def array(self, name: str, default: list[Any] | None = None) -> list[Any] | None:
-        value = self.data.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, list):
-            raise bad_field(name, f"must be an array, got {_type_name(value)}")
-        return value
-
-    def object(self, name: str, default: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        value = self.data.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, dict):
-            raise bad_field(name, f"must be an object, got {_type_name(value)}")
-        return value
-
-    def count(self, name: str, default: int | None = None, *, minimum: int = 1) -> int | None:
-        """A count of tokens or items: an integer in [minimum, MAX_COUNT]."""
-        return self.integer(name, default, minimum=minimum, maximum=MAX_COUNT)
-
-    def token_limit(self, *names: str, minimum: int = 1) -> int | None:
-        """The first of `names` that is set: -1 or null keep the server default (None); anything else
-        must be at least `minimum` (1, or 0 where a limit of 0 means evaluating the prompt alone)."""
-        for name in names:
-            value = self.integer(name, maximum=MAX_COUNT)
-            if value is None or value == -1:
-                continue
-            if value < minimum:
-                wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-                raise bad_field(name, f"must be {wanted}, or -1 for the server default; got {value}")
-            return value
-        return None
-
-    def stop(self, name: str = "stop") -> list[str]:
-        """A string or an array of non-empty strings."""
-        value = self.data.get(name)
-        if value is None:
-            return []
-        if isinstance(value, str):
-            return stop_strings([value], name)
-        if not isinstance(value, list):
-            raise bad_field(name, "must be a string or an array of strings")
-        return stop_strings(value, name)
-
-
-def stop_strings(values: list[Any], name: str) -> list[str]:
-    """Stop strings: at most MAX_STOP_STRINGS non-empty strings of at most MAX_STOP_BYTES bytes each."""
-    if len(values) > MAX_STOP_STRINGS:
-        raise bad_field(name, f"at most {MAX_STOP_STRINGS} stop strings, got {len(values)}")
-    for i, s in enumerate(values):
-        if not isinstance(s, str):
-            raise bad_field(name, f"must be a string or an array of strings; item {i} is {_type_name(s)}")
-        if s == "":
-            raise bad_field(name, "stop strings must not be empty")
-        if len(s) > MAX_STOP_BYTES or len(s.encode()) > MAX_STOP_BYTES:
-            raise bad_field(name, f"a stop string may have at most {MAX_STOP_BYTES} bytes (item {i})")
-    return list(values)
 
 
 def _logit_bias(body: Body, vocab_size: int, tokenize: Callable[[str], list[int]] | None) -> dict[int, float]:
@@ -442,7 +166,7 @@ def _object_key(key: str) -> int | str:
     if not (digits.isascii() and digits.isdigit()):
         return key
     if len(digits) > 12:
-        raise bad_field("logit_bias", f"token id {_shown(int(key[:40]))}... is outside the vocabulary")
+        raise bad_field("logit_bias", f"token id {shown_number(int(key[:40]))}... is outside the vocabulary")
     return int(key)
 
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 from PIL import Image
 
+from bubo.engine.chat_messages import ImagePart
 from bubo.server.errors import ApiError
 from bubo.vision.image_patches import to_rgb
 
 __all__ = [
     "DecodedImage",
     "ImageLimits",
-    "ImagePart",
     "decode_image",
     "image_error",
     "image_size",
@@ -45,27 +45,6 @@ class ImageLimits:
     max_bytes: int = 20 << 20
     max_pixels: int = 40_000_000
     max_images: int = 32
-
-
-@dataclass(frozen=True)
-class ImagePart:
-    """An image a request refers to, not fetched or decoded yet.
-
-    `where` is the part's path (messages[0].content[1]), `param` the field a text-only model's refusal
-    names, `kind` the part's type as sent. The source is `url` (a data:, http: or https: URL) or
-    `data` (base64 text, Anthropic's base64 source; Pillow tells the format from the bytes).
-    """
-
-    where: str
-    param: str
-    kind: str
-    url: str | None = None
-    data: str | None = None
-
-    @property
-    def remote(self) -> bool:
-        """Whether the bytes are elsewhere (an http or https URL)."""
-        return self.url is not None and self.url.lower().startswith(("http://", "https://"))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bubo.engine.chat_messages import ImagePart
 from bubo.engine.prompt_images import PromptImage
 from bubo.gguf.reader import GGUFFile
 from bubo.server.errors import ApiError
@@ -16,14 +17,13 @@ from bubo.server.image_fetch import Lookup, fetch_image
 from bubo.server.image_input import (
     DecodedImage,
     ImageLimits,
-    ImagePart,
     decode_image,
     image_error,
     image_size,
     inline_bytes,
 )
 
-__all__ = ["IMAGE_PAD", "ImageFit", "check_mmproj", "load_images", "place_images", "text_only"]
+__all__ = ["IMAGE_PAD", "ImageFit", "check_mmproj", "load_images", "place_images"]
 
 # The token the Qwen-VL family's templates put where an image goes (between <|vision_start|> and
 # <|vision_end|>); the prompt repeats it once per image token.
@@ -43,16 +43,6 @@ class ImageFit:
 
     target: Callable[[int, int], tuple[int, int]]
     check: Callable[[Sequence[tuple[int, int]]], None]
-
-
-def text_only(part: ImagePart) -> ApiError:
-    """The refusal of an image part by a model without a vision tower."""
-    return ApiError(
-        400,
-        "unsupported_content",
-        f"{part.where}: this model takes text only (no vision tower is loaded), not {part.kind!r} parts",
-        param=part.param,
-    )
 
 
 async def load_images(

@@ -13,12 +13,12 @@ from typing import Any
 from aiohttp import web
 
 import bubo
+from bubo.engine.chat_request import chat_request
 from bubo.engine.generate import TokenLogprob
+from bubo.engine.output_format import output_constraint, output_schema
 from bubo.engine.request import Finished, GenerationRequest, OutputDelta, PromptProgress
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import SessionSlot
-from bubo.server.chat import chat_request, output_schema
-from bubo.server.constraint_fields import constraint_grammar, output_constraint
 from bubo.server.errors import ApiError, bad_field, error_body
 from bubo.server.fields import Body, bias_text_tokens, read_json, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
@@ -181,7 +181,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     # llama-server's ways to constrain a completion: `json_schema`, `grammar` (GBNF) or an OpenAI-style
     # `response_format`; at most one.
     schema = output_schema(body.object("response_format") or {"type": "text"}, "response_format")
-    grammar = await constraint_grammar(state, output_constraint(body, schema))
+    grammar = await state.compile_constraint(output_constraint(body, schema))
     generation = state.request(
         text, ids, params, logprobs=n_probs, grammar=grammar, cache_prompt=body.boolean("cache_prompt", True)
     )

@@ -7,7 +7,9 @@ from typing import Any
 
 from aiohttp import web
 
+from bubo.engine.chat_request import chat_request
 from bubo.engine.generate import TokenLogprob
+from bubo.engine.output_format import output_constraint, output_schema
 from bubo.engine.request import (
     Finished,
     GenerationRequest,
@@ -19,13 +21,12 @@ from bubo.engine.request import (
     ToolCallStart,
 )
 from bubo.model.tokenizer import Tokenizer
-from bubo.server.chat import chat_request, output_schema
-from bubo.server.constraint_fields import chat_constraint, constraint_grammar, output_constraint
 from bubo.server.errors import ApiError, bad_field, error_body
 from bubo.server.fields import Body, bias_text_tokens, read_json, reject_n, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.request_context import new_id
 from bubo.server.sse import EventStream
-from bubo.server.state import ServerState, new_id
+from bubo.server.state import ServerState
 from bubo.server.stream_extras import delta_timings, progress_json, with_stream_extras
 from bubo.server.usage import openai_usage, timings
 
@@ -76,7 +77,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         params,
         size=body.size,
         logprobs=top_logprobs,
-        **chat_constraint(output_constraint(body, schema)),
+        constraint=output_constraint(body, schema),
         cache_prompt=body.boolean("cache_prompt", True),
         images=await state.load_images(chat),
     )
@@ -142,7 +143,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ids,
         params,
         logprobs=top_logprobs,
-        grammar=await constraint_grammar(state, output_constraint(body, schema)),
+        grammar=await state.compile_constraint(output_constraint(body, schema)),
         cache_prompt=body.boolean("cache_prompt", True),
         prompt_logprobs=scored,
     )

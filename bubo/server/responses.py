@@ -32,7 +32,18 @@ from typing import Any
 
 from aiohttp import web
 
+from bubo.engine.chat_messages import chat_messages, message_content, text_content
+from bubo.engine.chat_request import (
+    REASONING_EFFORTS,
+    ChatRequest,
+    ToolChoice,
+    generation_prompt,
+    named_tool_choice,
+    require_function_tool,
+    thinking_choice,
+)
 from bubo.engine.generate import TokenLogprob
+from bubo.engine.output_format import output_constraint, output_schema, strict_schema
 from bubo.engine.request import (
     Finished,
     GenerationRequest,
@@ -46,26 +57,12 @@ from bubo.engine.request import (
 )
 from bubo.engine.sampler import SamplingParams
 from bubo.model.tokenizer import Tokenizer
-from bubo.server.chat import (
-    REASONING_EFFORTS,
-    ChatRequest,
-    ToolChoice,
-    chat_messages,
-    generation_prompt,
-    message_content,
-    named_tool_choice,
-    output_schema,
-    require_function_tool,
-    strict_schema,
-    text_content,
-    thinking_choice,
-)
-from bubo.server.constraint_fields import chat_constraint, output_constraint
 from bubo.server.errors import ApiError, bad_field
 from bubo.server.fields import Body, bias_text_tokens, json_text, read_json, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.request_context import new_id
 from bubo.server.sse import EventStream
-from bubo.server.state import ServerState, new_id
+from bubo.server.state import ServerState
 from bubo.server.stream_extras import delta_timings, progress_json, with_stream_extras
 from bubo.server.usage import gufo, timings
 
@@ -490,7 +487,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         params,
         size=body.size,
         logprobs=top_logprobs,
-        **chat_constraint(output_constraint(body, schema, "text.format")),
+        constraint=output_constraint(body, schema, "text.format"),
         images=await state.load_images(chat),
     )
     generation = with_stream_extras(generation, body, stream)

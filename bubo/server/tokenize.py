@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from bubo.server.chat import chat_request
+from bubo.engine.chat_request import chat_request
 from bubo.server.errors import bad_field
 from bubo.server.fields import Body, read_json
 from bubo.server.keys import STATE

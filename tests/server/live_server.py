@@ -16,7 +16,8 @@ from aiohttp import web
 from bubo.engine.loaded_model import LoadedModel
 from bubo.server.app import create_runner
 from bubo.server.memory_guard import MemoryProbe
-from bubo.server.state import ServerSettings, ServerState
+from bubo.server.settings import ServerSettings
+from bubo.server.state import ServerState
 
 
 class LiveServer:

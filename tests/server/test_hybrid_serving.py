@@ -68,7 +68,7 @@ HELLO = [{"role": "user", "content": "hello hybrid"}]
 
 def _after_last_turn_end(server: LiveServer, messages: list[dict]) -> int:
     """The prompt position just after its last end-of-turn token: where a snapshot is taken."""
-    from bubo.server.chat import ChatRequest
+    from bubo.engine.chat_request import ChatRequest
 
     ids = server.state.render_prompt(ChatRequest(messages)).ids
     stops = server.state.loaded.tokenizer.stop_ids

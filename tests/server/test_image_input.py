@@ -14,9 +14,10 @@ import pytest
 from aiohttp import web
 from PIL import Image, ImageFile
 
+from bubo.engine.chat_messages import ImagePart
 from bubo.server.errors import ApiError
 from bubo.server.image_fetch import fetch_image, is_public_address
-from bubo.server.image_input import ImageLimits, ImagePart, decode_image, image_size, inline_bytes
+from bubo.server.image_input import ImageLimits, decode_image, image_size, inline_bytes
 from bubo.vision.image_patches import to_rgb
 from tests.fixtures.vision_doubles import png
 

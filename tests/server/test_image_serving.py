@@ -22,7 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.sampler import SamplingParams
 from bubo.server.image_input import ImageLimits
-from bubo.server.state import ServerSettings, ServerState
+from bubo.server.settings import ServerSettings
+from bubo.server.state import ServerState
 from tests.conftest import CHAT_TEMPLATES
 from tests.fixtures.gguf_writer import byte_level_vocab, randomize_, write_gguf
 from tests.fixtures.vision_doubles import (

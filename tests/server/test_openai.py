@@ -379,7 +379,7 @@ def test_logprobs_are_the_models_log_softmax(tiny_server: LiveServer, tiny_llama
         assert (top[0]["token"], top[0]["logprob"]) == (entry["token"], entry["logprob"])
         assert bytes(entry["bytes"]).decode("utf-8", errors="replace") == entry["token"]
 
-    from bubo.server.chat import ChatRequest
+    from bubo.engine.chat_request import ChatRequest
 
     prompt = tiny_server.state.render_prompt(ChatRequest(body["messages"]))
     model = tiny_llama.model

@@ -14,7 +14,8 @@ from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.sampler import SamplingParams
 from bubo.server import fields
 from bubo.server.app import create_app
-from bubo.server.state import ServerSettings, ServerState
+from bubo.server.settings import ServerSettings
+from bubo.server.state import ServerState
 from tests.server.live_server import LiveServer, scripted, serve_loaded
 from tests.server.openapi_doc import METHODS, document, operations, pointer, response_schema, validator
 

@@ -19,9 +19,10 @@ from openai.types.responses import (
     ResponseOutputItemAddedEvent,
 )
 
+from bubo.engine.chat_request import ChatRequest
 from bubo.engine.loaded_model import LoadedModel
+from bubo.engine.output_format import strict_schema
 from bubo.engine.sampler import SamplingParams
-from bubo.server.chat import ChatRequest, strict_schema
 from bubo.server.responses import function_tools, input_messages
 from tests.server.live_server import LiveServer, scripted, serve_loaded
 

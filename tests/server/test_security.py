@@ -17,7 +17,8 @@ from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.sampler import SamplingParams
 from bubo.server import app as server_app
 from bubo.server.app import MAX_FIELD_SIZE, MAX_HEADERS, create_app, exposure_warning
-from bubo.server.state import ServerSettings, ServerState
+from bubo.server.settings import ServerSettings
+from bubo.server.state import ServerState
 from tests.conftest import _tiny_llama
 from tests.server.live_server import LiveServer, free_port, serve_loaded
 

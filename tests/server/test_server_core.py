@@ -16,11 +16,11 @@ import openai
 import pytest
 import torch
 
+from bubo.engine import output_grammar as state_module
 from bubo.engine.grammar import GrammarMatcher
 from bubo.engine.loaded_model import LoadedModel, load_model
 from bubo.engine.sampler import SamplingParams
 from bubo.server import fields
-from bubo.server import state as state_module
 from bubo.server.memory_guard import MemoryInfo, kv_bytes_per_position
 from bubo.server.state import INLINE_PROMPT_BYTES
 from tests.server.live_server import LiveServer, ScriptedModel, scripted, serve_loaded

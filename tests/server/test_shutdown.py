@@ -33,11 +33,12 @@ SERVER_SCRIPT = """
 import sys
 from pathlib import Path
 
-import bubo.server.state as state_module
+import bubo.server.served_model as state_module
 from bubo.engine.loaded_model import load_model
 from bubo.engine.sampler import SamplingParams
 from bubo.server.app import serve
-from bubo.server.state import ServerSettings, ServerState
+from bubo.server.settings import ServerSettings
+from bubo.server.state import ServerState
 from tests.server.live_server import scripted
 
 path, port, words, delay, grace = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])

@@ -17,7 +17,8 @@ from bubo.engine.ngram_drafter import DEFAULT_NGRAM_DRAFT, NgramDrafter
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.speculative import DEFAULT_SPEC_DRAFT, MTPDrafter
 from bubo.model.mtp_weights import MTPWeightsError
-from bubo.server.state import ServerSettings, ServerState
+from bubo.server.settings import ServerSettings
+from bubo.server.state import ServerState
 from tests.fixtures.gguf_writer import write_gguf
 from tests.fixtures.mtp_models import OracleDrafter, mtp_model
 from tests.fixtures.qwen4exp_mtp import qwen4exp_mtp_model

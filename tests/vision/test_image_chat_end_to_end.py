@@ -17,7 +17,8 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from bubo.engine.sampler import SamplingParams
-from bubo.server.state import ServerSettings, ServerState
+from bubo.server.settings import ServerSettings
+from bubo.server.state import ServerState
 from tests.fixtures.gguf_writer import byte_level_vocab, write_gguf
 from tests.fixtures.mmproj_writer import (
     IMAGE_TOKEN_ID,
