@@ -20,7 +20,7 @@ Sites, per layer (a `Trace` saves the ones it is asked for, for the layers it is
                     its stream mixer) and output head: float32 logits [B, T, vocab]
 
 Each pass of the main layers (a prompt's prefill chunk, a decode step, a verify pass) is one `Step`.
-Interventions (`add`, `scale`, `replace`, `ablate_experts`) run at every step while the trace is
+Interventions (`add`, `scale`, `replace`, `patch`, `ablate_experts`) run at every step while the trace is
 active; later sites and the captures see their effect. Hooks exist only while a trace is active: an
 untraced model runs exactly as before. The compiled and captured decode steps bypass module hooks,
 so the runner (bubo/engine/runner.py) runs a traced model eagerly (`is_traced`).
@@ -148,6 +148,14 @@ class Trace:
             self._edit(site, layers, lambda x, _: value.to(x.device, x.dtype).expand_as(x).clone())
         else:
             self._edit(site, layers, value)
+
+    def patch(self, site: str, donor: "Trace", layers: Iterable[int] | None = None) -> None:
+        """Replace the activation at `site` of `layers` at each step by what `donor`, the trace of
+        another run that captured `site` there, saved at the same step (activation patching): this
+        run goes on from the donor's activations. The two runs' steps must match in shape."""
+        _check_site(site, ACTIVATION_SITES)
+        for layer in self._layers_with(site, layers):
+            self._edit(site, [layer], _patched(site, layer, donor[site, layer]))
 
     def ablate_experts(self, experts: Iterable[int], layers: Iterable[int] | None = None) -> None:
         """Take `experts` out of the mixture-of-experts layers `layers` (None: all): their router logits
@@ -318,6 +326,25 @@ _HOOKED = {
     "router": "router",
     "deltanet_state": "deltanet",
 }
+
+
+def _patched(site: str, layer: int, saved: list[torch.Tensor]) -> Edit:
+    """The edit that puts `saved[step]` (a donor's captures, one per step) in place of the activation."""
+
+    def edit(x: torch.Tensor, step: Step) -> torch.Tensor:
+        if step.index >= len(saved):
+            raise ValueError(
+                f"the donor run has {len(saved)} steps of {site} at layer {layer}, no step {step.index}"
+            )
+        value = saved[step.index]
+        if value.shape != x.shape:
+            raise ValueError(
+                f"step {step.index}: the donor's {site} at layer {layer} has shape {tuple(value.shape)}, "
+                f"this run's {tuple(x.shape)}"
+            )
+        return value.to(x.device, x.dtype)
+
+    return edit
 
 
 def _check_site(site: str, allowed: Iterable[str]) -> None:

@@ -2,10 +2,12 @@
 models (hidden states, router logits and choices, the Gated DeltaNet state), the logit lens reads the
 model's own head, interventions change exactly what they say, and hooks are gone after the trace."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -291,6 +293,58 @@ def test_patching_a_residual_from_another_run(llama: tuple[PreTrainedModel, Deco
         logits = _run(model, tokens)
     torch.testing.assert_close(logits, donor_logits, rtol=0, atol=1e-5)
     assert _diff(logits, _run(model, tokens)) > 1e-2
+    # The same with the donor's trace handed over whole.
+    with Trace(model, sites=[]) as patched:
+        patched.patch("residual", donor, layers=[0])
+        torch.testing.assert_close(_run(model, tokens), donor_logits, rtol=0, atol=1e-5)
+    with Trace(model, sites=[]) as short:
+        short.patch("residual", donor, layers=[0])
+        cache = model.new_cache(batch=BATCH, max_len=PREFILL + 1)
+        with pytest.raises(ValueError, match="donor's residual at layer 0 has shape"), torch.inference_mode():
+            model(tokens[:, : PREFILL + 1], cache)
+    with pytest.raises(KeyError, match="nothing captured as \\('residual', 1\\)"):
+        Trace(model, sites=[]).patch("residual", donor, layers=[1])
+
+
+def _masked_router(
+    gate: torch.nn.Module, experts: list[int]
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """transformers' Qwen3MoeTopKRouter.forward with `experts`' logits set to -inf before its softmax."""
+
+    def forward(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = F.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+        logits[:, experts] = float("-inf")
+        probs = F.softmax(logits, dtype=torch.float, dim=-1)
+        weights, chosen = torch.topk(probs, gate.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights.to(logits.dtype), chosen
+
+    return forward
+
+
+def test_an_ablated_expert_is_its_router_logit_at_minus_infinity(
+    moe: tuple[PreTrainedModel, Decoder],
+) -> None:
+    """Ablating the expert layer 1 routes to most equals transformers with that expert's router logit
+    set to -inf, at the prefill and every decode step."""
+    reference, model = moe
+    tokens = _tokens(reference.config.vocab_size)
+    with Trace(model, sites=["router"], layers=[1]) as plain:
+        _run(model, tokens)
+    busiest = int(plain.tokens("router_experts", 1).flatten().bincount().argmax())
+    with Trace(model, sites=[]) as trace:
+        trace.ablate_experts([busiest], layers=[1])
+        logits = _run(model, tokens)
+    gate = reference.model.layers[1].mlp.gate
+    gate.forward = _masked_router(gate, [busiest])
+    try:
+        with torch.no_grad():
+            expected = reference(tokens).logits
+    finally:
+        del gate.forward
+    assert _diff(logits, expected) <= TOLERANCE
+    with torch.no_grad():
+        assert _diff(logits, reference(tokens).logits) > 1e-2
 
 
 def test_ablated_experts_are_never_routed_to(moe: tuple[PreTrainedModel, Decoder]) -> None:
