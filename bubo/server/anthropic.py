@@ -50,6 +50,7 @@ from bubo.server.errors import ApiError, bad_field, error_body
 from bubo.server.fields import Body, read_json, sampling_params, stop_strings
 from bubo.server.image_input import ImagePart
 from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.probe_fields import probe_json, with_probe
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState, new_id
 from bubo.server.usage import gufo, timings
@@ -426,6 +427,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         **chat_constraint(output_constraint(body, schema, "output_config.format")),
         images=await state.load_images(chat),
     )
+    generation = with_probe(generation, body, state)
     message_id = new_id("msg_")
     omit = _omit_thinking(body)
     if stream:
@@ -449,6 +451,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         "stop_sequence": stop_sequence,
         "usage": _usage(finished.usage),
         "timings": timings(finished.usage),
+        **probe_json(finished),
     }
     return web.json_response(answer, headers={"x-request-id": request[REQUEST_ID]})
 
@@ -560,6 +563,7 @@ async def _stream(
                         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                         "usage": _usage(event.usage),
                         "timings": timings(event.usage),
+                        **probe_json(event),
                     },
                     event="message_delta",
                 )
