@@ -5,20 +5,18 @@ a bad probe and above the size cap; and with --parallel the other requests' answ
 import json
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from bubo.engine.loaded_model import LoadedModel, load_model
+from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.sampler import SamplingParams
 from bubo.model.trace import Trace
 from bubo.server import probe_fields
-from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.server.live_server import LiveServer, serve_loaded
+from tests.server.openapi_doc import pointer, response_schema, validator
 
 PROBE = {"router": [0, 1], "logit_lens": [0, 1], "residual_norm": [1], "top_k": 3}
 TOKENS = 5
@@ -27,30 +25,8 @@ MESSAGES = [{"role": "user", "content": PROMPT}]
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """A 2-layer qwen3moe (8 experts, 2 a token) with random weights and the fixture vocabulary."""
-    config = Qwen3MoeConfig(
-        hidden_size=64,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=320,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    model = Qwen3MoeForCausalLM(config)
-    randomize_(model, seed=4)
-    return load_model(write_gguf(model, tmp_path_factory.mktemp("probe") / "Tiny-MoE.gguf"))
-
-
-@pytest.fixture(scope="module")
-def server(moe: LoadedModel) -> Iterator[LiveServer]:
-    live = serve_loaded(moe, debug_hooks=True, defaults=SamplingParams(temperature=0.0))
+def server(tiny_moe: LoadedModel) -> Iterator[LiveServer]:
+    live = serve_loaded(tiny_moe, debug_hooks=True, defaults=SamplingParams(temperature=0.0))
     yield live
     live.stop()
 
@@ -96,7 +72,12 @@ def _probe_of(reply: httpx.Response, stream: bool) -> dict[str, Any]:
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("dialect", list(DIALECTS))
 def test_every_dialect_answers_with_the_probe(server: LiveServer, dialect: str, stream: bool) -> None:
-    probe = _probe_of(_post(server, dialect, stream, bubo_probe=PROBE), stream)
+    reply = _post(server, dialect, stream, bubo_probe=PROBE)
+    probe = _probe_of(reply, stream)
+    assert not list(validator(pointer("components", "schemas", "ProbeResult")).iter_errors(probe))
+    if not stream:  # the whole answer is the documented one, bubo_probe included
+        schema = response_schema(DIALECTS[dialect][0], "POST", 200)
+        assert not list(validator(schema).iter_errors(reply.json()))
     tokens = probe["tokens"]
     assert 1 <= len(tokens) <= TOKENS
     for i, entry in enumerate(tokens):
@@ -115,15 +96,15 @@ def test_every_dialect_answers_with_the_probe(server: LiveServer, dialect: str, 
     assert "bubo_probe" not in plain.json()
 
 
-def test_the_probe_is_a_trace_of_the_same_tokens(server: LiveServer, moe: LoadedModel) -> None:
+def test_the_probe_is_a_trace_of_the_same_tokens(server: LiveServer, tiny_moe: LoadedModel) -> None:
     """The captures equal those of one traced pass over the prompt and answer, position for position."""
     reply = _post(server, "llama", False, bubo_probe=PROBE, return_tokens=True)
     answer = reply.json()
     probe = answer["bubo_probe"]["tokens"]
-    prompt = moe.tokenizer.encode(PROMPT)
+    prompt = tiny_moe.tokenizer.encode(PROMPT)
     generated = [entry["id"] for entry in probe]
     assert generated[: len(answer["tokens"])] == answer["tokens"]
-    model = moe.model
+    model = tiny_moe.model
     sequence = torch.tensor([prompt + generated[:-1]])
     with torch.inference_mode(), Trace(model, sites=["residual", "router"]) as trace:
         model(sequence, model.new_cache(max_len=sequence.shape[1]))
@@ -189,7 +170,7 @@ def test_refused_without_debug_hooks(tiny_server: LiveServer) -> None:
     assert anthropic.json()["type"] == "error" and anthropic.json()["error"]["code"] == "debug_hooks_disabled"
 
 
-def test_other_requests_are_unchanged_beside_a_probe_with_parallel(moe: LoadedModel) -> None:
+def test_other_requests_are_unchanged_beside_a_probe_with_parallel(tiny_moe: LoadedModel) -> None:
     """Two slots: a short probed request and two longer plain ones at once, so the probe runs while the
     others decode; every answer, the probe's included, is what it is alone."""
     questions = [f"question {i}" for i in range(3)]
@@ -203,12 +184,12 @@ def test_other_requests_are_unchanged_beside_a_probe_with_parallel(moe: LoadedMo
         assert reply.status_code == 200, reply.text
         return reply.json()
 
-    alone = serve_loaded(moe, debug_hooks=True, defaults=SamplingParams(temperature=0.0))
+    alone = serve_loaded(tiny_moe, debug_hooks=True, defaults=SamplingParams(temperature=0.0))
     try:
         expected = [ask(alone, body(i)) for i in range(3)]
     finally:
         alone.stop()
-    live = serve_loaded(moe, parallel=2, debug_hooks=True, defaults=SamplingParams(temperature=0.0))
+    live = serve_loaded(tiny_moe, parallel=2, debug_hooks=True, defaults=SamplingParams(temperature=0.0))
     try:
         results: dict[int, dict[str, Any]] = {}
         start = threading.Barrier(3)
@@ -243,8 +224,3 @@ def _assert_same_probe(got: dict[str, Any], expected: dict[str, Any]) -> None:
             assert [t["logprob"] for t in top] == pytest.approx(
                 [t["logprob"] for t in b["logit_lens"][layer]], abs=1e-4
             )
-
-
-def test_the_openapi_document_has_the_probe(tmp_path: Path) -> None:
-    text = (Path(__file__).resolve().parents[2] / "openapi.yaml").read_text()
-    assert "bubo_probe" in text and str(probe_fields.MAX_PROBE_VALUES) in text
