@@ -61,11 +61,11 @@ def with_probe(generation: GenerationRequest, body: Body, state: ServerState) ->
         raise bad_field(PROBE_FIELD, "a prompt with images can't be probed", "invalid_probe")
     limit = generation.params.token_limit
     tokens = state.n_ctx - len(generation.prompt_ids) if limit is None else limit
-    values = tokens * spec.values_per_token(loaded.config.num_experts_per_tok or 0)
-    if values > MAX_PROBE_VALUES:
+    per_token = spec.values_per_token(loaded.config.num_experts_per_tok or 0)
+    if tokens * per_token > MAX_PROBE_VALUES:
         raise bad_field(
             PROBE_FIELD,
-            f"{tokens} tokens x {values // max(tokens, 1)} values a token is {values} values, over the cap "
+            f"{tokens} tokens x {per_token} values a token is {tokens * per_token} values, over the cap "
             f"of {MAX_PROBE_VALUES}: ask for fewer layers, a smaller top_k or a lower max_tokens",
             "probe_too_large",
         )
