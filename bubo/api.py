@@ -208,6 +208,10 @@ class Model:
         self,
         sites: Sequence[str] = ("residual",),
         layers: Iterable[int] | Mapping[str, Iterable[int]] | None = None,
+        *,
+        steer: Mapping[int, torch.Tensor] | None = None,
+        patch: Mapping[int, Trace] | None = None,
+        ablate_experts: Mapping[int, Iterable[int]] | None = None,
     ) -> Iterator[Trace]:
         """Capture `sites` of `layers` at every pass of `forward` or `generate` inside the `with` block,
         and apply the interventions added to the trace (bubo/model/trace.py lists the sites):
@@ -217,12 +221,23 @@ class Model:
                 model.generate("The capital of France is", max_tokens=8)
             t.tokens("logit_lens", 7)                          # [1, positions, vocab]
 
+        The common interventions can be given here instead, each a mapping layer -> what to do there:
+        `steer` adds a vector [hidden] to the residual after the layer, `patch` puts in place of that
+        residual what another run's trace (one that captured it) saved at the same step, and
+        `ablate_experts` takes expert ids out of the layer's router (the others renormalised).
+
         While it is active every step runs eagerly (`plan` says so). A traced generation computes its
         whole prompt (the prompt cache is dropped on entry), and the cache it leaves, made under the
         trace's interventions, is dropped on exit: later requests never reuse it."""
         if self._busy.locked():
             raise RuntimeError("this model is generating: finish or close that generation before tracing")
         traced = Trace(self.decoder, sites, layers)
+        for layer, vector in (steer or {}).items():
+            traced.add("residual", vector, layers=[layer])
+        for layer, donor in (patch or {}).items():
+            traced.patch("residual", donor, layers=[layer])
+        for layer, experts in (ablate_experts or {}).items():
+            traced.ablate_experts(experts, layers=[layer])
         self._slot = None
         try:
             with traced:

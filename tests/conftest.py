@@ -32,7 +32,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from bubo.default_model import DefaultModelMissingError, default_model_path
 from bubo.engine.loaded_model import LoadedModel, load_model
@@ -127,6 +127,33 @@ def long_llama(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_llama_path: Path) -> LoadedModel:
     return load_model(tiny_llama_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer qwen3moe (8 experts, 2 a token) with random weights and the fixture vocabulary."""
+    config = Qwen3MoeConfig(
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=320,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    randomize_(model, seed=4)
+    return write_gguf(model, tmp_path_factory.mktemp("moe") / "Tiny-MoE.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tiny_moe_path: Path) -> LoadedModel:
+    return load_model(tiny_moe_path)
 
 
 @pytest.fixture(scope="session")

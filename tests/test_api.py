@@ -161,6 +161,40 @@ def test_a_steered_generation_leaves_no_trace_behind(model: Model) -> None:
     assert again.result.token_ids == plain
 
 
+def test_steering_toward_a_token_makes_the_model_say_it(model: Model) -> None:
+    """`steer` adds a vector to the last layer's residual at every step: along a token's row of the output
+    head (through the final norm's gains) the greedy answer becomes that token, against it the token
+    the model chose unsteered is never chosen."""
+    ids, last = [3, 17, 42, 7, 99], len(model.decoder.layers) - 1
+    plain = model.generate(ids, max_tokens=4, temperature=0, ignore_eos=True).result.token_ids
+    target = next(t for t in range(10, model.config.vocab_size) if t not in plain)
+    hidden = model.config.hidden_size
+    with torch.inference_mode():
+        head = model.decoder.output(torch.eye(hidden)).float()  # [hidden, vocab]: the head's rows
+        gains = model.decoder.norm(torch.eye(hidden)).diagonal()
+    toward = head[:, target] * gains
+    with model.trace(sites=[], steer={last: 50 * toward / toward.norm()}):
+        steered = model.generate(ids, max_tokens=4, temperature=0, ignore_eos=True).result.token_ids
+    assert steered == [target] * 4
+    away = head[:, plain[0]] * gains
+    with model.trace(sites=["logit_lens"], layers=[last], steer={last: -50 * away / away.norm()}) as trace:
+        avoided = model.generate(ids, max_tokens=4, temperature=0, ignore_eos=True).result.token_ids
+    assert plain[0] not in avoided
+    lens = trace.tokens("logit_lens", last)[0]
+    assert (lens[:, plain[0]] < lens.median(dim=-1).values).all()
+
+
+def test_trace_keywords_patch_and_ablate(model: Model) -> None:
+    """`patch` reproduces the donor run's logits; `ablate_experts` is refused on a model without experts."""
+    ids, donor_ids = [3, 17, 42, 7, 99], [5, 6, 7, 8, 9]
+    with model.trace(sites=["residual"], layers=[0]) as donor:
+        donor_logits = model.forward(donor_ids)
+    with model.trace(sites=[], patch={0: donor}):
+        torch.testing.assert_close(model.forward(ids), donor_logits, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="layer 0 has no router site"), model.trace(ablate_experts={0: [1]}):
+        pass
+
+
 def test_no_trace_while_generating(model: Model) -> None:
     running = model.generate("hello", max_tokens=4, stream=True)
     next(running)

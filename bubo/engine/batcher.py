@@ -20,11 +20,11 @@ when the batcher is made (`prepare`).
 """
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,6 +34,8 @@ from bubo.model.quantized_linear import MATVEC_ROWS
 from bubo.model.state import CacheBatch, KVCache
 
 __all__ = ["BatchedModel", "DecodeBatcher"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(eq=False)  # compared by identity: a call is one request to run
@@ -101,6 +103,11 @@ class DecodeBatcher:
             raise call.error
         assert call.result is not None
         return call.result
+
+    def alone(self, work: Callable[[], _T]) -> _T:
+        """`work()` on the compute thread, between batched passes: no other pass runs meanwhile (a probe's
+        traced pass, bubo/engine/probes.py, whose hooks must see only its own)."""
+        return self._compute.submit(work).result()
 
     def _take_if_ready(self) -> list[_Call]:
         # Outside a member (a lone call), or when every member has submitted: run what's pending.

@@ -9,6 +9,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from bubo.engine.generate import GenerationResult, TokenLogprob
+from bubo.engine.probes import ProbeSpec, TokenProbe
 from bubo.engine.prompt_images import PromptImage, cache_key
 from bubo.engine.request_error import RequestError
 from bubo.engine.sampler import SamplingParams
@@ -29,7 +30,8 @@ class GenerationRequest:
     prompt's images, whose pad tokens `prompt_ids` holds (bubo/engine/prompt_images.py). `special` keeps
     the text of special tokens such as <|im_end|> in the output, which is otherwise dropped.
     `prompt_logprobs` (None: off) asks for each prompt token's log probability given the tokens before
-    it, with that many alternatives (bubo/engine/prompt_logprobs.py).
+    it, with that many alternatives (bubo/engine/prompt_logprobs.py). `probe` (None: off) asks for
+    per-token captures of chosen layers once the generation is done (bubo/engine/probes.py).
     """
 
     request_id: str
@@ -51,6 +53,7 @@ class GenerationRequest:
     return_progress: bool = False
     timings_per_token: bool = False
     prompt_logprobs: int | None = None
+    probe: ProbeSpec | None = None
 
     @property
     def cache_key(self) -> list[Hashable]:
@@ -182,6 +185,8 @@ class Finished:
     tool_call_offsets: tuple[int, ...] = ()
     # The prompt's tokens after the first, each given those before it (when the request asked).
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # Each generated token's captures (when the request asked for a probe).
+    probe: tuple[TokenProbe, ...] | None = None
 
     def answer_parts(self) -> list[str | ToolCall]:
         """The answer in the order it was generated: runs of text (never empty) and the calls."""

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Hashable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -25,6 +25,7 @@ from bubo.engine.batcher import BatchedModel, DecodeBatcher
 from bubo.engine.compute_threads import use_one_thread
 from bubo.engine.generate import GenerationResult, Model, Tokenizer, generate
 from bubo.engine.output import OutputStream
+from bubo.engine.probes import probe_tokens
 from bubo.engine.prompt_cache import PromptCache, SnapshotPolicy
 from bubo.engine.prompt_images import PromptVision, VisionEncoder
 from bubo.engine.prompt_logprobs import prompt_logprobs
@@ -249,13 +250,25 @@ class SessionSlot:
         with self.cache_lock:
             try:
                 if self.batcher is None:
-                    yield from self._generate_with(self.model, request, cancelled, send)
-                    return
-                with self.batcher.member():
-                    model = BatchedModel(self.model, self.batcher)
-                    yield from self._generate_with(model, request, cancelled, send)
+                    finished = yield from _until_finished(
+                        self._generate_with(self.model, request, cancelled, send)
+                    )
+                else:
+                    with self.batcher.member():
+                        model = BatchedModel(self.model, self.batcher)
+                        finished = yield from _until_finished(
+                            self._generate_with(model, request, cancelled, send)
+                        )
             finally:
                 self.last_used = time.monotonic()
+        if request.probe is not None:
+            # Once out of the batch: the other slots' decode steps go on between the probe's pieces,
+            # which run on the batcher's compute thread, so no other pass ever meets the probe's hooks.
+            run = self.batcher.alone if self.batcher is not None else None
+            ids = finished.result.token_ids
+            probes = probe_tokens(self.model, self.tokenizer, request.prompt_ids, ids, request.probe, run)
+            finished = replace(finished, probe=tuple(probes))
+        yield finished
 
     def _vision(self, request: GenerationRequest, device: torch.device) -> PromptVision | None:
         if not request.images:
@@ -393,6 +406,15 @@ class SessionSlot:
             tuple(output.tool_call_offsets),
             tuple(scored),
         )
+
+
+def _until_finished(events: Iterator[OutputEvent]) -> Generator[OutputEvent, None, Finished]:
+    """`events` up to the Finished event, which is returned rather than yielded."""
+    for event in events:
+        if isinstance(event, Finished):
+            return event
+        yield event
+    raise RuntimeError("the generation ended without a result")
 
 
 class _RunningUsage:

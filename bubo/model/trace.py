@@ -18,9 +18,15 @@ Sites, per layer (a `Trace` saves the ones it is asked for, for the layers it is
                     heads in the file's order (qwen35 family: tiled, bubo/model/deltanet.py)
     logit_lens      the residual after the layer read through the model's own final norm (qwen4exp:
                     its stream mixer) and output head: float32 logits [B, T, vocab]
+    indexer_keep    a QSA layer's indexer selection: bool [B, T, keys], the keys each query attends
+                    to (the kept blocks and the tail, causal included)
+
+And once per model, where it has an MTP block (`layers` does not apply):
+    mtp_logits      each call of the MTP block (drafting, and taking in the prompt) read through its
+                    head: float32 logits [B, T, vocab], named ("mtp_logits", k) for the step's k-th call
 
 Each pass of the main layers (a prompt's prefill chunk, a decode step, a verify pass) is one `Step`.
-Interventions (`add`, `scale`, `replace`, `ablate_experts`) run at every step while the trace is
+Interventions (`add`, `scale`, `replace`, `patch`, `ablate_experts`) run at every step while the trace is
 active; later sites and the captures see their effect. Hooks exist only while a trace is active: an
 untraced model runs exactly as before. The compiled and captured decode steps bypass module hooks,
 so the runner (bubo/engine/runner.py) runs a traced model eagerly (`is_traced`).
@@ -37,14 +43,25 @@ from torch.utils.hooks import RemovableHandle
 
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DecoderLayer, DeltaNetMixer, HyperConnectedLayer
+from bubo.model.indexed_attention import QSAIndexer
 from bubo.model.moe import SparseMoE, top_k_routing
 from bubo.model.state import CacheBatch, KVCache
 
 __all__ = ["SITES", "TRACED_REASON", "Step", "Trace", "is_traced"]
 
-SITES = ("residual", "attention", "attention_probs", "mlp", "router", "deltanet_state", "logit_lens")
+SITES = (
+    "residual",
+    "attention",
+    "attention_probs",
+    "mlp",
+    "router",
+    "deltanet_state",
+    "logit_lens",
+    "indexer_keep",
+    "mtp_logits",
+)
 # Sites captured once per step rather than per position (`Trace.tokens` can't join them).
-STEP_SITES = ("attention_probs", "deltanet_state")
+STEP_SITES = ("attention_probs", "deltanet_state", "indexer_keep", "mtp_logits")
 # The sites an intervention can change (experts are ablated with `ablate_experts`).
 ACTIVATION_SITES = ("residual", "attention", "mlp")
 TRACED_REASON = "traced: eager so every site is seen"
@@ -149,6 +166,14 @@ class Trace:
         else:
             self._edit(site, layers, value)
 
+    def patch(self, site: str, donor: "Trace", layers: Iterable[int] | None = None) -> None:
+        """Replace the activation at `site` of `layers` at each step by what `donor`, the trace of
+        another run that captured `site` there, saved at the same step (activation patching): this
+        run goes on from the donor's activations. The two runs' steps must match in shape."""
+        _check_site(site, ACTIVATION_SITES)
+        for layer in self._layers_with(site, layers):
+            self._edit(site, [layer], _patched(site, layer, donor[site, layer]))
+
     def ablate_experts(self, experts: Iterable[int], layers: Iterable[int] | None = None) -> None:
         """Take `experts` out of the mixture-of-experts layers `layers` (None: all): their router logits
         become -inf, so the router's softmax, top-k and renormalisation run over the other experts."""
@@ -174,7 +199,8 @@ class Trace:
 
     def __getitem__(self, key: tuple[str, int]) -> list[torch.Tensor]:
         """The captures named `key` = (name, layer), one per step that saved it: a site's name, or for
-        the router `router_logits`, `router_experts`, `router_weights`."""
+        the router `router_logits`, `router_experts`, `router_weights`; ("mtp_logits", k) is the k-th
+        MTP call of each step that made one."""
         found = [step.captures[key] for step in self.steps if key in step.captures]
         if not found:
             raise KeyError(f"nothing captured as {key!r}; captured: {sorted(self.names())}")
@@ -194,6 +220,10 @@ class Trace:
 
     def _layers_with(self, site: str, layers: Iterable[int] | None) -> tuple[int, ...]:
         """`layers` checked against the model (None: those that have `site`)."""
+        if site == "mtp_logits":
+            if self.model.mtp is None:
+                raise ValueError(f"this {self.model.config.architecture} model has no MTP block")
+            return (0,)  # the one block: its captures are numbered by call, not by layer
         count = len(self.model.layers)
         if layers is None:
             found = tuple(i for i in range(count) if _has_site(self.model.layers[i], site))
@@ -226,7 +256,8 @@ class Trace:
     def _hook(self, site: str, layer: int) -> None:
         """Install the hook that serves `site` of `layer` (once; now if active, else on entry)."""
         self._hooked.add((site, layer))
-        module, key = _site_module(self.model.layers[layer], site), (_HOOKED[site], layer)
+        module = self.model.mtp if site == "mtp_logits" else _site_module(self.model.layers[layer], site)
+        key = (_HOOKED[site], layer)
         if not self._active or key in self._handles:
             return
         hook = getattr(self, f"_on_{_HOOKED[site]}")
@@ -297,6 +328,16 @@ class Trace:
         queries_from = x.shape[1] - 1 if last_only else 0
         self._save("attention_probs", layer, attention.probabilities(x, cos, sin, cache, queries_from))
 
+    def _on_indexer(self, layer: int, _: nn.Module, __: Any, ___: Any, keep: torch.Tensor) -> None:
+        self._save("indexer_keep", layer, keep)
+
+    def _on_mtp(self, _: int, __: nn.Module, ___: Any, ____: Any, output: tuple[torch.Tensor, ...]) -> None:
+        if not self.steps:
+            return  # the block run on its own before any pass of the main layers: no step to file it in
+        captures = self.steps[-1].captures
+        calls = sum(1 for name, _ in captures if name == "mtp_logits")
+        captures["mtp_logits", calls] = self.model.draft_head(output[0]).detach()
+
     def _on_deltanet(
         self, layer: int, mixer: nn.Module, args: tuple[Any, ...], _: Any, __: torch.Tensor
     ) -> None:
@@ -317,7 +358,28 @@ _HOOKED = {
     "mlp": "mlp",
     "router": "router",
     "deltanet_state": "deltanet",
+    "indexer_keep": "indexer",
+    "mtp_logits": "mtp",
 }
+
+
+def _patched(site: str, layer: int, saved: list[torch.Tensor]) -> Edit:
+    """The edit that puts `saved[step]` (a donor's captures, one per step) in place of the activation."""
+
+    def edit(x: torch.Tensor, step: Step) -> torch.Tensor:
+        if step.index >= len(saved):
+            raise ValueError(
+                f"the donor run has {len(saved)} steps of {site} at layer {layer}, no step {step.index}"
+            )
+        value = saved[step.index]
+        if value.shape != x.shape:
+            raise ValueError(
+                f"step {step.index}: the donor's {site} at layer {layer} has shape {tuple(value.shape)}, "
+                f"this run's {tuple(x.shape)}"
+            )
+        return value.to(x.device, x.dtype)
+
+    return edit
 
 
 def _check_site(site: str, allowed: Iterable[str]) -> None:
@@ -332,6 +394,8 @@ def _has_site(layer: nn.Module, site: str) -> bool:
         return isinstance(getattr(layer, "attention", None), DeltaNetMixer)
     if site == "attention_probs":
         return isinstance(getattr(layer, "attention", None), Attention)
+    if site == "indexer_keep":
+        return any(isinstance(module, QSAIndexer) for module in layer.modules())
     return isinstance(layer, DecoderLayer | HyperConnectedLayer)
 
 
@@ -343,4 +407,6 @@ def _site_module(layer: nn.Module, site: str) -> nn.Module:
         return layer.mlp.router
     if kind in ("deltanet", "probs"):
         return layer.attention
+    if kind == "indexer":
+        return next(module for module in layer.modules() if isinstance(module, QSAIndexer))
     return getattr(layer, kind)

@@ -48,6 +48,7 @@ from bubo.engine.sampler import SamplingParams
 from bubo.server.errors import ApiError, bad_field, error_body
 from bubo.server.fields import Body, read_json, sampling_params, stop_strings
 from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.probe_fields import probe_json, with_probe
 from bubo.server.request_context import new_id
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState
@@ -425,6 +426,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         constraint=output_constraint(body, schema, "output_config.format"),
         images=await state.load_images(chat),
     )
+    generation = with_probe(generation, body, state)
     message_id = new_id("msg_")
     omit = _omit_thinking(body)
     if stream:
@@ -448,6 +450,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         "stop_sequence": stop_sequence,
         "usage": _usage(finished.usage),
         "timings": timings(finished.usage),
+        **probe_json(finished),
     }
     return web.json_response(answer, headers={"x-request-id": request[REQUEST_ID]})
 
@@ -559,6 +562,7 @@ async def _stream(
                         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                         "usage": _usage(event.usage),
                         "timings": timings(event.usage),
+                        **probe_json(event),
                     },
                     event="message_delta",
                 )

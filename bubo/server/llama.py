@@ -22,6 +22,7 @@ from bubo.engine.slot import SessionSlot
 from bubo.server.errors import ApiError, bad_field, error_body
 from bubo.server.fields import Body, bias_text_tokens, read_json, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.probe_fields import probe_json, with_probe
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState
 from bubo.server.stream_extras import delta_timings, progress_json, with_stream_extras
@@ -147,6 +148,7 @@ class _Completion:
             "prompt": self.generation.prompt,
             "timings": timings(usage),
             "usage": openai_usage(usage),
+            **probe_json(finished),
         }
 
 
@@ -185,7 +187,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     generation = state.request(
         text, ids, params, logprobs=n_probs, grammar=grammar, cache_prompt=body.boolean("cache_prompt", True)
     )
-    generation = with_stream_extras(generation, body, stream)
+    generation = with_probe(with_stream_extras(generation, body, stream), body, state)
     answer = _Completion(state, model, generation, stream, return_tokens)
     if stream:
         return await _stream(request, state, answer)

@@ -24,6 +24,7 @@ from bubo.model.tokenizer import Tokenizer
 from bubo.server.errors import ApiError, bad_field, error_body
 from bubo.server.fields import Body, bias_text_tokens, read_json, reject_n, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.probe_fields import probe_json, with_probe
 from bubo.server.request_context import new_id
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState
@@ -81,7 +82,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         cache_prompt=body.boolean("cache_prompt", True),
         images=await state.load_images(chat),
     )
-    generation = with_stream_extras(generation, body, stream)
+    generation = with_probe(with_stream_extras(generation, body, stream), body, state)
     reply = _Reply(new_id("chatcmpl-"), "chat.completion", model, loaded.tokenizer, top_logprobs)
     if stream:
         return await _stream(request, state, generation, reply, include_usage, _chat_chunk)
@@ -147,7 +148,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         cache_prompt=body.boolean("cache_prompt", True),
         prompt_logprobs=scored,
     )
-    generation = with_stream_extras(generation, body, stream)
+    generation = with_probe(with_stream_extras(generation, body, stream), body, state)
     prefix = text if echo else ""
     reply = _Reply(new_id("cmpl-"), "text_completion", model, loaded.tokenizer, top_logprobs, prefix)
     if stream:
@@ -237,6 +238,7 @@ class _Reply:
             "choices": [choice],
             "usage": openai_usage(finished.usage),
             "timings": timings(finished.usage),
+            **probe_json(finished),
         }
 
     def choice_chunk(
@@ -289,7 +291,9 @@ def _chat_chunk(reply: _Reply, event: OutputEvent | None) -> dict[str, Any] | No
         key = "reasoning_content" if event.channel == "reasoning" else "content"
         logprobs = reply.chat_logprobs(event.logprobs) if event.channel == "content" else None
         return reply.choice_chunk({"delta": {key: event.text}}, logprobs, **delta_timings(event))
-    return reply.choice_chunk({"delta": {}}, finish_reason=event.finish_reason, timings=timings(event.usage))
+    return reply.choice_chunk(
+        {"delta": {}}, finish_reason=event.finish_reason, timings=timings(event.usage), **probe_json(event)
+    )
 
 
 def _text_chunk(reply: _Reply, event: OutputEvent | None) -> dict[str, Any] | None:
@@ -300,7 +304,9 @@ def _text_chunk(reply: _Reply, event: OutputEvent | None) -> dict[str, Any] | No
     if isinstance(event, OutputDelta):
         logprobs = reply.text_logprobs(event.logprobs)
         return reply.choice_chunk({"text": event.text}, logprobs, **delta_timings(event))
-    return reply.choice_chunk({"text": ""}, finish_reason=event.finish_reason, timings=timings(event.usage))
+    return reply.choice_chunk(
+        {"text": ""}, finish_reason=event.finish_reason, timings=timings(event.usage), **probe_json(event)
+    )
 
 
 async def _stream(

@@ -60,6 +60,7 @@ from bubo.model.tokenizer import Tokenizer
 from bubo.server.errors import ApiError, bad_field
 from bubo.server.fields import Body, bias_text_tokens, json_text, read_json, sampling_params
 from bubo.server.keys import REQUEST_ID, STATE
+from bubo.server.probe_fields import probe_json, with_probe
 from bubo.server.request_context import new_id
 from bubo.server.sse import EventStream
 from bubo.server.state import ServerState
@@ -340,6 +341,7 @@ class _Reply:
         }
         if finished is not None:
             body["timings"] = timings(finished.usage)
+            body.update(probe_json(finished))
         return body
 
 
@@ -490,7 +492,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         constraint=output_constraint(body, schema, "text.format"),
         images=await state.load_images(chat),
     )
-    generation = with_stream_extras(generation, body, stream)
+    generation = with_probe(with_stream_extras(generation, body, stream), body, state)
     reply = _Reply(model, _echo(body, params, instructions, text))
     logprobs = _Logprobs(loaded.tokenizer) if top_logprobs is not None else None
     if stream:

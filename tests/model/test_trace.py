@@ -2,10 +2,12 @@
 models (hidden states, router logits and choices, the Gated DeltaNet state), the logit lens reads the
 model's own head, interventions change exactly what they say, and hooks are gone after the trace."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -23,6 +25,7 @@ from bubo.model.loader import load_decoder
 from bubo.model.trace import Trace, is_traced
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.fixtures.hybrid_models import tiny_hybrid
+from tests.fixtures.mtp_models import mtp_model
 from tests.fixtures.qwen4exp_gguf import TINY_QWEN4EXP_CONFIG, write_qwen4exp_gguf
 
 TOLERANCE = 1e-3  # fp32 Bubo vs fp32 transformers, the logit tests' bound (TESTING.md)
@@ -234,6 +237,60 @@ def test_qwen4exp_streams_router_and_lens_are_transformers(tmp_path: Path) -> No
     assert _diff(logits, expected.logits) <= TOLERANCE
 
 
+def test_qsa_indexer_selection_is_transformers(tmp_path: Path) -> None:
+    """The keys each query of a QSA layer attends to (kept blocks and tail), at a prefill long enough for
+    the indexer to choose and at each decode step, against transformers' indexer output."""
+    reference = _eager(Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**TINY_QWEN4EXP_CONFIG)))
+    f = GGUFFile(write_qwen4exp_gguf(reference, tmp_path / "qwen4exp.gguf"))
+    model = load_decoder(f, config_from_gguf(f))
+    prefill, decode = 20, 3
+    tokens = torch.randint(0, 2048, (BATCH, prefill + decode), generator=torch.Generator().manual_seed(6))
+    indexers = [m for m in reference.modules() if type(m).__name__ == "Qwen4ExpTextQSAIndexer"]
+    selected: list[torch.Tensor] = []
+    handles = [m.register_forward_hook(lambda _, __, out: selected.append(out[:, 0])) for m in indexers]
+    try:
+        with torch.no_grad():
+            reference(tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    with Trace(model, sites=["indexer_keep"]) as trace:
+        cache = model.new_cache(batch=BATCH, max_len=prefill + decode)
+        with torch.inference_mode():
+            model(tokens[:, :prefill], cache)
+            for i in range(prefill, prefill + decode):
+                model(tokens[:, i : i + 1], cache)
+    layers = sorted(layer for name, layer in trace.names() if name == "indexer_keep")
+    assert len(layers) == len(indexers) > 0
+    for layer, expected in zip(layers, selected, strict=True):
+        first, *steps = trace["indexer_keep", layer]
+        assert torch.equal(first, expected[:, :prefill, :prefill])
+        # The indexer kept fewer keys than the causal mask allows somewhere: it chose.
+        assert first.sum() < torch.ones(prefill, prefill).tril().sum() * BATCH
+        for i, keep in zip(range(prefill, prefill + decode), steps, strict=True):
+            assert torch.equal(keep[:, 0], expected[:, i, : i + 1])
+
+
+def test_mtp_logits_are_each_draft_calls_logits(
+    tmp_path: Path, llama: tuple[PreTrainedModel, Decoder]
+) -> None:
+    """Every call of the MTP block in a step is captured, numbered in order, as the logits it drafts."""
+    _, path = mtp_model("qwen3next", ["linear_attention", "full_attention"], tmp_path / "mtp.gguf")
+    f = GGUFFile(path)
+    model = load_decoder(f, config_from_gguf(f))
+    tokens = _tokens(model.config.vocab_size)[:, :PREFILL]
+    with Trace(model, sites=["mtp_logits"]) as trace, torch.inference_mode():
+        _, hidden = model.hidden_and_mtp_input(tokens[:, :-1], model.new_cache(batch=BATCH, max_len=PREFILL))
+        mtp_cache = model.new_mtp_cache(batch=BATCH, max_len=PREFILL)
+        first = model.draft_logits(hidden[:, :4], tokens[:, 1:5], mtp_cache)
+        second = model.draft_logits(hidden[:, 4:], tokens[:, 5:], mtp_cache)
+    assert trace.names() == {("mtp_logits", 0), ("mtp_logits", 1)} and len(trace.steps) == 1
+    torch.testing.assert_close(trace["mtp_logits", 0][0], first, rtol=0, atol=0)
+    torch.testing.assert_close(trace["mtp_logits", 1][0], second, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="llama model has no MTP block"):
+        Trace(llama[1], sites=["mtp_logits"])
+
+
 def _lens(model: Decoder, residual: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         return model.output(model.norm(residual)).float()
@@ -291,6 +348,58 @@ def test_patching_a_residual_from_another_run(llama: tuple[PreTrainedModel, Deco
         logits = _run(model, tokens)
     torch.testing.assert_close(logits, donor_logits, rtol=0, atol=1e-5)
     assert _diff(logits, _run(model, tokens)) > 1e-2
+    # The same with the donor's trace handed over whole.
+    with Trace(model, sites=[]) as patched:
+        patched.patch("residual", donor, layers=[0])
+        torch.testing.assert_close(_run(model, tokens), donor_logits, rtol=0, atol=1e-5)
+    with Trace(model, sites=[]) as short:
+        short.patch("residual", donor, layers=[0])
+        cache = model.new_cache(batch=BATCH, max_len=PREFILL + 1)
+        with pytest.raises(ValueError, match="donor's residual at layer 0 has shape"), torch.inference_mode():
+            model(tokens[:, : PREFILL + 1], cache)
+    with pytest.raises(KeyError, match="nothing captured as \\('residual', 1\\)"):
+        Trace(model, sites=[]).patch("residual", donor, layers=[1])
+
+
+def _masked_router(
+    gate: torch.nn.Module, experts: list[int]
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """transformers' Qwen3MoeTopKRouter.forward with `experts`' logits set to -inf before its softmax."""
+
+    def forward(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = F.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+        logits[:, experts] = float("-inf")
+        probs = F.softmax(logits, dtype=torch.float, dim=-1)
+        weights, chosen = torch.topk(probs, gate.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights.to(logits.dtype), chosen
+
+    return forward
+
+
+def test_an_ablated_expert_is_its_router_logit_at_minus_infinity(
+    moe: tuple[PreTrainedModel, Decoder],
+) -> None:
+    """Ablating the expert layer 1 routes to most equals transformers with that expert's router logit
+    set to -inf, at the prefill and every decode step."""
+    reference, model = moe
+    tokens = _tokens(reference.config.vocab_size)
+    with Trace(model, sites=["router"], layers=[1]) as plain:
+        _run(model, tokens)
+    busiest = int(plain.tokens("router_experts", 1).flatten().bincount().argmax())
+    with Trace(model, sites=[]) as trace:
+        trace.ablate_experts([busiest], layers=[1])
+        logits = _run(model, tokens)
+    gate = reference.model.layers[1].mlp.gate
+    gate.forward = _masked_router(gate, [busiest])
+    try:
+        with torch.no_grad():
+            expected = reference(tokens).logits
+    finally:
+        del gate.forward
+    assert _diff(logits, expected) <= TOLERANCE
+    with torch.no_grad():
+        assert _diff(logits, reference(tokens).logits) > 1e-2
 
 
 def test_ablated_experts_are_never_routed_to(moe: tuple[PreTrainedModel, Decoder]) -> None:

@@ -12,7 +12,7 @@ from jsonschema import Draft202012Validator
 
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.sampler import SamplingParams
-from bubo.server import fields
+from bubo.server import fields, probe_fields
 from bubo.server.app import create_app
 from bubo.server.settings import ServerSettings
 from bubo.server.state import ServerState
@@ -113,6 +113,7 @@ def test_the_documented_limits_are_the_servers() -> None:
         "max_stop_strings": fields.MAX_STOP_STRINGS,
         "max_stop_bytes": fields.MAX_STOP_BYTES,
         "logit_bias_range": [-fields.MAX_LOGIT_BIAS, fields.MAX_LOGIT_BIAS],
+        "max_probe_values": probe_fields.MAX_PROBE_VALUES,
     }
     schemas = document()["components"]["schemas"]
     assert schemas["Count"]["maximum"] == fields.MAX_COUNT
