@@ -11,7 +11,10 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-__all__ = ["ApiError", "bad_field", "error_body", "error_response"]
+__all__ = ["ANTHROPIC_PATHS", "ApiError", "bad_field", "error_body", "error_response"]
+
+# The routes whose errors take the Anthropic shape.
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
 # The status codes Anthropic's API documents, with the `error.type` it sends for each.
 _ANTHROPIC_TYPES = {

@@ -5,7 +5,6 @@ a chat, tokenizing, the memory guard, running on the slot)."""
 import asyncio
 import logging
 import re
-import secrets
 import sys
 import threading
 import time
@@ -42,6 +41,7 @@ from bubo.model.load_progress import LoadProgress
 from bubo.model.mtp_weights import check_mtp_file, load_mtp_weights
 from bubo.server.chat import ChatRequest, without_image_sources
 from bubo.server.errors import ApiError, bad_field
+from bubo.server.ids import new_id
 from bubo.server.image_fetch import Lookup, system_lookup
 from bubo.server.image_input import DecodedImage, ImageLimits
 from bubo.server.image_prompt import (
@@ -106,12 +106,6 @@ def model_id_from_path(path: Path) -> str:
     separators as dashes (Huihui-Qwen3.8-Flash-Next-UD-Q4_K_XL-v1.gguf -> huihui-qwen38-flash-next-ud-q4-k-xl-v1)."""
     name = re.sub(r"(?<=\d)\.(?=\d)", "", path.stem.lower())
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "model"
-
-
-def new_id(prefix: str) -> str:
-    """An id like OpenAI's: prefix plus 24 random lowercase letters and digits."""
-    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
-    return prefix + "".join(secrets.choice(alphabet) for _ in range(24))
 
 
 @dataclass
