@@ -462,8 +462,12 @@ def _serve(args: argparse.Namespace) -> int:
     state.preflight()
     configure_logging(args.log_level, args.log_format)
     if args.replicas is not None:
-        from bubo.server.replicas.launch import serve_replicas
-
+        try:
+            from bubo.server.replicas.launch import serve_replicas
+        except ModuleNotFoundError as error:
+            if (error.name or "").split(".")[0] not in ("ray", "starlette"):
+                raise
+            raise ValueError(f"--replicas needs Ray Serve: pip install 'bubo[serve]' ({error})") from error
         return serve_replicas(settings, _runtime_options(args), args.replicas)
     return serve(state)
 

@@ -109,6 +109,19 @@ def cluster(smollm2_path: Path) -> Iterator[Cluster]:
             process.wait(30)
 
 
+def test_a_config_files_builder_takes_bubo_serves_flags(smollm2_path: Path) -> None:
+    from bubo.cli import replicas_app
+
+    app = replicas_app({"serve": f"--model {smollm2_path} --threads 2 --parallel 3 --replicas 4"})
+    # The ingress is bound to the replica deployment (Ray's bound-application objects, read as is).
+    replica = app._bound_deployment.init_args[0]._bound_deployment
+    assert replica.num_replicas == 4
+    assert replica.ray_actor_options["num_cpus"] == 2
+    assert replica.max_ongoing_requests == 4 * 3
+    settings, _ = replica.init_args
+    assert (settings.model_path, settings.threads, settings.parallel) == (smollm2_path, 2, 3)
+
+
 def _chat(question: str) -> dict:
     return {
         "model": "bubo",
