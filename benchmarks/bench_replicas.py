@@ -4,8 +4,9 @@ Starts a local Ray cluster in this process, deploys the replicas application (bu
 a Ray Serve config file builds) with one replica, measures, scales the same application to two (the
 first replica stays; one more loads) and measures again. Each measurement: `--clients` clients, each
 sending llama-server /completion requests of `--tokens` tokens (end-of-sequence ignored) one after
-another for `--seconds`, every prompt different so that routing is by load alone. Prints requests/s and
-generated tokens/s for each count of replicas. Each replica runs `--threads` threads (default 1).
+another for `--seconds`, every prompt different so that routing is by load alone. Prints requests/s,
+generated tokens/s and the requests each replica answered, for each count of replicas. Each replica runs
+`--threads` threads (default 1).
 
     python benchmarks/bench_replicas.py [--clients 4] [--tokens 32] [--seconds 10] [--threads 1] [--model FILE]
 """
@@ -14,6 +15,7 @@ import argparse
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -25,7 +27,7 @@ from benchmarks.servers import free_port  # noqa: E402
 from bubo.cli import replicas_app  # noqa: E402
 
 
-def _client(url: str, client: int, tokens: int, until: float, done: list[tuple[float, int]]) -> None:
+def _client(url: str, client: int, tokens: int, until: float, done: list[tuple[float, int, str]]) -> None:
     with httpx.Client(timeout=300) as http:
         n = 0
         while time.monotonic() < until:
@@ -34,23 +36,26 @@ def _client(url: str, client: int, tokens: int, until: float, done: list[tuple[f
                 "n_predict": tokens,
                 "ignore_eos": True,
             }
-            reply = http.post(url + "/completion", json=body).json()
-            done.append((time.monotonic(), reply["tokens_predicted"]))
+            response = http.post(url + "/completion", json=body)
+            done.append(
+                (time.monotonic(), response.json()["tokens_predicted"], response.headers["x-bubo-replica"])
+            )
             n += 1
 
 
-def measure(url: str, clients: int, tokens: int, seconds: float) -> tuple[float, float]:
-    """(requests/s, generated tokens/s) over the window, counting the requests that finished in it."""
+def measure(url: str, clients: int, tokens: int, seconds: float) -> tuple[float, float, list[int]]:
+    """(requests/s, generated tokens/s, requests each replica answered) over the window."""
     started = time.monotonic()
     until = started + seconds
-    done: list[tuple[float, int]] = []
+    done: list[tuple[float, int, str]] = []
     threads = [threading.Thread(target=_client, args=(url, c, tokens, until, done)) for c in range(clients)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    elapsed = max(t for t, _ in done) - started
-    return len(done) / elapsed, sum(n for _, n in done) / elapsed
+    elapsed = max(t for t, _, _ in done) - started
+    shares = sorted(Counter(replica for _, _, replica in done).values(), reverse=True)
+    return len(done) / elapsed, sum(n for _, n, _ in done) / elapsed, shares
 
 
 def main() -> None:
@@ -78,11 +83,10 @@ def main() -> None:
             )
             httpx.post(url + "/completion", json={"prompt": "warm up", "n_predict": 4}, timeout=300)
             rows.append((replicas, *measure(url, args.clients, args.tokens, args.seconds)))
-        print(
-            f"{'replicas':>8} {'requests/s':>11} {'tokens/s':>9}   ({args.clients} clients, {args.tokens} tokens each, {args.threads} thread(s) a replica)"
-        )
-        for replicas, requests, tokens in rows:
-            print(f"{replicas:>8} {requests:>11.2f} {tokens:>9.1f}")
+        print(f"{args.clients} clients, {args.tokens} tokens a request, {args.threads} thread(s) a replica")
+        print(f"{'replicas':>8} {'requests/s':>11} {'tokens/s':>9}  requests per replica")
+        for replicas, requests, tokens, shares in rows:
+            print(f"{replicas:>8} {requests:>11.2f} {tokens:>9.1f}  {' / '.join(map(str, shares))}")
     finally:
         serve.shutdown()
         ray.shutdown()

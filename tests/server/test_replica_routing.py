@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bubo.server.replicas.affinity import BLOCK_CHARS, PrefixIndex, ranks
 from bubo.server.replicas.forwarding import ROUTING_TEXT_LIMIT, Forwarded, routing_text
-from bubo.server.replicas.lost import replica_lost, stream_error_event
+from bubo.server.replicas.lost import CutStream, replica_lost
 from bubo.server.replicas.merged_metrics import merge_metrics
 
 SYSTEM = "You are a careful assistant. " * 10
@@ -105,26 +105,46 @@ def test_a_named_replica_gets_the_request_unless_it_is_not_running() -> None:
     assert ranks(["a", "b"], None, index) == [["a", "b"]]
 
 
+def _events(stream: bytes) -> list[tuple[str | None, dict]]:
+    events = []
+    for block in stream.decode().strip().split("\n\n"):
+        lines = block.split("\n")
+        name = lines[0].removeprefix("event: ") if lines[0].startswith("event: ") else None
+        events.append((name, json.loads(lines[-1].removeprefix("data: "))))
+    return events
+
+
 def test_a_lost_replica_ends_each_dialect_as_its_failures_end() -> None:
     error = replica_lost("ActorDiedError")
     assert (error.status, error.code, error.type) == (503, "replica_lost", "server_error")
     assert error.headers == {"Retry-After": "1"}
 
-    def parse(event: bytes) -> tuple[str | None, dict]:
-        lines = event.decode().strip().split("\n")
-        name = lines[0].removeprefix("event: ") if lines[0].startswith("event: ") else None
-        return name, json.loads(lines[-1].removeprefix("data: "))
-
-    name, body = parse(stream_error_event("/v1/chat/completions", error, "req_1", 3))
+    [(name, body)] = _events(CutStream("/v1/chat/completions", "req_1").end(error))
     assert name is None and body["error"]["code"] == "replica_lost"
     assert body["error"]["type"] == "server_error"
-    name, body = parse(stream_error_event("/v1/messages", error, "req_1", 3))
+    [(name, body)] = _events(CutStream("/completion", "req_1").end(error))
+    assert name is None and body["error"]["code"] == "replica_lost"
+    [(name, body)] = _events(CutStream("/v1/messages", "req_1").end(error))
     assert name == "error" and body["type"] == "error" and body["request_id"] == "req_1"
     assert body["error"] == {"type": "overloaded_error", "message": error.message, "code": "replica_lost"}
-    name, body = parse(stream_error_event("/v1/responses", error, "req_1", 7))
-    assert name == "error" and body["sequence_number"] == 7 and body["code"] == "replica_lost"
-    name, body = parse(stream_error_event("/completion", error, "req_1", 0))
-    assert name is None and body["error"]["code"] == "replica_lost"
+
+
+def test_a_lost_replica_fails_a_responses_stream_with_what_it_had_streamed() -> None:
+    created = {"id": "resp_1", "object": "response", "status": "in_progress", "output": [], "error": None}
+    item = {"type": "message", "id": "msg_1", "status": "completed", "content": []}
+    stream = CutStream("/v1/responses", "req_1")
+    for event in (
+        {"type": "response.created", "sequence_number": 0, "response": created},
+        {"type": "response.output_item.added", "sequence_number": 1, "output_index": 0, "item": item},
+        {"type": "response.output_item.done", "sequence_number": 2, "output_index": 0, "item": item},
+    ):
+        stream.saw(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
+    (first, error_event), (last, failed) = _events(stream.end(replica_lost("ActorDiedError")))
+    assert first == "error" and error_event["sequence_number"] == 3 and error_event["code"] == "replica_lost"
+    assert last == "response.failed" and failed["sequence_number"] == 4
+    assert failed["response"]["id"] == "resp_1" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["code"] == "replica_lost"
+    assert failed["response"]["output"] == [item]
 
 
 def test_metrics_of_every_replica_in_one_exposition_labelled_by_replica() -> None:

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from bubo.server.errors import ANTHROPIC_PATHS, ApiError, error_body
 from bubo.server.ids import new_id
 from bubo.server.replicas.forwarding import Forwarded, Head, routing_text
-from bubo.server.replicas.lost import replica_lost, stream_error_event
+from bubo.server.replicas.lost import CutStream, replica_lost
 from bubo.server.replicas.merged_metrics import merge_metrics
 from bubo.server.replicas.replica import REPLICA_HEADER, end_to_end
 
@@ -91,13 +91,13 @@ class BuboIngress:
     async def _events(
         self, answer: DeploymentResponseGenerator, path: str, request_id: str
     ) -> AsyncIterator[bytes]:
-        sent = 0
+        stream = CutStream(path, request_id)
         try:
             async for event in answer:
                 yield event
-                sent += 1
+                stream.saw(event)
         except RayError as error:
-            yield stream_error_event(path, replica_lost(type(error).__name__), request_id, sent)
+            yield stream.end(replica_lost(type(error).__name__))
         finally:
             # The client left (or the stream ended): the replica's call ends with it, and the replica's
             # server sees its client go and stops generating.
