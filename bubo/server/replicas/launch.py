@@ -11,6 +11,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from bubo.options import RuntimeOptions
+from bubo.server.app import exposure_warning
 from bubo.server.replicas.ingress import REPLICA_DEPLOYMENT, BuboIngress
 from bubo.server.replicas.replica import BuboReplica
 from bubo.server.replicas.router import PrefixAffinityRouter
@@ -60,6 +61,9 @@ def serve_replicas(settings: ServerSettings, options: RuntimeOptions, replicas: 
         announce(f"starting {replicas} replicas of {settings.model_path.name}")
         serve.run(replicas_app(settings, options, replicas), name=APP_NAME, route_prefix="/")
         announce(f"ready: listening on http://{settings.host}:{settings.port} with {replicas} replicas")
+        warning = exposure_warning(settings)
+        if warning:
+            announce(warning.replace("bubo: WARNING: ", "").replace("\n", " "), "warning", text=warning)
         stop.wait()
         announce("stopping: the replicas finish what they serve, then Ray Serve lets them go")
         serve.delete(APP_NAME)
