@@ -4,7 +4,7 @@ Everything a single server does (dialects, API keys, limits, prompt cache, /metr
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -40,9 +40,9 @@ HOP_HEADERS = frozenset(
 )
 
 
-def end_to_end(headers: object) -> tuple[tuple[str, str], ...]:
+def end_to_end(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """The headers of a request or answer less the hop-by-hop ones."""
-    return tuple((name, value) for name, value in headers.items() if name.lower() not in HOP_HEADERS)  # type: ignore[attr-defined]
+    return tuple((name, value) for name, value in headers.items() if name.lower() not in HOP_HEADERS)
 
 
 class BuboReplica:
