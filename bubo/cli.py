@@ -2,12 +2,13 @@
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +26,9 @@ from bubo.gguf.config import (
 from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.options import RuntimeOptions, use_options
 from bubo.process_memory import configure_cpu_process
+
+if TYPE_CHECKING:
+    from bubo.server.state import ServerSettings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -185,6 +189,14 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=1024,
         help="also snapshot every N prompt tokens (default 1024; 0 = at turn ends only)",
+    )
+    srv.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve N replicas of the model behind Ray Serve on --host:--port, joining the running Ray "
+        "cluster or starting a local one (needs `pip install 'bubo[serve]'`; see the README)",
     )
     _add_speculation_args(srv)
     srv.add_argument(
@@ -441,13 +453,43 @@ def _print_stats(result: Any, load_seconds: float) -> None:
 def _serve(args: argparse.Namespace) -> int:
     _prepare_process(args)
 
-    from bubo.engine.prompt_cache import SnapshotPolicy
-    from bubo.engine.sampler import SamplingParams
-    from bubo.server.app import is_loopback, serve
+    from bubo.server.app import serve
     from bubo.server.request_log import configure_logging
-    from bubo.server.settings import ServerSettings
     from bubo.server.state import ServerState
 
+    settings = _server_settings(args)
+    state = ServerState(settings)
+    state.preflight()
+    configure_logging(args.log_level, args.log_format)
+    if args.replicas is not None:
+        try:
+            from bubo.server.replicas.launch import serve_replicas
+        except ModuleNotFoundError as error:
+            if (error.name or "").split(".")[0] not in ("ray", "starlette"):
+                raise
+            raise ValueError(f"--replicas needs Ray Serve: pip install 'bubo[serve]' ({error})") from error
+        return serve_replicas(settings, _runtime_options(args), args.replicas)
+    return serve(state)
+
+
+def replicas_app(args: dict[str, str]) -> Any:
+    """The application builder for a Ray Serve config file (`import_path: bubo.cli:replicas_app`): its
+    `args` entry `serve` holds `bubo serve`'s flags, --replicas N among them (default 1)."""
+    from bubo.server.replicas.launch import replicas_app as build
+
+    parsed = _parser().parse_args(["serve", *shlex.split(args.get("serve", ""))])
+    return build(_server_settings(parsed), _runtime_options(parsed), parsed.replicas or 1)
+
+
+def _server_settings(args: argparse.Namespace) -> "ServerSettings":
+    """`bubo serve`'s flags, checked, as the server's settings."""
+    from bubo.engine.prompt_cache import SnapshotPolicy
+    from bubo.engine.sampler import SamplingParams
+    from bubo.server.app import is_loopback
+    from bubo.server.settings import ServerSettings
+
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.debug_hooks and not is_loopback(args.host):
         raise ValueError(
             f"--debug-hooks needs a loopback --host (127.0.0.1, ::1, localhost), not {args.host}"
@@ -491,7 +533,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_tokens=None if args.n_predict == -1 else args.n_predict,
     )
     defaults.validate()
-    settings = ServerSettings(
+    return ServerSettings(
         model_path=_resolve_model(args),
         host=args.host,
         port=args.port,
@@ -527,10 +569,6 @@ def _serve(args: argparse.Namespace) -> int:
         mmproj=args.mmproj,
         allow_image_urls=args.allow_image_urls,
     )
-    state = ServerState(settings)
-    state.preflight()
-    configure_logging(args.log_level, args.log_format)
-    return serve(state)
 
 
 def _cache_dtypes(args: argparse.Namespace) -> tuple[torch.dtype, torch.dtype]:

@@ -18,7 +18,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from bubo.engine.request_error import RequestError
 from bubo.server import anthropic, debug, health, llama, metrics, openai, responses, tokenize
 from bubo.server.connections import ConnectionLimits, ServerRunner, connection_cap, raise_open_files_limit
-from bubo.server.errors import ApiError, error_response, request_refused
+from bubo.server.errors import ANTHROPIC_PATHS, ApiError, error_response, request_refused
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.request_context import CURRENT_API_KEY, CURRENT_REQUEST_ID, new_id
 from bubo.server.request_log import announce, request_log_middleware
@@ -32,7 +32,6 @@ log = logging.getLogger("bubo.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 # Routes of llama-server / OpenAI that a text model does not serve: they exist, and say so.
 # llama-server serves the OpenAI paths without /v1 too.
 NOT_IMPLEMENTED = (

@@ -13,7 +13,10 @@ from aiohttp import web
 
 from bubo.engine.request_error import RequestError
 
-__all__ = ["ApiError", "bad_field", "error_body", "error_response", "request_refused"]
+__all__ = ["ANTHROPIC_PATHS", "ApiError", "bad_field", "error_body", "error_response", "request_refused"]
+
+# The routes whose errors take the Anthropic shape.
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
 # The status codes Anthropic's API documents, with the `error.type` it sends for each.
 _ANTHROPIC_TYPES = {

@@ -37,6 +37,12 @@ def test_a_file_that_is_not_gguf_is_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and lines[0].startswith("bubo: error:") and "Traceback" not in result.stderr
 
 
+def test_replicas_must_be_at_least_one(tiny_llama_path: Path) -> None:
+    result = _run("--model", str(tiny_llama_path), "--replicas", "0")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == ["bubo: error: --replicas must be at least 1, got 0"]
+
+
 def test_debug_hooks_refuse_a_non_loopback_host(tiny_llama_path: Path) -> None:
     result = _run("--model", str(tiny_llama_path), "--debug-hooks", "--host", "0.0.0.0")
     assert result.returncode == 1
