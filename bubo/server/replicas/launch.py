@@ -16,7 +16,7 @@ from bubo.server.replicas.ingress import REPLICA_DEPLOYMENT, BuboIngress
 from bubo.server.replicas.replica import BuboReplica
 from bubo.server.replicas.router import PrefixAffinityRouter
 from bubo.server.request_log import announce
-from bubo.server.state import ServerSettings
+from bubo.server.settings import ServerSettings
 
 __all__ = ["APP_NAME", "replicas_app", "serve_replicas"]
 
