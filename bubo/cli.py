@@ -28,7 +28,7 @@ from bubo.options import RuntimeOptions, use_options
 from bubo.process_memory import configure_cpu_process
 
 if TYPE_CHECKING:
-    from bubo.server.state import ServerSettings
+    from bubo.server.settings import ServerSettings
 
 
 def main(argv: Sequence[str] | None = None) -> int:

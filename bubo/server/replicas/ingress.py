@@ -16,11 +16,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from bubo.server.errors import ANTHROPIC_PATHS, ApiError, error_body
-from bubo.server.ids import new_id
 from bubo.server.replicas.forwarding import Forwarded, Head, routing_text
 from bubo.server.replicas.lost import CutStream, replica_lost
 from bubo.server.replicas.merged_metrics import merge_metrics
 from bubo.server.replicas.replica import REPLICA_HEADER, end_to_end
+from bubo.server.request_context import new_id
 
 __all__ = ["METRICS_PATHS", "REPLICA_DEPLOYMENT", "BuboIngress", "replica_ids"]
 

@@ -14,7 +14,8 @@ from bubo.options import RuntimeOptions, use_options
 from bubo.process_memory import configure_cpu_process
 from bubo.server.app import create_runner
 from bubo.server.replicas.forwarding import Forwarded, Head
-from bubo.server.settings import ServerSettings, ServerState
+from bubo.server.settings import ServerSettings
+from bubo.server.state import ServerState
 
 __all__ = ["REPLICA_HEADER", "BuboReplica"]
 
