@@ -11,17 +11,18 @@ fuses the glue into the matvecs' loops (bubo/kernels/compiled.py: a matvec calle
 traces into it). Since the weights are inputs, not constants, every layer alike in structure and shapes
 runs the same compiled graph: a model whose layers are alike compiles one graph per kind of step.
 
-What can't be a fixed graph stays out of it as two opaque ops the layer code calls inside a compiled step
+What can't be a fixed graph stays out of it as opaque ops the layer code calls inside a compiled step
 (bubo/model/step_ops.py): the cache write with the attention over the whole cache (whose length grows every
 step), run here (`_StepOps.attend`) as views of the pool and one attention kernel compiled for every length
-(bubo/kernels/decode_attention.py); and a token's routed experts (`_StepOps.routed_experts`), the
-mixture-of-experts module's own expert loop, which reads only the chosen experts. A Gated DeltaNet layer's
-recurrent and convolution states are inputs the graph updates in place.
+(bubo/kernels/decode_attention.py); a token's routed experts (`_StepOps.routed_experts`), the
+mixture-of-experts module's own expert loop, which reads only the chosen experts; and qwen4exp's QSA token
+mixer (`_StepOps.mix`), run eagerly, whose indexer state grows by whole blocks. A Gated DeltaNet layer's
+recurrent and convolution states and qwen4exp's PLE history are inputs the graph updates in place.
 
-The eager forward stays the reference; tests/engine/test_compiled_decode.py holds this step to it, on every
-architecture it covers. Not covered (the runner, bubo/engine/runner.py, then runs the eager step and says
-why): qwen4exp (its QSA indexer and n-gram states are not yet ops of the step), compute in a dtype other
-than float32 or off the CPU, and a step inside which the prompt cache wants recurrent-state snapshots.
+The eager forward stays the reference; tests/engine/test_compiled_decode.py holds this step to it on
+every architecture. Not covered (the runner, bubo/engine/runner.py, then runs the eager step and says
+why): compute in a dtype other than float32 or off the CPU, a batch of qwen4exp's sequences (its indexer
+and PLE states are per call), and a step inside which the prompt cache wants recurrent-state snapshots.
 """
 
 import dataclasses
@@ -36,9 +37,15 @@ from torch import nn
 from bubo.kernels.compiled import StaticKernel
 from bubo.kernels.decode_attention import decode_attention_kernel
 from bubo.model.attention import Attention
-from bubo.model.decoder import Decoder, DecoderLayer, DeltaNetMixer
+from bubo.model.decoder import (
+    Decoder,
+    DecoderLayer,
+    DeltaNetMixer,
+    HyperConnectedLayer,
+    IndexedAttentionMixer,
+)
 from bubo.model.moe import SparseMoE
-from bubo.model.state import CacheBatch, DeltaNetState, KVCache
+from bubo.model.state import CacheBatch, DeltaNetState, KVCache, PLEState
 from bubo.model.step_ops import layer_in_compiled_step, step_ops
 
 __all__ = ["CompiledDecodeStep", "CompiledState", "UnsupportedModelError"]
@@ -122,15 +129,17 @@ def _set(place: Place, tensor: torch.Tensor) -> None:
 
 class _TracedCache:
     """What a layer's forward sees as one sequence's cache while traced: an empty sequence (no masks, no
-    snapshots) whose recurrent state, whichever index the layer asks for, is the graph's state inputs."""
+    snapshots) whose recurrent state, whichever index the layer asks for, and PLE state are the graph's
+    state inputs."""
 
     length = 0
     rope_delta = 0
     batch = 1
     snapshot_at: tuple[int, ...] = ()
 
-    def __init__(self, recurrent: DeltaNetState | None) -> None:
+    def __init__(self, recurrent: DeltaNetState | None, ple: PLEState | None) -> None:
         self._recurrent = recurrent
+        self.ple = ple
 
     @property
     def recurrent(self) -> "_TracedCache":
@@ -141,27 +150,41 @@ class _TracedCache:
         return self._recurrent
 
 
+def _has_state(layer: nn.Module) -> tuple[bool, bool]:
+    """Whether a layer carries per-sequence state into its graph: a DeltaNet's, a PLE layer's."""
+    return isinstance(layer.attention, DeltaNetMixer), getattr(layer, "ple", None) is not None
+
+
 def _state_tensors(layer: nn.Module, cache: KVCache | CacheBatch) -> tuple[torch.Tensor, ...]:
-    """The per-sequence state a layer's graph takes as inputs (and updates): a DeltaNet layer's, of each
-    row's sequence in turn."""
-    mixer = layer.attention
-    if not isinstance(mixer, DeltaNetMixer):
-        return ()
-    caches = cache.caches if isinstance(cache, CacheBatch) else [cache]
-    states = [c.recurrent[mixer.state_index] for c in caches]
-    return tuple(t for state in states for t in (state.conv_state, state.recurrent_state))
+    """The per-sequence state a layer's graph takes as inputs (and updates), of each row's sequence in
+    turn: a DeltaNet layer's convolution and recurrent states, a PLE layer's token and conv history."""
+    deltanet, ple = _has_state(layer)
+    out: list[torch.Tensor] = []
+    for c in cache.caches if isinstance(cache, CacheBatch) else [cache]:
+        if deltanet:
+            state = c.recurrent[layer.attention.state_index]
+            out += [state.conv_state, state.recurrent_state]
+        if ple:
+            assert c.ple is not None  # Decoder.new_cache makes one when a layer has PLE
+            out += [c.ple.tokens, c.ple.conv_state]
+    return tuple(out)
 
 
-def _traced_cache(rows: int, state: Sequence[torch.Tensor]) -> "_TracedCache | CacheBatch":
+def _traced_cache(layer: nn.Module, rows: int, state: Sequence[torch.Tensor]) -> "_TracedCache | CacheBatch":
     """The cache a layer's trace sees: one sequence's, or for a batch's rows each row's own (a DeltaNet
     layer then runs its own batching of the rows' states, `DeltaNetMixer._forward_rows`)."""
-    states = [DeltaNetState(*state[i : i + 2]) for i in range(0, len(state), 2)] or [None] * rows
-    if rows == 1:
-        return _TracedCache(states[0])
-    return CacheBatch([_TracedCache(s) for s in states])  # type: ignore[misc]
+    deltanet, ple = _has_state(layer)
+    per_row = 2 * deltanet + 2 * ple
+    caches = []
+    for row in range(rows):
+        mine = list(state[row * per_row : (row + 1) * per_row])
+        recurrent = DeltaNetState(mine.pop(0), mine.pop(0)) if deltanet else None
+        history = PLEState(mine.pop(0), mine.pop(0), layer.ple.embedding.eos_token_id) if ple else None
+        caches.append(_TracedCache(recurrent, history))
+    return caches[0] if rows == 1 else CacheBatch(caches)  # type: ignore[arg-type]
 
 
-def _layer_graph(layer: nn.Module, tensors: LayerTensors, states: int) -> StaticKernel:
+def _layer_graph(layer: nn.Module, tensors: LayerTensors) -> StaticKernel:
     """`layer`'s forward as a kernel of (x, cos, sin, tokens, *state tensors, *layer tensors): compiled
     once per layout of those, for any layer with the same `signature`. A batch's rows (x [B, 1, hidden],
     B > 1) are distinct sequences, with `states` state tensors each."""
@@ -169,9 +192,9 @@ def _layer_graph(layer: nn.Module, tensors: LayerTensors, states: int) -> Static
     def layer_step(
         x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *rest: torch.Tensor
     ) -> torch.Tensor:
-        rows = x.shape[0]
+        rows, states = x.shape[0], 2 * sum(_has_state(layer))
         tokens, state, weights = rest[0], rest[1 : 1 + states * rows], rest[1 + states * rows :]
-        cache = _traced_cache(rows, state)
+        cache = _traced_cache(layer, rows, state)
         with tensors.swapped(weights), layer_in_compiled_step():
             return layer(x, cos, sin, cache, tokens)
 
@@ -183,10 +206,11 @@ def _why_not(model: Decoder) -> str | None:
     """Why the compiled step can't run `model`, or None."""
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return f"compute on {model.device} in {model.dtype}; compiled: CPU float32"
-    if model.config.hc_count or model.config.indexer or model.config.ple:
-        return "qwen4exp's QSA indexer and n-gram states are not yet ops of the compiled step"
+    mixers = Attention | DeltaNetMixer | IndexedAttentionMixer
     for layer in model.layers:
-        if not isinstance(layer, DecoderLayer) or not isinstance(layer.attention, Attention | DeltaNetMixer):
+        if not isinstance(layer, DecoderLayer | HyperConnectedLayer) or not isinstance(
+            layer.attention, mixers
+        ):
             return f"a {type(layer).__name__} with a {type(layer.attention).__name__}"
     return None
 
@@ -212,10 +236,9 @@ class CompiledDecodeStep:
         graphs: dict[tuple, StaticKernel] = {}
         self._graphs = []
         for layer, tensors in zip(self.layers, self._tensors, strict=True):
-            states = 2 if isinstance(layer.attention, DeltaNetMixer) else 0
-            key = (tensors.signature, states)
+            key = (tensors.signature, _has_state(layer))
             if key not in graphs:
-                graphs[key] = _layer_graph(layer, tensors, states)
+                graphs[key] = _layer_graph(layer, tensors)
             self._graphs.append(graphs[key])
         # The compiled kernel of each layer for each input layout, looked up once: the lookup keys every
         # input's shape and stride, and every step of the same kind passes the same layouts.
@@ -352,6 +375,10 @@ class _StepOps:
             keys, values = _store(cache, slot, run, k[row], v[row])
             outputs.append(self.step.attention(slot, q[row : row + 1], keys, values))
         return torch.cat(outputs)
+
+    def mix(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        assert self.layer is not None and len(self.sequences) == 1  # qwen4exp runs no cache batch
+        return self.layer.attention(x, cos, sin, self.sequences[0][0])
 
     def routed_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         assert self.layer is not None

@@ -220,7 +220,7 @@ class Runner:
         eager batched pass over a CacheBatch."""
         if not caches or len(caches) > MATVEC_ROWS or not all(_one_sequence(c) for c in caches):
             return None
-        return self._compiled()
+        return self._compiled() if self.model.supports_cache_batch else None
 
     # Reporting
 

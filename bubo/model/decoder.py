@@ -35,6 +35,7 @@ from bubo.model.multimodal_inputs import MultimodalInputs
 from bubo.model.ngram_embedding import NGramEmbedding, NGramHash, PLELayer
 from bubo.model.quantized_linear import QuantizedLinear, group_rows
 from bubo.model.state import CacheBatch, DeltaNetState, KVCache
+from bubo.model.step_ops import in_compiled_step
 
 __all__ = [
     "Decoder",
@@ -134,6 +135,10 @@ class IndexedAttentionMixer(nn.Module):
         self.state_index = state_index
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if in_compiled_step():
+            # The indexer's state and selection change shape from step to step: in a compiled step this
+            # mixer runs eagerly, as one opaque op (bubo/model/step_ops.py).
+            return torch.ops.bubo.token_mixer(x, cos, sin)
         return self.attention(x, cos, sin, cache, cache.indexers[self.state_index])
 
 

@@ -1,11 +1,13 @@
-"""The two points of a layer that a compiled decode step leaves out of its traced graph, as custom ops.
+"""The points of a layer that a compiled decode step leaves out of its traced graph, as custom ops.
 
 The compiled step (bubo/engine/compiled_decode.py) traces each layer's own forward into a graph. Two
 things in a layer can't be a fixed graph: writing the new keys and values into the cache and attending
 over every cached position (the cache grows by a position each step), and running a token's routed
-experts (which ones is known only once the router has run, and only those are read). While a layer runs
-inside such a step (`in_compiled_step`), Attention and SparseMoE call the ops below at those two points
-instead of their eager code; a trace records each op as one opaque call (its fake implementation gives
+experts (which ones is known only once the router has run, and only those are read). A third is QSA's
+indexed attention (qwen4exp), whose indexer state grows by whole compressed blocks and whose selection
+depends on the scores: that whole token mixer runs eagerly, as one op. While a layer runs inside such a
+step (`in_compiled_step`), Attention, SparseMoE and IndexedAttentionMixer call the ops below at those
+points instead of their eager code; a trace records each op as one opaque call (its fake implementation gives
 the output's shape), and when the compiled graph runs, the op hands the work to the `StepOps` that the
 engine installed for the step (`step_ops`), which knows the step's caches and the layer being run, as
 nano-vllm's attention reads its per-step context.
@@ -32,6 +34,10 @@ class StepOps(Protocol):
     def routed_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The running layer's routed experts for rows x [rows, hidden], with the router's top-k `weights`
         and `chosen` experts [rows, top_k]: the weighted sum [rows, hidden]."""
+        ...
+
+    def mix(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The running layer's token mixer on x [B, T, hidden], run eagerly on the step's cache."""
         ...
 
 
@@ -78,6 +84,7 @@ def _ops() -> StepOps:
 _library = torch.library.Library("bubo", "DEF")
 _library.define("cached_attention(Tensor q, Tensor k, Tensor v) -> Tensor")
 _library.define("routed_experts(Tensor x, Tensor weights, Tensor chosen) -> Tensor")
+_library.define("token_mixer(Tensor x, Tensor cos, Tensor sin) -> Tensor")
 
 
 def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -88,13 +95,35 @@ def _routed_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
     return _ops().routed_experts(x, weights, chosen)
 
 
+def _token_mixer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # The mixer's own forward runs inside: its layer code must take its eager paths there.
+    with _outside_step():
+        return _ops().mix(x, cos, sin)
+
+
+@contextmanager
+def _outside_step() -> Iterator[None]:
+    previous = getattr(_local, "layer", False)
+    _local.layer = False
+    try:
+        yield
+    finally:
+        _local.layer = previous
+
+
 _library.impl("cached_attention", _cached_attention, "CompositeExplicitAutograd")
+_library.impl("token_mixer", _token_mixer, "CompositeExplicitAutograd")
 _library.impl("routed_experts", _routed_experts, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("bubo::cached_attention")
 def _cached_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("bubo::token_mixer")
+def _token_mixer_shape(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("bubo::routed_experts")

@@ -30,6 +30,7 @@ from bubo.model.loader import load_decoder
 from bubo.model.state import KVCache
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.fixtures.hybrid_models import tiny_hybrid
+from tests.fixtures.qwen4exp_gguf import write_qwen4exp_gguf
 from tests.model.test_decoder import CASES
 
 # Float32 rounding: the compiled graphs fuse and reorder the same float32 operations.
@@ -62,13 +63,18 @@ def _model(name: str, path: Path, quantize: dict | None = None) -> Decoder:
 
 @torch.inference_mode()
 def _compare(
-    model: Decoder, step: CompiledDecodeStep, cache: KVCache | None = None, rtol: float = 0.0
+    model: Decoder,
+    step: CompiledDecodeStep,
+    cache: KVCache | None = None,
+    rtol: float = 0.0,
+    prompt: torch.Tensor | None = None,
 ) -> None:
     """Prefill the same prompt into two caches, then decode greedily: eagerly in one, compiled in the other,
     the logits within LOGIT_TOLERANCE plus `rtol` of the largest."""
-    prompt = torch.tensor([[3, 17, 42, 7, 99]])
-    eager_cache = model.new_cache(max_len=32)
-    compiled_cache = cache if cache is not None else model.new_cache(max_len=32)
+    prompt = torch.tensor([[3, 17, 42, 7, 99]]) if prompt is None else prompt
+    max_len = prompt.shape[1] + STEPS
+    eager_cache = model.new_cache(max_len=max_len)
+    compiled_cache = cache if cache is not None else model.new_cache(max_len=max_len)
     eager = model(prompt, eager_cache, last_only=True)[0, -1]
     compiled = model(prompt, compiled_cache, last_only=True)[0, -1]
     for _ in range(STEPS):
@@ -419,3 +425,16 @@ def test_experts_not_repacked_match_the_eager_step(tmp_path: Path) -> None:
     loop over blocks dequantized per call."""
     model = _moe_model(tmp_path / "moe.gguf")
     _compare(model, CompiledDecodeStep(model))
+
+
+def test_qwen4exp_matches_the_eager_step(tmp_path: Path) -> None:
+    """qwen4exp: hyper-connected layers, DeltaNet and QSA mixers (the latter run eagerly inside the graph),
+    the PLE layer's history updated by its graph, routed experts; the QSA budget is passed during the
+    steps, so the indexer selects."""
+    from tests.model.test_qwen4exp import _load, _reference
+
+    model = _load(write_qwen4exp_gguf(_reference(), tmp_path / "qwen4exp.gguf"))
+    step = CompiledDecodeStep(model)
+    # Past 8 blocks of 4 (the tiny config's budget): the indexer selects blocks at every step.
+    _compare(model, step, prompt=torch.arange(3, 43)[None])
+    assert runner_for(model).batch_steps([model.new_cache(max_len=8), model.new_cache(max_len=8)]) is None
