@@ -188,6 +188,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_speculation_args(srv)
     srv.add_argument(
+        "--tensor-parallel",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N processes (gloo on the CPU, NCCL on CUDA: one GPU each), started here "
+        "or by torchrun; rank 0 serves (default 1). One slot, no speculative decoding, no images",
+    )
+    srv.add_argument(
         "--mmproj",
         type=Path,
         default=None,
@@ -480,6 +489,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--spec-ngram-simple-size-n must be >= 1, got {args.spec_ngram_simple_size_n}")
     if args.n_predict == 0 or args.n_predict < -1:
         raise ValueError(f"--n-predict must be -1 or a positive integer, got {args.n_predict}")
+    _check_tensor_parallel(args)
     defaults = SamplingParams(
         temperature=args.temp,
         top_k=args.top_k,
@@ -529,7 +539,41 @@ def _serve(args: argparse.Namespace) -> int:
     state = ServerState(settings)
     state.preflight()
     configure_logging(args.log_level, args.log_format)
-    return serve(state)
+    if args.tensor_parallel == 1:
+        return serve(state)
+    from bubo.server.tensor_parallel import start_ranks, stop_ranks
+
+    rank_settings = start_ranks(settings, args.tensor_parallel)
+    if rank_settings is None:  # a follower rank under torchrun, sent home by rank 0
+        return 0
+    state = ServerState(rank_settings)
+    state.preflight()
+    try:
+        return serve(state)
+    finally:
+        stop_ranks(state)
+
+
+def _check_tensor_parallel(args: argparse.Namespace) -> None:
+    """What a split model does not run yet: batched slots and speculative decoding read hidden states
+    outside the forward passes rank 0 broadcasts, and images go through no split tower."""
+    if args.tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel must be at least 1, got {args.tensor_parallel}")
+    if args.tensor_parallel == 1:
+        return
+    refused = [
+        flag
+        for flag, used in (
+            ("--parallel", args.parallel > 1),
+            ("--spec-type", args.spec_type is not None),
+            ("--spec-draft", bool(args.spec_draft)),
+            ("--mtp-weights", args.mtp_weights is not None),
+            ("--mmproj", args.mmproj is not None),
+        )
+        if used
+    ]
+    if refused:
+        raise ValueError(f"--tensor-parallel does not run with {', '.join(refused)} yet")
 
 
 def _cache_dtypes(args: argparse.Namespace) -> tuple[torch.dtype, torch.dtype]:

@@ -20,18 +20,24 @@ and image inputs do not run sharded.
 """
 
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from bubo.gguf.config import config_from_gguf
+from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
+from bubo.model.load_progress import LoadProgress
+from bubo.model.loader import load_decoder
 from bubo.model.state import CacheBatch, CacheSnapshot, KVCache
-from bubo.model.tensor_parallel import TensorParallel
+from bubo.model.tensor_parallel import TensorParallel, shard_decoder
 
-__all__ = ["StepLeader", "StepOutOfSyncError", "follow"]
+__all__ = ["StepLeader", "StepOutOfSyncError", "follow", "follow_file", "load_shard"]
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +108,10 @@ def _all_ready(ready: bool, tp: TensorParallel, device: torch.device) -> bool:
 
 
 class StepLeader:
-    """Rank 0's side: broadcasts each forward pass of `model` to the followers before it runs."""
+    """Rank 0's side: broadcasts each forward pass of `model` to the followers before it runs.
+
+    A forward pass holds a lock from its broadcast to its last all-reduce, so that `stop`, from another
+    thread (the server's, at shutdown), never slips its own broadcast between a step's collectives."""
 
     def __init__(self, model: Decoder, tp: TensorParallel) -> None:
         self.model = model
@@ -110,7 +119,12 @@ class StepLeader:
         self._ids: weakref.WeakKeyDictionary[KVCache, int] = weakref.WeakKeyDictionary()
         self._freed: list[int] = []  # appended to by finalizers, on whichever thread frees a cache
         self._last_id = 0
-        self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._hooks = (
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward, always_call=True),
+        )
 
     def _id(self, cache: KVCache) -> int:
         id_ = self._ids.get(cache)
@@ -122,6 +136,16 @@ class StepLeader:
         return id_
 
     def _before_forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # Released by _after_forward, which torch calls also when the step (or this hook) raises.
+        self._lock.acquire()
+        self._lead(args, kwargs)
+
+    def _after_forward(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
+        self._lock.release()
+
+    def _lead(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._stopped:
+            raise RuntimeError("the tensor-parallel ranks were stopped")
         bound = dict(zip(("tokens", "cache", "last_only", "multimodal"), args, strict=False)) | kwargs
         if bound.get("multimodal") is not None:
             raise ValueError("image inputs don't run tensor parallel")
@@ -145,9 +169,12 @@ class StepLeader:
             )
 
     def stop(self) -> None:
-        """Send the followers home (`follow` returns) and stop mirroring."""
-        self._hook.remove()
-        _broadcast([_STOP, 0], 2, self.tp, self.model.device)
+        """Send the followers home (`follow` returns), once the step in flight if any has ended; forward
+        passes after it fail."""
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                _broadcast([_STOP, 0], 2, self.tp, self.model.device)
 
 
 class _Mirror:
@@ -216,3 +243,32 @@ def follow(model: Decoder, tp: TensorParallel) -> None:
             log.warning("tensor parallel: rank %d's step failed as rank 0's does: %s", tp.rank, error)
         for mirror in used:
             mirror.keep_snapshots()
+
+
+def follow_file(
+    path: str | Path,
+    tp: TensorParallel,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    cache_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
+) -> None:
+    """A follower rank from start to end: load the GGUF file at `path`, keep this rank's shard (on
+    `device`) and `follow` rank 0, which loads the same file with the same settings (`load_model`)."""
+    with GGUFFile(path) as file:
+        model = load_shard(file, tp, dtype, device)
+        if cache_dtypes is not None:
+            model.cache_dtypes = cache_dtypes
+        follow(model, tp)
+
+
+def load_shard(
+    file: GGUFFile,
+    tp: TensorParallel,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    progress: bool | LoadProgress = False,
+) -> Decoder:
+    """This rank's shard of the model in `file`: loaded whole on the CPU, where the file's blocks are a
+    memory map that costs nothing until read, then split (bubo/model/tensor_parallel.py) onto `device`."""
+    model = load_decoder(file, config_from_gguf(file), dtype=dtype, device="cpu", progress=progress)
+    return shard_decoder(model, tp, device)

@@ -40,6 +40,7 @@ from bubo.gguf.reader import GGUFFile
 from bubo.model.block_pool import BlockPool, KVPoolExhaustedError
 from bubo.model.load_progress import LoadProgress
 from bubo.model.mtp_weights import check_mtp_file, load_mtp_weights
+from bubo.model.tensor_parallel import TensorParallel
 from bubo.server.chat import ChatRequest, without_image_sources
 from bubo.server.errors import ApiError, bad_field
 from bubo.server.image_fetch import Lookup, system_lookup
@@ -161,6 +162,8 @@ class ServerSettings:
     mmproj: Path | None = None
     allow_image_urls: bool = False
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    # Rank 0's place in the group the model is split over (bubo/server/tensor_parallel.py); None: whole.
+    tensor_parallel: TensorParallel | None = None
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,7 @@ class ServerState:
                 device=self.settings.device,
                 cache_dtypes=self.settings.cache_dtypes,
                 progress=LoadProgress(bar=sys.stderr.isatty()),
+                tensor_parallel=self.settings.tensor_parallel,
             )
             if self.settings.mtp_weights is not None:
                 load_mtp_weights(loaded.model, self.settings.mtp_weights)

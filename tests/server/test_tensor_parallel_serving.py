@@ -1,0 +1,64 @@
+"""`bubo serve --tensor-parallel 2` as a user starts it: rank 0 serves and spawns rank 1 (gloo, on this
+machine), and a conversation gets the same greedy replies and cached-token counts as from the whole
+model served in one process; SIGTERM stops both ranks."""
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bubo.engine.loaded_model import load_model
+from tests.server.live_server import free_port, serve_loaded, wait_ready
+
+BUBO = [sys.executable, "-m", "bubo"]
+SYSTEM = {"role": "system", "content": "You answer in one short sentence, always politely and with care."}
+
+
+def _conversation(url: str) -> list[tuple[str, int, int]]:
+    """A chat of two turns (the second reusing the first's cache), then another chat (the cache cut back
+    to the shared system prompt): each reply's text, prompt tokens and cached tokens."""
+    out = []
+    first = [SYSTEM, {"role": "user", "content": "hello there"}]
+    chats = [first, None, [SYSTEM, {"role": "user", "content": "something else"}]]
+    for messages in chats:
+        if messages is None:
+            messages = [
+                *first,
+                {"role": "assistant", "content": out[0][0]},
+                {"role": "user", "content": "and?"},
+            ]
+        body = {"model": "bubo", "messages": messages, "max_tokens": 8, "temperature": 0}
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+        usage = reply["usage"]
+        cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        out.append((reply["choices"][0]["message"]["content"], usage["prompt_tokens"], cached))
+    return out
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_two_ranks_serve_what_one_process_serves(tiny_llama_path: Path) -> None:
+    server = serve_loaded(load_model(tiny_llama_path))
+    try:
+        expected = _conversation(server.url)
+    finally:
+        server.stop()
+    assert expected[1][2] > 0 and expected[2][2] > 0  # the second turn and the other chat reuse the cache
+
+    port = free_port()
+    command = [*BUBO, "serve", "--model", str(tiny_llama_path), "--port", str(port), "--threads", "1"]
+    # A float32 KV cache, as the whole model's above (load_model's default).
+    command += ["--cache-type-k", "f32", "--cache-type-v", "f32", "--tensor-parallel", "2"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_ready(url, timeout=120)
+        assert _conversation(url) == expected
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        process.kill()
+        stderr = process.stderr.read() if process.stderr else ""
+    assert "tensor parallel" in stderr  # the plan says why the split model decodes eagerly
