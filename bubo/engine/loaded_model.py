@@ -73,7 +73,7 @@ def load_model(
         else:
             if tensor_parallel.rank != 0:
                 raise ValueError("only rank 0 loads a model to serve; the others follow it (follow_file)")
-            model = load_shard(file, tensor_parallel, dtype, device, progress)
+            model = load_shard(file, config, tensor_parallel, dtype, device, progress)
             leader = StepLeader(model, tensor_parallel)
         if cache_dtypes is not None:
             # Before the decode step is prepared: its warm-up compiles attention for these dtypes.

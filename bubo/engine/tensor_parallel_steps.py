@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bubo.gguf.config import config_from_gguf
+from bubo.gguf.config import ModelConfig, config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
 from bubo.model.load_progress import LoadProgress
@@ -255,7 +255,7 @@ def follow_file(
     """A follower rank from start to end: load the GGUF file at `path`, keep this rank's shard (on
     `device`) and `follow` rank 0, which loads the same file with the same settings (`load_model`)."""
     with GGUFFile(path) as file:
-        model = load_shard(file, tp, dtype, device)
+        model = load_shard(file, config_from_gguf(file), tp, dtype, device)
         if cache_dtypes is not None:
             model.cache_dtypes = cache_dtypes
         follow(model, tp)
@@ -263,12 +263,13 @@ def follow_file(
 
 def load_shard(
     file: GGUFFile,
+    config: ModelConfig,
     tp: TensorParallel,
     dtype: torch.dtype,
     device: torch.device | str,
     progress: bool | LoadProgress = False,
 ) -> Decoder:
-    """This rank's shard of the model in `file`: loaded whole on the CPU, where the file's blocks are a
+    """This rank's shard of the model `config` describes in `file`: loaded whole on the CPU, where the file's blocks are a
     memory map that costs nothing until read, then split (bubo/model/tensor_parallel.py) onto `device`."""
-    model = load_decoder(file, config_from_gguf(file), dtype=dtype, device="cpu", progress=progress)
+    model = load_decoder(file, config, dtype=dtype, device="cpu", progress=progress)
     return shard_decoder(model, tp, device)

@@ -1,6 +1,8 @@
 """`bubo serve --tensor-parallel 2` as a user starts it: rank 0 serves and spawns rank 1 (gloo, on this
 machine), and a conversation gets the same greedy replies and cached-token counts as from the whole
-model served in one process; SIGTERM stops both ranks."""
+model served in one process; SIGTERM stops both ranks. The model is a tiny Qwen3.5 (Gated DeltaNet and
+gated attention layers), so the prompt cache goes back to recurrent-state snapshots, which rank 1 must
+have taken at the same positions as rank 0."""
 
 import signal
 import subprocess
@@ -11,6 +13,8 @@ import httpx
 import pytest
 
 from bubo.engine.loaded_model import load_model
+from tests.fixtures.gguf_writer import randomize_, write_gguf
+from tests.fixtures.hybrid_models import tiny_hybrid
 from tests.server.live_server import free_port, serve_loaded, wait_ready
 
 BUBO = [sys.executable, "-m", "bubo"]
@@ -38,9 +42,16 @@ def _conversation(url: str) -> list[tuple[str, int, int]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def qwen35_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = tiny_hybrid("qwen35", ["linear_attention", "full_attention"] * 2, max_position_embeddings=512)
+    randomize_(model)
+    return write_gguf(model, tmp_path_factory.mktemp("tensor-parallel") / "Tiny-Qwen35.gguf")
+
+
 @pytest.mark.usefixtures("one_thread")
-def test_two_ranks_serve_what_one_process_serves(tiny_llama_path: Path) -> None:
-    server = serve_loaded(load_model(tiny_llama_path))
+def test_two_ranks_serve_what_one_process_serves(qwen35_path: Path) -> None:
+    server = serve_loaded(load_model(qwen35_path))
     try:
         expected = _conversation(server.url)
     finally:
@@ -48,7 +59,7 @@ def test_two_ranks_serve_what_one_process_serves(tiny_llama_path: Path) -> None:
     assert expected[1][2] > 0 and expected[2][2] > 0  # the second turn and the other chat reuse the cache
 
     port = free_port()
-    command = [*BUBO, "serve", "--model", str(tiny_llama_path), "--port", str(port), "--threads", "1"]
+    command = [*BUBO, "serve", "--model", str(qwen35_path), "--port", str(port), "--threads", "1"]
     # A float32 KV cache, as the whole model's above (load_model's default).
     command += ["--cache-type-k", "f32", "--cache-type-v", "f32", "--tensor-parallel", "2"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
