@@ -538,8 +538,8 @@ def _serve(args: argparse.Namespace) -> int:
     )
     state = ServerState(settings)
     state.preflight()
-    configure_logging(args.log_level, args.log_format)
     if args.tensor_parallel == 1:
+        configure_logging(args.log_level, args.log_format)
         return serve(state)
     from bubo.server.tensor_parallel import start_ranks, stop_ranks
 
@@ -548,6 +548,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     state = ServerState(rank_settings)
     state.preflight()
+    configure_logging(args.log_level, args.log_format)
     try:
         return serve(state)
     finally:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from bubo.gguf.config import ModelConfig
 from bubo.gguf.quants import block_size, type_size
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DeltaNetMixer
@@ -46,6 +47,7 @@ __all__ = [
     "TensorParallel",
     "VocabParallelEmbedding",
     "VocabParallelHead",
+    "check_split",
     "shard_decoder",
     "shard_of",
     "weight_bytes",
@@ -194,6 +196,16 @@ class ShardedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={self.first}..{self.first + self.count - 1}, top_k={self.top_k}"
+
+
+def check_split(config: ModelConfig, world: int) -> None:
+    """ValueError unless the heads of the model `config` describes divide over `world` ranks (checked from
+    the file's header, before any rank loads; a cut through a quantization block shows only at load)."""
+    counts = [(config.num_kv_heads, "KV heads")]
+    if config.deltanet is not None:
+        counts.append((config.deltanet.num_k_heads, "DeltaNet key heads"))
+    for units, what in counts:
+        TensorParallel(0, world).exact_part(units, what)
 
 
 def shard_decoder(model: Decoder, tp: TensorParallel, device: torch.device | str | None = None) -> Decoder:

@@ -11,6 +11,7 @@ module, and a CPU process is configured before the model code is imported (bubo.
 """
 
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from bubo.server.state import ServerSettings, ServerState
 
 __all__ = ["rank_device", "start_ranks", "stop_ranks"]
+
+log = logging.getLogger(__name__)
 
 # A follower waits in a broadcast for rank 0's next step for as long as the server sits idle.
 IDLE_TIMEOUT = timedelta(days=365)
@@ -55,7 +58,13 @@ def start_ranks(
 ) -> "ServerSettings | None":
     """Form the group of `world` ranks. Rank 0 gets back its settings (`tensor_parallel`, its device and,
     on the CPU, its share of the threads); a follower rank under torchrun follows until rank 0 stops it,
-    then gets None."""
+    then gets None. ValueError, before any rank starts, when the model's heads don't divide over them."""
+    from bubo.gguf.config import config_from_gguf
+    from bubo.gguf.reader import GGUFFile
+    from bubo.model.tensor_parallel import check_split
+
+    with GGUFFile(settings.model_path) as file:
+        check_split(config_from_gguf(file), world)
     cpu = settings.device.split(":")[0] != "cuda"
     # Ranks on one machine share its cores: by default each takes its share, not all of them.
     threads = settings.threads or (max(1, (os.cpu_count() or 1) // world) if cpu else None)
@@ -102,9 +111,12 @@ def start_ranks(
 def stop_ranks(state: "ServerState") -> None:
     """Rank 0, its serving done: send the followers home and leave the group."""
     loaded = state.loaded
-    if loaded is not None and loaded.step_leader is not None:
-        loaded.step_leader.stop()
-    dist.destroy_process_group()
+    try:
+        if loaded is not None and loaded.step_leader is not None:
+            loaded.step_leader.stop()
+        dist.destroy_process_group()
+    except (RuntimeError, dist.DistError) as error:  # a follower already gone: nothing left to stop
+        log.warning("tensor parallel: stopping the other ranks: %s", error)
     for process in _spawned:
         process.join(FOLLOWER_EXIT_SECONDS)
     _spawned.clear()

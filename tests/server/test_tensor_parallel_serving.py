@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bubo import cli
 from bubo.engine.loaded_model import load_model
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.fixtures.hybrid_models import tiny_hybrid
@@ -73,3 +74,20 @@ def test_two_ranks_serve_what_one_process_serves(qwen35_path: Path) -> None:
         process.kill()
         stderr = process.stderr.read() if process.stderr else ""
     assert "tensor parallel" in stderr  # the plan says why the split model decodes eagerly
+
+
+@pytest.mark.usefixtures("runtime_options")  # `bubo serve` installs its options: put back after
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--tensor-parallel", "3"], "2 KV heads can't be split evenly over 3 ranks"),
+        (["--tensor-parallel", "2", "--parallel", "2"], "--parallel"),
+    ],
+)
+def test_what_a_split_cannot_run_is_one_line_before_any_rank_starts(
+    qwen35_path: Path, flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["serve", "--model", str(qwen35_path), *flags]) == 1
+    stderr = capsys.readouterr().err
+    assert len(stderr.strip().splitlines()) == 1 and named in stderr, stderr
+    assert "listening" not in stderr
