@@ -34,8 +34,10 @@ from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
 from bubo.model.load_progress import LoadProgress
 from bubo.model.loader import load_decoder
+from bubo.model.quantized_linear import packing_deferred
 from bubo.model.state import CacheBatch, CacheSnapshot, KVCache
 from bubo.model.tensor_parallel import TensorParallel, shard_decoder
+from bubo.process_memory import trim_heap
 
 __all__ = ["StepLeader", "StepOutOfSyncError", "follow", "follow_file", "load_shard"]
 
@@ -269,7 +271,14 @@ def load_shard(
     device: torch.device | str,
     progress: bool | LoadProgress = False,
 ) -> Decoder:
-    """This rank's shard of the model `config` describes in `file`: loaded whole on the CPU, where the file's blocks are a
-    memory map that costs nothing until read, then split (bubo/model/tensor_parallel.py) onto `device`."""
-    model = load_decoder(file, config, dtype=dtype, device="cpu", progress=progress)
-    return shard_decoder(model, tp, device)
+    """This rank's shard of the model `config` describes in `file`: loaded whole on the CPU without packing
+    (the file's blocks are a memory map, which costs nothing until read), then split onto `device`
+    (bubo/model/tensor_parallel.py), where only the shard's matrices are packed."""
+    with packing_deferred():
+        model = load_decoder(file, config, dtype=dtype, device="cpu", progress=progress)
+    shard_decoder(model, tp, device)
+    # Packing the shard read its blocks through the map: only what is still read comes back.
+    file.release_pages()
+    if torch.device(device).type == "cpu":
+        trim_heap()
+    return model

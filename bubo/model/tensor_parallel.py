@@ -155,7 +155,7 @@ class _ExpertProjection(nn.Module):
 
 
 class ShardedMoE(nn.Module):
-    """A mixture of experts whose experts [first, first + len(gate)) are this rank's: the whole router
+    """A mixture of experts whose experts [first, first + count) are this rank's: the whole router
     picks each token's top-k as SparseMoE does, the rank adds the contributions of those it holds (and its
     part of the shared expert), and the sum over the group is the mixture's output."""
 
@@ -211,7 +211,8 @@ def check_split(config: ModelConfig, world: int) -> None:
 def shard_decoder(model: Decoder, tp: TensorParallel, device: torch.device | str | None = None) -> Decoder:
     """Split `model` (whole, as loaded) in place for rank `tp.rank` of `tp.world`, its weights moved to
     `device` (default: where they are); returns it. Raises ValueError when a split would cut a head or a
-    quantization block (heads that don't divide over the ranks, say)."""
+    quantization block (heads that don't divide over the ranks, say; `check_split` sees the first kind from
+    the config alone): the model is then part split, to be loaded again."""
     device = model.device if device is None else torch.device(device)
     config = model.config
     for layer in model.layers:
@@ -229,14 +230,18 @@ def shard_decoder(model: Decoder, tp: TensorParallel, device: torch.device | str
     model.output = VocabParallelHead(_rows(model.output, [(start, stop)], device), vocab, tp)
     model.mtp = None
     _move_replicated(model, device)
-    heads = {"num_heads": config.num_heads // tp.world, "num_kv_heads": config.num_kv_heads // tp.world}
-    if config.deltanet is not None:
-        d = config.deltanet
-        heads["deltanet"] = dataclasses.replace(  # type: ignore[assignment]
-            d, num_k_heads=d.num_k_heads // tp.world, num_v_heads=d.num_v_heads // tp.world
-        )
+    d = config.deltanet
     # The caches the model makes (Decoder.new_cache) read the KV head count from here.
-    model.config = dataclasses.replace(config, **heads)
+    model.config = dataclasses.replace(
+        config,
+        num_heads=config.num_heads // tp.world,
+        num_kv_heads=config.num_kv_heads // tp.world,
+        deltanet=None
+        if d is None
+        else dataclasses.replace(
+            d, num_k_heads=d.num_k_heads // tp.world, num_v_heads=d.num_v_heads // tp.world
+        ),
+    )
     _warm_up(model)
     _sharded[model] = tp
     return model
@@ -382,10 +387,12 @@ def _columns(linear: nn.Module, ranges: Ranges, device: torch.device, tp: Tensor
                     f"columns {a}..{b} of a {linear.ggml_type.name} matrix cut its blocks of {size}: "
                     "this split needs another number of ranks"
                 )
+        # One range stays a (strided) view of the blocks: on the CPU, of the file's memory map, which the
+        # products read with its row stride; a copy to another device is laid out densely.
         raw = _cat(linear.raw, [(a // size * nbytes, b // size * nbytes) for a, b in ranges], 1)
         bias = linear.bias.to(device) if keep_bias else None
         in_features = sum(b - a for a, b in ranges)
-        return QuantizedLinear(raw.contiguous().to(device), linear.ggml_type, in_features, bias)
+        return QuantizedLinear(raw.to(device), linear.ggml_type, in_features, bias)
     assert isinstance(linear, nn.Linear), f"can't split {type(linear).__name__}"
     weight = _cat(linear.weight, ranges, 1).contiguous().to(device)
     out = nn.Linear(weight.shape[1], weight.shape[0], bias=keep_bias, device="meta")
@@ -414,19 +421,15 @@ def _embedding_rows(
 
 
 def _move_replicated(model: Decoder, device: torch.device) -> None:
-    """The weights every rank keeps whole, on `device`: quantized ones rebuilt from their blocks there (a
-    CPU-packed copy would stay behind with `Module.to`), the rest moved."""
-    if model.device == device:
-        return
+    """The weights every rank keeps whole, on `device`: quantized matrices rebuilt from their blocks there
+    (a CPU-packed copy would stay behind with `Module.to`), and on the CPU packed now where the whole model
+    was loaded without packing (`quantized_linear.packing_deferred`); the rest moved."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, QuantizedLinear) and child.raw.device != device:
+            if isinstance(child, QuantizedLinear) and (child.raw.device != device or child.packed is None):
                 bias = None if child.bias is None else child.bias.to(device)
-                setattr(
-                    parent,
-                    name,
-                    QuantizedLinear(child.raw.to(device), child.ggml_type, child.in_features, bias),
-                )
+                raw = child.raw.to(device)
+                setattr(parent, name, QuantizedLinear(raw, child.ggml_type, child.in_features, bias))
     model.to(device)
 
 

@@ -49,8 +49,16 @@ def rank_device(device: str, local_rank: int) -> str:
     return f"cuda:{local_rank}" if device.split(":")[0] == "cuda" else device
 
 
-def _backend(device: str) -> str:
-    return "nccl" if device.startswith("cuda") else "gloo"
+def _join(device: str, rank: int, world: int, init_method: str | None = None) -> None:
+    """Join the group as `rank`, over NCCL from the rank's own GPU (made the current one, where NCCL and
+    every kernel launch look) or over gloo on the CPU."""
+    backend = "gloo"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=IDLE_TIMEOUT
+    )
 
 
 def start_ranks(
@@ -73,7 +81,7 @@ def start_ranks(
         if size != world:
             raise ValueError(f"--tensor-parallel {world} under torchrun with WORLD_SIZE={size}")
         device = rank_device(settings.device, int(environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group(_backend(device), rank=rank, world_size=world, timeout=IDLE_TIMEOUT)
+        _join(device, rank, world)  # torchrun's MASTER_ADDR / MASTER_PORT
         if rank:
             _follow(rank, world, settings, device, threads)
             return None
@@ -96,13 +104,7 @@ def start_ranks(
                 daemon=True,
             ).start()
         device = rank_device(settings.device, 0)
-        dist.init_process_group(
-            _backend(device),
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=0,
-            world_size=world,
-            timeout=IDLE_TIMEOUT,
-        )
+        _join(device, 0, world, f"tcp://127.0.0.1:{port}")
     from bubo.model.tensor_parallel import TensorParallel
 
     return replace(settings, tensor_parallel=TensorParallel(0, world), device=device, threads=threads)
@@ -151,13 +153,7 @@ def _spawned_follower(
     if device.split(":")[0] == "cpu":
         configure_cpu_process()
     use_options(options)  # rank 0's flags: the same weight layouts and precisions on every rank
-    dist.init_process_group(
-        _backend(device),
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=IDLE_TIMEOUT,
-    )
+    _join(device, rank, world, f"tcp://127.0.0.1:{port}")
     _follow(rank, world, settings, device, threads)
 
 

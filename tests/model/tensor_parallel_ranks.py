@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bubo.engine.tensor_parallel_steps import StepLeader, follow
+from bubo.engine.tensor_parallel_steps import StepLeader, follow, load_shard
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
-from bubo.model.tensor_parallel import TensorParallel, shard_decoder, weight_bytes
+from bubo.model.tensor_parallel import TensorParallel, weight_bytes
 
 PROMPT_LENGTH, STEPS, REWIND = 12, 6, 3
 # Where the hybrid models' prefill keeps a recurrent-state snapshot, to go back to.
@@ -95,7 +95,8 @@ def _rank(rank: int, world: int, port: int, paths: list[Path], out: Path) -> Non
     tp = TensorParallel(rank, world)
     try:
         for path in paths:
-            model = shard_decoder(load(path), tp)
+            f = GGUFFile(path)
+            model = load_shard(f, config_from_gguf(f), tp, torch.float32, "cpu")
             if rank == 0:
                 leader = StepLeader(model, tp)
                 results = scenario(model)
