@@ -12,6 +12,7 @@ as blocks: llama's attention output and down projections, Qwen3-MoE's experts, Q
 
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -30,6 +31,10 @@ from transformers import (
 )
 
 from bubo.engine.runner import runner_for
+from bubo.gguf.config import config_from_gguf
+from bubo.gguf.reader import GGUFFile
+from bubo.model.loader import load_decoder
+from bubo.model.quantized_linear import QuantizedLinear, packing_deferred
 from bubo.model.tensor_parallel import SHARDED_REASON, TensorParallel, shard_decoder
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.fixtures.hybrid_models import tiny_hybrid
@@ -160,3 +165,21 @@ def test_the_runner_runs_a_split_model_eagerly_and_says_why(tmp_path: Path) -> N
     plan = runner_for(model).plan
     assert plan.decode.path == "eager" and plan.decode.reason == SHARDED_REASON
     assert runner_for(model).decode_step(model.new_cache(max_len=4)) is None
+
+
+def test_a_rank_keeps_views_of_the_file_and_packs_only_its_shard(tmp_path: Path) -> None:
+    """Row and column slices of quantized blocks are views of the memory map (columns strided), never
+    copies; a model loaded inside packing_deferred packs nothing until the shard's matrices are made."""
+    f = GGUFFile(_write("llama", tmp_path))
+    model = shard_decoder(load_decoder(f, config_from_gguf(f)), TensorParallel(1, 2))
+    o_proj = model.layers[0].attention.o_proj.inner
+    file_blocks = f.tensors["blk.0.attn_output.weight"].raw
+    assert o_proj.raw.untyped_storage().data_ptr() == file_blocks.untyped_storage().data_ptr()
+    assert not o_proj.raw.is_contiguous() and o_proj.in_features == 32
+    q_proj = model.layers[0].attention.q_proj
+    assert q_proj.raw.data_ptr() == f.tensors["blk.0.attn_q.weight"].raw[32:].data_ptr()  # heads 2, 3
+
+    blocks = torch.from_numpy(gguf.quants.quantize(torch.randn(256, 512).numpy(), Q.Q8_0))
+    with packing_deferred():
+        assert QuantizedLinear(blocks, Q.Q8_0, 512).packed is None
+    assert QuantizedLinear(blocks, Q.Q8_0, 512).packed is not None
