@@ -6,7 +6,8 @@ broadcasts the step (which of its caches, where each stands, the tokens) over to
 followers (`follow`) run the same forward on their shards. A follower keeps a mirror of each of rank 0's
 caches, holding the local KV heads and recurrent states, and brings it to where rank 0's cache stands
 before the step: cut back (a rewind, a reset, a prompt-cache truncation), or back to a recurrent-state
-snapshot it took at the same position in an earlier step (the prompt cache's turn ends). What rank 0 did
+snapshot it took at the same position in an earlier step (the prompt cache's turn ends: where rank 0's
+step asked for snapshots, or at the end of each prompt pass where the states have no hook for them). What rank 0 did
 between two steps is read from its cache at the next one, so no other cache operation is mirrored.
 
 The step on the wire, all int64: a header [op, payload length], then the payload
@@ -203,9 +204,15 @@ class _Mirror:
         cache.snapshot_at = state.snapshot_at
         return True
 
-    def keep_snapshots(self) -> None:
-        for snapshot in self.cache.taken_snapshots():
+    def keep_snapshots(self, tokens: int) -> None:
+        """Keep the snapshots the step took (`snapshot_at`); where the cache's states have no such hook
+        (qwen4exp's indexer and n-gram states), a snapshot after each pass of several tokens: rank 0's
+        prompt cache snapshots such a cache between prompt passes, so it goes back only to their ends."""
+        cache = self.cache
+        for snapshot in cache.taken_snapshots():
             self.snapshots[snapshot.length] = snapshot
+        if tokens > 1 and not cache.can_rewind and not cache.snapshots_in_forward:
+            self.snapshots[cache.length] = cache.snapshot()
         for position in sorted(self.snapshots)[:-MAX_SNAPSHOTS]:
             del self.snapshots[position]
 
@@ -244,7 +251,7 @@ def follow(model: Decoder, tp: TensorParallel) -> None:
             # Rank 0 meets the same error at the same point of the same step (a full cache, say).
             log.warning("tensor parallel: rank %d's step failed as rank 0's does: %s", tp.rank, error)
         for mirror in used:
-            mirror.keep_snapshots()
+            mirror.keep_snapshots(step.tokens.shape[1])
 
 
 def follow_file(

@@ -36,28 +36,35 @@ def prompt(vocab: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def scenario(model: Decoder) -> dict[str, Any]:
-    """A prefill and greedy decode steps; then the cache cut back and the same positions again: to a
-    snapshot the prefill took (a hybrid model) or a few positions back (attention only), and to zero."""
+    """A prefill and greedy decode steps; then the cache cut back and the same positions again: a few
+    positions back (attention only), or to a snapshot of the recurrent states taken where the prompt
+    cache takes them (inside the prefill for DeltaNet states, between prompt passes for qwen4exp's);
+    then to zero."""
     tokens = prompt(model.config.vocab_size)
     cache = model.new_cache(max_len=32)
-    if not cache.can_rewind and cache.snapshots_in_forward:
+    snapshot = None
+    if cache.can_rewind:
+        prefill = model(tokens, cache)
+    elif cache.snapshots_in_forward:
         cache.snapshot_at = (SNAPSHOT_AT,)
-    prefill = model(tokens, cache)
+        prefill = model(tokens, cache)
+        [snapshot] = cache.taken_snapshots()
+    else:
+        first = model(tokens[:, :SNAPSHOT_AT], cache)
+        snapshot = cache.snapshot()
+        prefill = torch.cat([first, model(tokens[:, SNAPSHOT_AT:], cache)], dim=1)
     greedy, steps = [], []
     token = prefill[:, -1].argmax(-1)
     for _ in range(STEPS):
         greedy.append(int(token))
         steps.append(model(token.view(1, 1), cache)[:, -1])
         token = steps[-1].argmax(-1)
-    back = PROMPT_LENGTH - REWIND
-    if cache.can_rewind:
+    if snapshot is None:
+        back = PROMPT_LENGTH - REWIND
         cache.truncate(back)
-    elif cache.snapshots_in_forward:
-        back = SNAPSHOT_AT
-        cache.restore(cache.taken_snapshots()[0])
     else:
-        back = 0
-        cache.truncate(0)
+        back = SNAPSHOT_AT
+        cache.restore(snapshot)
     again = model(tokens[:, back:], cache)[:, -1]
     cache.truncate(0)
     from_zero = model(tokens, cache)[:, -1]
