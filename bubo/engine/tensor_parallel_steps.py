@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bubo.engine.slot import DeviceLostError
 from bubo.gguf.config import ModelConfig, config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
@@ -163,9 +164,15 @@ class StepLeader:
         step = _Step(last_only, isinstance(cache, CacheBatch), states, freed, bound["tokens"].cpu())
         values = step.encode()
         device = self.model.device
-        _broadcast([_FORWARD, len(values)], 2, self.tp, device)
-        _broadcast(values, len(values), self.tp, device)
-        if not _all_ready(True, self.tp, device):
+        try:
+            _broadcast([_FORWARD, len(values)], 2, self.tp, device)
+            _broadcast(values, len(values), self.tp, device)
+            ready = _all_ready(True, self.tp, device)
+        except (RuntimeError, dist.DistError) as error:
+            # A follower gone (its process ended, its machine unreachable): no step can run any more,
+            # which the server reports as it does a lost GPU.
+            raise DeviceLostError(f"a tensor-parallel rank is gone: {error}") from error
+        if not ready:
             raise StepOutOfSyncError(
                 "a tensor-parallel rank could not bring its cache to this step's position "
                 "(a prompt-cache operation the followers don't mirror)"
