@@ -8,10 +8,11 @@ to other processes than wall time).
     python benchmarks/bench_decode_step.py --prompt-tokens 512 --breakdown
 
 On a device where no compiled step applies (CUDA: the captured step is bench_cuda_graphs.py's) only the
-eager step is measured. `--breakdown` then times the compiled step's parts where they run: its graphs
-(the layers', and the last one, which ends in the logits), the attention kernel, the writes of each
-layer's new key and value into the cache, a mixture of experts' routed experts, and the rest (the
-embedding, rotary angles, Python between the calls) as what the parts leave of the step.
+eager step is measured. `--breakdown` then times the compiled step's parts where they run: the layers'
+graphs, the attention kernel and the writes of each layer's new key and value into the cache, a mixture
+of experts' routed experts (the last three run as opaque ops inside the graphs, and count as theirs),
+the output head, and the rest (the embedding, rotary angles, the final norm, Python between the calls)
+as what the parts leave of the step.
 """
 
 import argparse
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from bubo.model.moe import SparseMoE
 
 if TYPE_CHECKING:
     from bubo.engine.compiled_decode import CompiledDecodeStep
@@ -59,39 +62,45 @@ def run_rounds(paths: dict[str, Step], steps: int, rounds: int, device: torch.de
 
 @contextlib.contextmanager
 def timed_parts(step: "CompiledDecodeStep") -> Iterator[dict[str, list[float]]]:
-    """[seconds, calls] of each part of the compiled decode step `step` while the block runs, summed: its
-    calls wrapped in timers (its graph runner and attention, and the module functions it looks up at call
-    time)."""
+    """[seconds, calls] of each part of the compiled decode step `step` while the block runs, summed, each
+    part's own time (an op that runs inside a layer's graph counts as the op's, not the graph's): the layer
+    graphs, the attention kernel, the KV cache writes, a mixture of experts' routed experts (the opaque
+    ops inside the graphs), and the output head."""
     from bubo.engine import compiled_decode
-    from bubo.model.moe import SparseMoE
 
-    parts = ["layer graphs", "graph to the logits", "attention", "KV cache writes"]
-    if any(experts is not None for experts in step.experts):
+    parts = ["layer graphs", "attention", "KV cache writes", "output head"]
+    if any(isinstance(layer.mlp, SparseMoE) for layer in step.layers):
         parts.append("routed experts")
     totals = {part: [0.0, 0] for part in parts}
-    # The step's last graph ends in the logits: the one after the last layer, or after its experts.
-    logits_call = len(step.layers) if step.experts[-1] is None else -len(step.layers)
+    nested: list[float] = []  # per running part, the time of the parts it called
 
-    def timer(part: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timer(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any) -> Any:
             started = time.perf_counter()
+            nested.append(0.0)
             try:
                 return fn(*args)
             finally:
-                total = totals[part(*args) if callable(part) else part]
-                total[0] += time.perf_counter() - started
-                total[1] += 1
+                elapsed = time.perf_counter() - started
+                inner = nested.pop()
+                if nested:
+                    nested[-1] += elapsed
+                totals[part][0] += elapsed - inner
+                totals[part][1] += 1
 
         return timed
 
-    def graph_part(_: Any, call: int, *rest: Any) -> str:
-        return "graph to the logits" if call == logits_call else "layer graphs"
-
+    head = step.model.output
     patches = [
-        (type(step), "_run", timer(graph_part, type(step)._run)),
-        (type(step), "_attention", timer("attention", type(step)._attention)),
+        (type(step), "run_layer", timer("layer graphs", type(step).run_layer)),
+        (type(step), "attention", timer("attention", type(step).attention)),
         (compiled_decode, "_store", timer("KV cache writes", compiled_decode._store)),
-        (SparseMoE, "one_token", timer("routed experts", SparseMoE.one_token)),
+        (
+            compiled_decode._StepOps,
+            "routed_experts",
+            timer("routed experts", compiled_decode._StepOps.routed_experts),
+        ),
+        (head, "forward", timer("output head", head.forward)),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, wrapped in patches:
@@ -100,7 +109,10 @@ def timed_parts(step: "CompiledDecodeStep") -> Iterator[dict[str, list[float]]]:
         yield totals
     finally:
         for owner, name, original in saved:
-            setattr(owner, name, original)
+            if owner is head:
+                del head.forward  # the instance's timer: the class's forward again
+            else:
+                setattr(owner, name, original)
 
 
 def print_breakdown(step: "CompiledDecodeStep", run: Step, steps: int) -> None:

@@ -223,7 +223,8 @@ class Runner:
         eager batched pass over a CacheBatch."""
         if not caches or len(caches) > MATVEC_ROWS or not all(_one_sequence(c) for c in caches):
             return None
-        return self._compiled()
+        compiled = self._compiled()
+        return compiled if compiled is not None and compiled.batches_stateful else None
 
     # Reporting
 
@@ -232,8 +233,11 @@ class Runner:
         model = self.model
         why_eager = self._why_eager()
         if not why_eager and model.device.type == "cpu":
-            decode = PathChoice("compiled", "one inductor graph between attentions")
+            decode = PathChoice("compiled", "each layer's forward traced into one inductor graph")
             batch = PathChoice("compiled", f"up to {MATVEC_ROWS} sequences as the rows of one pass")
+            compiled = self._compiled()
+            if compiled is not None and not compiled.batches_stateful:
+                batch = PathChoice("eager", "a batched pass over the sequences' caches (recurrent states)")
             verify = PathChoice("compiled", "one pass over a round's tokens; eager for an MTP drafter")
             prefill = PathChoice(
                 "eager", f"chunked prompt passes; prompts of up to {SHORT_PROMPT_TOKENS} tokens compiled"

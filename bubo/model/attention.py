@@ -11,6 +11,7 @@ from bubo.model.layers import RMSNorm, apply_rotary
 from bubo.model.paged_decode import paged_decode_attention
 from bubo.model.quantized_linear import project_rows
 from bubo.model.state import CacheBatch, KVCache
+from bubo.model.step_ops import in_compiled_step
 
 __all__ = ["Attention", "causal_mask"]
 
@@ -137,6 +138,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Store k, v in the cache, attend over everything cached (under `mask`), then gate and project
         out — or, with `project` False, return the heads' outputs [B, T, heads, head_dim] as they are."""
+        if in_compiled_step():
+            # The cache grows every step: its write and the attention over it are one opaque op of the
+            # compiled step's graph, which runs them for each of the step's rows (bubo/model/step_ops.py).
+            out = torch.ops.bubo.cached_attention(q, k, v).transpose(1, 2)
+            return self.output(out, gate) if project else out
         keys, values = cache.update(self.layer_index, k, v)
         narrower = keys.dtype != q.dtype or values.dtype != q.dtype
         if narrower and q.shape[:3] == (1, self.num_heads, 1) and mask is None and q.device.type == "cpu":

@@ -588,17 +588,19 @@ class Decoder(nn.Module):
         """The residual after the last layer, before the output norm (`hidden`)."""
         tokens = tokens.to(self.device)
         length = tokens.shape[1]
-        if isinstance(cache, CacheBatch):
-            if not self.supports_cache_batch:
-                raise ValueError(f"{self.config.architecture} can't run several caches as one batch")
-            if multimodal is not None:
+        starts = cache.start_positions()
+        if isinstance(cache, CacheBatch) and not self.supports_cache_batch:
+            raise ValueError(f"{self.config.architecture} can't run several caches as one batch")
+        if multimodal is not None:
+            if len(starts) > 1:
                 raise ValueError("image inputs run one sequence at a time, not in a cache batch")
-            angles = [self._rotary_at(c.length + c.rope_delta, length) for c in cache.caches]
-            cos, sin = torch.stack([a[0] for a in angles]), torch.stack([a[1] for a in angles])
-        elif multimodal is not None:
             cos, sin = self._multimodal_rotary(tokens, multimodal)
+        elif len(starts) == 1:
+            cos, sin = self._rotary_at(starts[0], length)
         else:
-            cos, sin = self._rotary_at(cache.length + cache.rope_delta, length)
+            # Rows of a batch continue their own sequences, each at its own position.
+            angles = [self._rotary_at(start, length) for start in starts]
+            cos, sin = torch.stack([a[0] for a in angles]), torch.stack([a[1] for a in angles])
         x = self.embedding(tokens)
         if multimodal is not None:
             # transformers' masked_scatter of the image features into the placeholder embeddings
@@ -606,14 +608,16 @@ class Decoder(nn.Module):
             x = x.index_copy(1, rows, multimodal.embeds.to(self.device, x.dtype)[None])
         if self.config.hc_count:
             x = expand_streams(x, self.config.hc_count)
+        # The cache runs each layer: its own forward, or in a compiled step the compiled trace of that
+        # forward (bubo/engine/compiled_decode.py).
         for layer in self.layers[:-1]:
-            x = layer(x, cos, sin, cache, tokens)
+            x = cache.run_layer(layer, x, cos, sin, tokens)
         last = self.layers[-1]
         if last_only and isinstance(last, DecoderLayer):
             # Only the last position leaves the model: the last layer computes little more than that.
             x = last(x, cos, sin, cache, tokens, last_only=True)
         else:
-            x = last(x, cos, sin, cache, tokens)
+            x = cache.run_layer(last, x, cos, sin, tokens)
             if last_only:
                 x = x[:, -1:]
         cache.advance(length)

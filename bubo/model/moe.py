@@ -53,6 +53,7 @@ from bubo.model.quantized_linear import (
     scratch_buffer,
     warm_up_packed,
 )
+from bubo.model.step_ops import in_compiled_step
 from bubo.options import current_options
 
 __all__ = [
@@ -203,6 +204,10 @@ class SparseMoE(nn.Module):
             from bubo.kernels.triton_moe import fused_moe
 
             out = fused_moe(x, weights, chosen, self.gate, self.up, self.down)
+        elif in_compiled_step():
+            # Only the chosen experts are read, which a fixed graph can't say: an opaque op of the compiled
+            # step runs this module's own expert loop (bubo/model/step_ops.py).
+            out = torch.ops.bubo.routed_experts(x, weights, chosen)
         else:
             out = self._expert_loop(x, weights, chosen)
         if self.shared_expert is not None and self.shared_expert_gate is not None:

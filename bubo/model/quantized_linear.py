@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
+from torch._inductor.inductor_prims import force_stride_order
 
 from bubo.gguf.quants import block_size, dequantize, type_size
 from bubo.kernels.codes import TILE, concat_tiled, slice_tiled, word_bits
@@ -34,6 +35,7 @@ from bubo.kernels.q8_matvec import PackedQ8Offset, pack_q8, q8_matvec_bits, q8_o
 from bubo.kernels.repack import REPACKABLE, Packed, repack
 from bubo.kernels.super_block_matvec import PackedSuperBlocks, super_block_matvec_bits
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
+from bubo.model.step_ops import in_compiled_step
 from bubo.options import current_options
 from bubo.process_memory import meminfo
 
@@ -215,6 +217,10 @@ class QuantizedLinear(nn.Module):
         if self.packed is not None:
             return self._packed_forward(x)
         operand = gemm_operand(x)
+        if in_compiled_step():
+            # In a traced graph: the small matrices that stay unpacked, dequantized whole (no scratch buffer).
+            out = F.linear(operand, dequantize(self.raw, self.ggml_type, operand.dtype)).to(x.dtype)
+            return out if self.bias is None else out + self.bias
         rows = max(1, CHUNK_VALUES // self.in_features)
         if rows >= self.out_features:
             out = F.linear(operand, self._dequantize_rows(0, self.out_features, operand.dtype)).to(x.dtype)
@@ -252,6 +258,10 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
     prefill) multiply column chunks unpacked in the GEMM operand's dtype, so the unpacking is paid once
     for all the rows, and a chunk stays in the cache between its unpacking and its product."""
     if flat.shape[0] <= MATVEC_ROWS and flat.dtype == torch.float32:
+        if in_compiled_step():
+            # Traced into a layer's graph: one matvec expands the codes once for all rows, and its input
+            # is stored once (as an expression inductor would recompute it, a norm say, in every tile).
+            return packed.matvec(force_stride_order(flat, flat.stride()))
         if flat.shape[0] == 1:
             return packed.matvec(flat.view(-1))[None]
         return torch.stack([packed.matvec(row) for row in flat])

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from bubo.model.block_pool import DEFAULT_BLOCK_SIZE, BlockPool, KVPoolExhaustedError
 
@@ -362,6 +363,17 @@ class KVCache:
                 del table[keep:]
                 self._layout[row] = None
 
+    def start_positions(self) -> list[int]:
+        """The rotary position of the next token (its sequences advance together: one)."""
+        return [self.length + self.rope_delta]
+
+    def run_layer(
+        self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """A decoder layer's step on this cache: its own forward (a compiled step's state runs the
+        compiled trace of it instead)."""
+        return layer(x, cos, sin, self, tokens)
+
     def advance(self, n: int) -> None:
         """Mark n more positions filled (after every layer has written them)."""
         if self.length + n > self.max_len:
@@ -446,6 +458,16 @@ class CacheBatch:
         if not caches or any(c.batch != 1 for c in caches):
             raise ValueError("a cache batch is one or more single-sequence caches")
         self.caches = list(caches)
+
+    def start_positions(self) -> list[int]:
+        """Each row's rotary position for its next token."""
+        return [start for cache in self.caches for start in cache.start_positions()]
+
+    def run_layer(
+        self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """A decoder layer's step on every row (`KVCache.run_layer`)."""
+        return layer(x, cos, sin, self, tokens)
 
     def advance(self, n: int) -> None:
         for cache in self.caches:

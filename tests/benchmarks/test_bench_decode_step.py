@@ -15,11 +15,10 @@ from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.runner import runner_for
 from bubo.model import quantized_linear
 from bubo.model.decoder import Decoder
-from bubo.model.moe import SparseMoE
 from tests.engine.test_compiled_decode import _moe_model
 
 ROOT = Path(__file__).resolve().parents[2]
-DENSE_PARTS = {"layer graphs", "graph to the logits", "attention", "KV cache writes"}
+DENSE_PARTS = {"layer graphs", "attention", "KV cache writes", "output head"}
 
 
 def _bench() -> ModuleType:
@@ -46,12 +45,13 @@ def _steps(model: Decoder, step: CompiledDecodeStep, bench: ModuleType | None) -
     return logits, totals
 
 
-def _originals() -> list:
+def _originals(model: Decoder) -> list:
     return [
-        CompiledDecodeStep._run,
-        CompiledDecodeStep._attention,
+        CompiledDecodeStep.run_layer,
+        CompiledDecodeStep.attention,
         compiled_decode._store,
-        SparseMoE.one_token,
+        compiled_decode._StepOps.routed_experts,
+        "forward" in vars(model.output),
     ]
 
 
@@ -61,16 +61,15 @@ def test_breakdown_times_every_part_of_the_default_model_step(
     bench, model = _bench(), smollm2.model
     step = runner_for(model).decode_step(model.new_cache(max_len=2))
     assert step is not None
-    originals = _originals()
+    originals = _originals(model)
     expected, _ = _steps(model, step, None)
     got, totals = _steps(model, step, bench)
-    assert _originals() == originals  # every wrapper taken off again
+    assert _originals(model) == originals  # every wrapper taken off again
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     assert set(totals) == DENSE_PARTS and all(seconds > 0 for seconds, _ in totals.values())
     layers = len(model.layers)
-    # A step: a graph into the first layer, one after each layer (the last ends in the logits), and each
-    # layer's attention and cache write.
-    calls = {"layer graphs": 3 * layers, "graph to the logits": 3, "attention": 3 * layers}
+    # A step: each layer's graph, with its attention and cache write inside, then the output head.
+    calls = {"layer graphs": 3 * layers, "output head": 3, "attention": 3 * layers}
     assert {part: totals[part][1] for part in calls} == calls
     assert totals["KV cache writes"][1] == 3 * layers
 
@@ -94,7 +93,6 @@ def test_breakdown_times_the_routed_experts(tmp_path: Path, monkeypatch: pytest.
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     assert set(totals) == DENSE_PARTS | {"routed experts"} and totals["routed experts"][0] > 0
     layers = len(model.layers)
-    # A step: into the first layer, then per layer its routing graph and the one after its experts (the
-    # last of which ends in the logits), its experts' run between them.
-    calls = {"layer graphs": 3 * 2 * layers, "graph to the logits": 3, "routed experts": 3 * layers}
+    # A step: each layer's graph, its routed experts run inside it, then the output head.
+    calls = {"layer graphs": 3 * layers, "output head": 3, "routed experts": 3 * layers}
     assert {part: totals[part][1] for part in calls} == calls

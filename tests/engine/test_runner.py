@@ -68,15 +68,23 @@ def test_float_models_decode_eagerly(tiny_llama: LoadedModel) -> None:
     assert plan.decode.path == "eager" and "no repacked" in plan.decode.reason
 
 
-def test_the_plan_says_why_a_hybrid_decodes_eagerly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hybrid_decodes_compiled_and_batches_eagerly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hybrid's single-sequence steps run compiled; a batch of its sequences runs eagerly (their
+    recurrent states are per sequence), and the plan says so; a step inside which the prompt cache wants a
+    snapshot runs eagerly."""
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     reference = tiny_hybrid("qwen35", ["linear_attention", "full_attention"])
     file = GGUFFile(write_gguf(reference, tmp_path / "hybrid.gguf", quantize={"blk.*.ffn_*.weight": Q.Q8_0}))
     model = load_decoder(file, config_from_gguf(file), dtype=torch.float32)
-    plan = runner_for(model).plan
-    assert plan.decode.path == "eager"
-    assert plan.decode.reason.startswith("the compiled step does not cover it:")
-    assert runner_for(model).decode_step(model.new_cache(max_len=8)) is None
+    runner = runner_for(model)
+    plan = runner.plan
+    assert plan.decode.path == "compiled" and "snapshot" in plan.decode.reason
+    assert plan.batch.path == "eager" and "recurrent" in plan.batch.reason
+    cache = model.new_cache(max_len=8)
+    assert runner.decode_step(cache) is not None
+    assert runner.batch_steps([cache, model.new_cache(max_len=8)]) is None
+    cache.snapshot_at = (3,)
+    assert runner.decode_step(cache) is None
 
 
 def test_options_from_the_environment() -> None:

@@ -1,0 +1,102 @@
+"""The two points of a layer that a compiled decode step leaves out of its traced graph, as custom ops.
+
+The compiled step (bubo/engine/compiled_decode.py) traces each layer's own forward into a graph. Two
+things in a layer can't be a fixed graph: writing the new keys and values into the cache and attending
+over every cached position (the cache grows by a position each step), and running a token's routed
+experts (which ones is known only once the router has run, and only those are read). While a layer runs
+inside such a step (`in_compiled_step`), Attention and SparseMoE call the ops below at those two points
+instead of their eager code; a trace records each op as one opaque call (its fake implementation gives
+the output's shape), and when the compiled graph runs, the op hands the work to the `StepOps` that the
+engine installed for the step (`step_ops`), which knows the step's caches and the layer being run, as
+nano-vllm's attention reads its per-step context.
+"""
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+import torch
+
+__all__ = ["StepOps", "in_compiled_step", "layer_in_compiled_step", "step_ops"]
+
+
+class StepOps(Protocol):
+    """What the engine does at the two opaque points of a compiled step's layer."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k, v [B, kv_heads, T, D] at the running layer's next positions of each row's cache and
+        return the attention of q [B, heads, T, D] over them: [B, heads, T, D]."""
+        ...
+
+    def routed_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The running layer's routed experts for rows x [rows, hidden], with the router's top-k `weights`
+        and `chosen` experts [rows, top_k]: the weighted sum [rows, hidden]."""
+        ...
+
+
+_local = threading.local()
+
+
+@contextmanager
+def step_ops(ops: StepOps) -> Iterator[None]:
+    """Install `ops` as what the ops below call while a compiled step runs on this thread."""
+    previous = getattr(_local, "ops", None)
+    _local.ops = ops
+    try:
+        yield
+    finally:
+        _local.ops = previous
+
+
+@contextmanager
+def layer_in_compiled_step() -> Iterator[None]:
+    """Mark a layer's forward as running inside a compiled step (traced, or run as it is where inductor
+    can't build): its cache write, attention and routed experts go through the ops."""
+    previous = getattr(_local, "layer", False)
+    _local.layer = True
+    try:
+        yield
+    finally:
+        _local.layer = previous
+
+
+def in_compiled_step() -> bool:
+    """Whether the layer code running now is a compiled step's (`layer_in_compiled_step`)."""
+    return getattr(_local, "layer", False)
+
+
+def _ops() -> StepOps:
+    ops = getattr(_local, "ops", None)
+    if ops is None:
+        raise RuntimeError("a compiled step's op ran outside a step (no StepOps installed)")
+    return ops
+
+
+# Registered through torch.library's low-level API: a call from the compiled graph's wrapper then costs
+# one dispatcher hop (the decorator API wraps each call in several Python layers, paid twice a layer).
+_library = torch.library.Library("bubo", "DEF")
+_library.define("cached_attention(Tensor q, Tensor k, Tensor v) -> Tensor")
+_library.define("routed_experts(Tensor x, Tensor weights, Tensor chosen) -> Tensor")
+
+
+def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return _ops().attend(q, k, v)
+
+
+def _routed_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    return _ops().routed_experts(x, weights, chosen)
+
+
+_library.impl("cached_attention", _cached_attention, "CompositeExplicitAutograd")
+_library.impl("routed_experts", _routed_experts, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("bubo::cached_attention")
+def _cached_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("bubo::routed_experts")
+def _routed_experts_shape(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
