@@ -200,6 +200,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_speculation_args(srv)
     srv.add_argument(
+        "--tensor-parallel",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N processes (gloo on the CPU, NCCL on CUDA: one GPU each), started here "
+        "or by torchrun; rank 0 serves (default 1). One slot, no speculative decoding, no images",
+    )
+    srv.add_argument(
         "--mmproj",
         type=Path,
         default=None,
@@ -460,6 +469,8 @@ def _serve(args: argparse.Namespace) -> int:
     settings = _server_settings(args)
     state = ServerState(settings)
     state.preflight()
+    if args.tensor_parallel > 1:
+        return _serve_tensor_parallel(args, settings)
     configure_logging(args.log_level, args.log_format)
     if args.replicas is not None:
         try:
@@ -470,6 +481,26 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--replicas needs Ray Serve: pip install 'bubo[serve]' ({error})") from error
         return serve_replicas(settings, _runtime_options(args), args.replicas)
     return serve(state)
+
+
+def _serve_tensor_parallel(args: argparse.Namespace, settings: "ServerSettings") -> int:
+    """Rank 0 of a split model serves (bubo/server/tensor_parallel.py); a follower under torchrun
+    returns once rank 0 stops it."""
+    from bubo.server.app import serve
+    from bubo.server.request_log import configure_logging
+    from bubo.server.state import ServerState
+    from bubo.server.tensor_parallel import start_ranks, stop_ranks
+
+    rank_settings = start_ranks(settings, args.tensor_parallel)
+    if rank_settings is None:  # a follower rank under torchrun, sent home by rank 0
+        return 0
+    state = ServerState(rank_settings)
+    state.preflight()
+    configure_logging(args.log_level, args.log_format)
+    try:
+        return serve(state)
+    finally:
+        stop_ranks(state)
 
 
 def replicas_app(args: dict[str, str]) -> Any:
@@ -490,6 +521,9 @@ def _server_settings(args: argparse.Namespace) -> "ServerSettings":
 
     if args.replicas is not None and args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    _check_tensor_parallel(args)
+    if args.replicas is not None and args.tensor_parallel > 1:
+        raise ValueError("--replicas and --tensor-parallel don't run together yet")
     if args.debug_hooks and not is_loopback(args.host):
         raise ValueError(
             f"--debug-hooks needs a loopback --host (127.0.0.1, ::1, localhost), not {args.host}"
@@ -569,6 +603,28 @@ def _server_settings(args: argparse.Namespace) -> "ServerSettings":
         mmproj=args.mmproj,
         allow_image_urls=args.allow_image_urls,
     )
+
+
+def _check_tensor_parallel(args: argparse.Namespace) -> None:
+    """What a split model does not run yet: batched slots and speculative decoding read hidden states
+    outside the forward passes rank 0 broadcasts, and images go through no split tower."""
+    if args.tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel must be at least 1, got {args.tensor_parallel}")
+    if args.tensor_parallel == 1:
+        return
+    refused = [
+        flag
+        for flag, used in (
+            ("--parallel", args.parallel > 1),
+            ("--spec-type", args.spec_type is not None),
+            ("--spec-draft", bool(args.spec_draft)),
+            ("--mtp-weights", args.mtp_weights is not None),
+            ("--mmproj", args.mmproj is not None),
+        )
+        if used
+    ]
+    if refused:
+        raise ValueError(f"--tensor-parallel does not run with {', '.join(refused)} yet")
 
 
 def _cache_dtypes(args: argparse.Namespace) -> tuple[torch.dtype, torch.dtype]:

@@ -9,12 +9,14 @@ from pathlib import Path
 import torch
 
 from bubo.engine.runner import runner_for
+from bubo.engine.tensor_parallel_steps import StepLeader, load_shard
 from bubo.gguf.config import ModelConfig, config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
 from bubo.model.load_progress import LoadProgress
 from bubo.model.loader import load_decoder
 from bubo.model.quantized_linear import bf16_prefill, has_packed_weights
+from bubo.model.tensor_parallel import TensorParallel
 from bubo.model.tokenizer import Tokenizer
 from bubo.process_memory import drop_trace_caches
 
@@ -31,13 +33,15 @@ _VOCABULARY_KEYS = (
 
 @dataclass
 class LoadedModel:
-    """`file.metadata` lacks the vocabulary arrays (`_VOCABULARY_KEYS`), which `tokenizer` holds."""
+    """`file.metadata` lacks the vocabulary arrays (`_VOCABULARY_KEYS`), which `tokenizer` holds. A model
+    split by tensor parallelism has its `step_leader` (rank 0's; `config` stays the whole file's)."""
 
     path: Path
     file: GGUFFile
     config: ModelConfig
     model: Decoder
     tokenizer: Tokenizer
+    step_leader: StepLeader | None = None
 
 
 def load_model(
@@ -46,10 +50,13 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool | LoadProgress = False,
     cache_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
+    tensor_parallel: TensorParallel | None = None,
 ) -> LoadedModel:
     """Open `path`, check its architecture, and build the decoder and tokenizer from it; its caches
     store keys and values in `cache_dtypes` (default: `dtype`). `progress`: a bar of the weights
-    loaded (True), or a LoadProgress that also tells the compiling that follows.
+    loaded (True), or a LoadProgress that also tells the compiling that follows. With `tensor_parallel`
+    (rank 0 of its group) the decoder is this rank's shard, leading the other ranks' steps, which load
+    the same file with the same settings (`tensor_parallel_steps.follow_file`).
 
     The config is read first so an unsupported architecture fails before any weight is touched.
     """
@@ -60,7 +67,14 @@ def load_model(
         for key in _VOCABULARY_KEYS:
             # The tokenizer holds its own tables; as lists of Python strings these stay ~8 MB of heap.
             file.metadata.pop(key, None)
-        model = load_decoder(file, config, dtype=dtype, device=device, progress=progress)
+        leader = None
+        if tensor_parallel is None:
+            model = load_decoder(file, config, dtype=dtype, device=device, progress=progress)
+        else:
+            if tensor_parallel.rank != 0:
+                raise ValueError("only rank 0 loads a model to serve; the others follow it (follow_file)")
+            model = load_shard(file, config, tensor_parallel, dtype, device, progress)
+            leader = StepLeader(model, tensor_parallel)
         if cache_dtypes is not None:
             # Before the decode step is prepared: its warm-up compiles attention for these dtypes.
             model.cache_dtypes = cache_dtypes
@@ -72,7 +86,7 @@ def load_model(
     except BaseException:
         file.close()
         raise
-    return LoadedModel(Path(path), file, config, model, tokenizer)
+    return LoadedModel(Path(path), file, config, model, tokenizer, leader)
 
 
 @contextmanager

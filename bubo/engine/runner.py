@@ -32,6 +32,7 @@ from bubo.kernels.triton_support import triton_enabled
 from bubo.model.decoder import Decoder
 from bubo.model.quantized_linear import MATVEC_ROWS, has_packed_weights
 from bubo.model.state import KVCache
+from bubo.model.tensor_parallel import SHARDED_REASON, shard_of
 from bubo.model.trace import TRACED_REASON, is_traced
 from bubo.options import current_options
 
@@ -110,6 +111,8 @@ class Runner:
         if is_traced(model):
             # The fast steps run the layers' math outside the modules, where no hook sees it.
             return TRACED_REASON
+        if shard_of(model) is not None:
+            return SHARDED_REASON
         if model.device.type == "cpu" and not options.compile_decode:
             return "compiled decode turned off by --no-compile-decode"
         if model.device.type == "cuda" and not options.cuda_graphs:

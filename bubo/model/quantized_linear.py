@@ -18,6 +18,8 @@ bubo/kernels/triton_gemm.py, which read the blocks as stored: no float weight is
 import functools
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +53,7 @@ __all__ = [
     "packed_graph_matvec",
     "packed_graph_tensors",
     "packed_product",
+    "packing_deferred",
     "project_rows",
     "same_layout",
     "scratch_buffer",
@@ -83,6 +86,7 @@ PACKED_BITS: dict[GGMLQuantizationType, float] = {Q.Q4_0: 5, Q.Q4_1: 5, Q.Q8_0: 
 # (a 2 GB machine still packs the default model's 100 MB).
 PACKING_RESERVE = 1 << 30
 _said_short_of_memory = False
+_packing_deferred = 0  # how many `packing_deferred` blocks are open
 log = logging.getLogger(__name__)
 
 
@@ -105,10 +109,25 @@ def bf16_prefill() -> bool:
     return setting == "on" or (setting == "auto" and native_bf16())
 
 
+@contextmanager
+def packing_deferred() -> Iterator[None]:
+    """Quantized matrices made inside the block keep the file's blocks, unpacked: a model loaded whole only
+    to be split by tensor parallelism (bubo/model/tensor_parallel.py) packs its rank's slices, made after,
+    rather than all of the whole's first. For the load only (the count is the process's, not a thread's)."""
+    global _packing_deferred
+    _packing_deferred += 1
+    try:
+        yield
+    finally:
+        _packing_deferred -= 1
+
+
 def pack_for_cpu(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed | None:
     """The repacked form of a CPU weight the compiled matvec handles, else None (its blocks then stay as
-    the file's, dequantized per use): a type without a packed layout, a small matrix, or too little memory
-    left (`_memory_for_packing`)."""
+    the file's, dequantized per use): a type without a packed layout, a small matrix, too little memory
+    left (`_memory_for_packing`), or inside `packing_deferred`."""
+    if _packing_deferred:
+        return None
     weights = raw.shape[0] * (raw.shape[1] // type_size(ggml_type)) * block_size(ggml_type)
     if raw.device.type != "cpu" or weights < MIN_PACKED_WEIGHTS or ggml_type not in PACKED_BITS:
         return None

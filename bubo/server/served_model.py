@@ -103,6 +103,7 @@ class ServedModel:
                 device=self.settings.device,
                 cache_dtypes=self.settings.cache_dtypes,
                 progress=LoadProgress(bar=sys.stderr.isatty()),
+                tensor_parallel=self.settings.tensor_parallel,
             )
             if self.settings.mtp_weights is not None:
                 load_mtp_weights(loaded.model, self.settings.mtp_weights)

@@ -11,6 +11,7 @@ import torch
 from bubo.engine.ngram_drafter import DEFAULT_NGRAM_SIZE
 from bubo.engine.prompt_cache import SnapshotPolicy
 from bubo.engine.sampler import SamplingParams
+from bubo.model.tensor_parallel import TensorParallel
 from bubo.server.image_input import ImageLimits
 
 __all__ = ["CACHE_ISOLATION", "SERVED_ALIAS", "ServerSettings", "model_id_from_path"]
@@ -73,3 +74,5 @@ class ServerSettings:
     mmproj: Path | None = None
     allow_image_urls: bool = False
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    # Rank 0's place in the group the model is split over (bubo/server/tensor_parallel.py); None: whole.
+    tensor_parallel: TensorParallel | None = None
