@@ -30,7 +30,8 @@ from bubo.options import RuntimeOptions, current_options, use_options
 from bubo.process_memory import configure_cpu_process
 
 if TYPE_CHECKING:
-    from bubo.server.state import ServerSettings, ServerState
+    from bubo.server.settings import ServerSettings
+    from bubo.server.state import ServerState
 
 __all__ = ["rank_device", "start_ranks", "stop_ranks"]
 
