@@ -384,4 +384,4 @@ class _StepOps:
         assert self.layer is not None
         moe = self.layer.mlp
         assert isinstance(moe, SparseMoE)
-        return moe._expert_loop(x, weights, chosen)
+        return moe.routed(x, weights, chosen)

@@ -209,7 +209,7 @@ class SparseMoE(nn.Module):
             # step runs this module's own expert loop (bubo/model/step_ops.py).
             out = torch.ops.bubo.routed_experts(x, weights, chosen)
         else:
-            out = self._expert_loop(x, weights, chosen)
+            out = self.routed(x, weights, chosen)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)
@@ -221,7 +221,9 @@ class SparseMoE(nn.Module):
             isinstance(s, QuantizedExpertMatrices) and s.ggml_type in TRITON_TYPES for s in stacks
         ) and triton_enabled(x.device)
 
-    def _expert_loop(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for rows x [rows, hidden] with the router's top-k `weights` and
+        `chosen` experts [rows, top_k] (a compiled step runs it as an opaque op, bubo/model/step_ops.py)."""
         if x.shape[0] == 1 and x.dtype == torch.float32 and self.packed_experts:
             return self.one_token(x, weights, chosen)
         out = torch.zeros_like(x)
@@ -238,7 +240,7 @@ class SparseMoE(nn.Module):
     def one_token(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """One token's routed experts (x [1, hidden] float32, `packed_experts`; its top-k `weights` and
         `chosen` experts [1, top_k]), one compiled graph each, summed in the loop's order (ascending expert
-        ids). The compiled decode step calls it between its graphs (bubo/engine/compiled_decode.py)."""
+        ids)."""
         experts, order = chosen[0].sort()
         weights = weights[0, order]
         out = torch.zeros_like(x)
