@@ -11,10 +11,13 @@ figures only, its text is noise.
 KV heads of 128, 8 of its experts of width 768 routed per token, an untied output head) with fewer
 layers and experts (`--layers`, default 6; `--experts`, default 32): a decoded token does the work of
 that many of Qwen3-30B-A3B's 48 layers, while the file stays small enough to make and hold here.
+`--hybrid qwen35moe` writes bench_hybrid.py's random qwen35moe (Gated DeltaNet + gated attention,
+shared-expert MoE; hidden 512, 64 experts of 256), `--hybrid qwen3next` a qwen3next of the same widths.
 `--recipe` picks another of llama.cpp's mixes than Q4_K_M (IQ4_XS, Q3_K_M, ...).
 
     python benchmarks/make_kquant_model.py /tmp/r1024-q4km.gguf      # needs llama-cpp-python (README)
     python benchmarks/make_kquant_model.py --moe /tmp/moe-q4km.gguf
+    python benchmarks/make_kquant_model.py --hybrid qwen35moe /tmp/qwen35moe-q4km.gguf
     python benchmarks/make_kquant_model.py --recipe IQ4_XS /tmp/r1024-iq4xs.gguf
     python benchmarks/run.py --model /tmp/r1024-q4km.gguf --engines bubo,llama.cpp
 """
@@ -152,6 +155,39 @@ def write_f16_moe_model(path: Path, layers: int, experts: int, seed: int = 0) ->
     _write(writer)
 
 
+def write_f32_hybrid(path: Path, arch: str) -> None:
+    """bench_hybrid.py's random qwen35moe (Gated DeltaNet + gated attention, shared-expert MoE), or a
+    qwen3next of the same widths, in float32 by the test fixture writer: what llama.cpp then quantizes."""
+    import torch
+    from bench_hybrid import TINY_QWEN35MOE
+    from transformers import (
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+    )
+
+    from tests.fixtures.gguf_writer import randomize_, write_gguf
+
+    torch.manual_seed(0)
+    if arch == "qwen35moe":
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TINY_QWEN35MOE))
+    else:
+        rope = {k: v for k, v in TINY_QWEN35MOE["rope_parameters"].items() if not k.startswith("mrope")}
+        config = {**TINY_QWEN35MOE, "rope_parameters": rope}
+        model = Qwen3NextForCausalLM(
+            Qwen3NextConfig(
+                **config,
+                intermediate_size=1024,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            )
+        )
+    randomize_(model, std=0.05)
+    write_gguf(model, path)
+
+
 def quantize(source: Path, target: Path, recipe: str) -> None:
     """One of llama.cpp's own recipes (`Q4_K_M`, `IQ4_XS`, ...: llama_model_quantize), as `llama-quantize`
     applies it."""
@@ -172,12 +208,19 @@ def main() -> int:
         "--recipe", default="Q4_K_M", choices=RECIPES, help="llama.cpp's quantization recipe (default Q4_K_M)"
     )
     parser.add_argument("--moe", action="store_true", help="a qwen3moe file at Qwen3-30B-A3B's widths")
+    parser.add_argument(
+        "--hybrid",
+        choices=("qwen35moe", "qwen3next"),
+        help="a hybrid file instead: bench_hybrid.py's random qwen35moe, or a qwen3next of its widths",
+    )
     parser.add_argument("--layers", type=int, default=6, help="--moe: layers (default 6)")
     parser.add_argument("--experts", type=int, default=32, help="--moe: experts a layer (default 32)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         f16 = Path(scratch) / "f16.gguf"
-        if args.moe:
+        if args.hybrid:
+            write_f32_hybrid(f16, args.hybrid)
+        elif args.moe:
             write_f16_moe_model(f16, args.layers, args.experts)
         else:
             write_f16_model(f16)
