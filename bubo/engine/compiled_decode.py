@@ -149,6 +149,22 @@ class _TracedCache:
         assert self._recurrent is not None
         return self._recurrent
 
+    def step_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention's cache write and attention, as the opaque op the step runs (`_StepOps.attend`) for
+        the layer running then."""
+        return torch.ops.bubo.cached_attention(q, k, v)
+
+    def opaque_mixer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """A token mixer run eagerly as an op of the graph (`_StepOps.mix`)."""
+        return torch.ops.bubo.token_mixer(x, cos, sin)
+
+
+class _TracedBatch(CacheBatch):
+    """What a layer's forward sees while traced for a batch's rows: each row's `_TracedCache`, and the
+    step's attention op for all rows at once."""
+
+    step_attention = _TracedCache.step_attention
+
 
 def _has_state(layer: nn.Module) -> tuple[bool, bool]:
     """Whether a layer carries per-sequence state into its graph: a DeltaNet's, a PLE layer's."""
@@ -181,7 +197,7 @@ def _traced_cache(layer: nn.Module, rows: int, state: Sequence[torch.Tensor]) ->
         recurrent = DeltaNetState(mine.pop(0), mine.pop(0)) if deltanet else None
         history = PLEState(mine.pop(0), mine.pop(0), layer.ple.embedding.eos_token_id) if ple else None
         caches.append(_TracedCache(recurrent, history))
-    return caches[0] if rows == 1 else CacheBatch(caches)  # type: ignore[arg-type]
+    return caches[0] if rows == 1 else _TracedBatch(caches)  # type: ignore[arg-type]
 
 
 def _layer_graph(layer: nn.Module, tensors: LayerTensors) -> StaticKernel:
@@ -311,8 +327,8 @@ class CompiledState:
     def __init__(self, step: CompiledDecodeStep, cache: KVCache | CacheBatch, ops: "_StepOps") -> None:
         self._step, self._cache, self._ops = step, cache, ops
 
-    def start_positions(self) -> list[int]:
-        return self._cache.start_positions()
+    def positions(self, length: int) -> torch.Tensor:
+        return self._cache.positions(length)
 
     def run_layer(
         self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens: torch.Tensor

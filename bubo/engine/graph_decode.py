@@ -11,8 +11,8 @@ step writes k/v with `index_copy_` at the device index and attends over a static
 Triton paged kernel reading the lengths and table from device tensors (CUDA), or a gather of the
 table's positions under a length mask (anywhere, the path the CPU tests trace).
 
-The step is the eager model's own modules (projections, norms, rotary, DeltaNet, MLP, head) called in
-the eager order, so it covers what they cover without host syncs: attention layers (llama, qwen2, qwen3,
+The step is the model's own forward (`Decoder.forward` on a `StaticState`, its layers in a step:
+bubo/model/step_ops.py), so it covers what the modules cover without host syncs: attention layers (llama, qwen2, qwen3,
 gated attention) and Gated DeltaNet layers (hybrid qwen35 / qwen3next: their recurrent states are the
 cache's own tensors, advanced in place), with a dense MLP or a mixture of experts whose quantized
 experts run in the fused Triton kernel (qwen3moe / qwen35moe on CUDA: the routed ids stay on the
@@ -42,9 +42,11 @@ from bubo.model.decoder import Decoder, DecoderLayer, DeltaNetMixer
 from bubo.model.layers import MLP, RMSNorm
 from bubo.model.moe import QuantizedExpertMatrices, SparseMoE
 from bubo.model.state import DeltaNetState, KVCache
+from bubo.model.step_ops import layer_in_compiled_step
 
 __all__ = [
     "GraphDecodeStep",
+    "StaticState",
     "StepInputs",
     "UnsupportedGraphModelError",
     "capture_cuda_graph",
@@ -168,6 +170,40 @@ def _fused_experts(mlp: nn.Module, device: torch.device) -> bool:
     return quantized and triton_enabled(device)
 
 
+class StaticState:
+    """The cache a captured step hands the model's forward: every per-token value is in `inputs`' device
+    tensors, so the forward's Python is the same at every token. Its layers run as they are, in a step
+    (`layer_in_compiled_step`): an attention layer writes its new key and value at `inputs.slot` with
+    `index_copy_` and attends with `attend` over a static-shaped view; a DeltaNet layer advances the
+    cache's own recurrent states in place. `advance` is left to the caller, after the replay."""
+
+    length = 0  # no position is read on the host: the rotary positions come from `inputs`
+    rope_delta = 0
+    snapshot_at: tuple[int, ...] = ()
+
+    def __init__(
+        self, pool: BlockPool, recurrent: Sequence[DeltaNetState], inputs: StepInputs, attend: Attend
+    ) -> None:
+        self.pool, self.recurrent, self.inputs, self.attend = pool, list(recurrent), inputs, attend
+
+    def positions(self, length: int) -> torch.Tensor:
+        return self.inputs.position
+
+    def run_layer(
+        self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens: torch.Tensor
+    ) -> torch.Tensor:
+        return layer(x, cos, sin, self, tokens)
+
+    def step_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        keys.index_copy_(1, self.inputs.slot, k[0].to(keys.dtype))
+        values.index_copy_(1, self.inputs.slot, v[0].to(values.dtype))
+        return self.attend(q, keys, values, self.inputs, self.pool.block_size)
+
+    def advance(self, n: int) -> None:
+        """Nothing: the captured step advances the real cache after each replay."""
+
+
 def static_decode_step(
     model: Decoder,
     pool: BlockPool,
@@ -176,25 +212,12 @@ def static_decode_step(
     attend: Attend,
 ) -> torch.Tensor:
     """float32 logits [vocab] of the position after `inputs.token`, as `model(token.view(1, 1),
-    cache)[0, -1]` computes them, with the new keys and values written into `pool` at `inputs.slot` and
-    the DeltaNet layers' `recurrent` states (a hybrid model's; the cache's own) advanced in place.
-    Every shape is fixed and nothing is read back to the host: capturable, and traceable whole."""
-    cos, sin = model.rotary(inputs.position, model.dtype)
-    x = model.embedding(inputs.token.view(1, 1))
-    for layer in model.layers:
-        attention = layer.attention
-        if isinstance(attention, DeltaNetMixer):
-            x = x + attention.deltanet(layer.attn_norm(x), recurrent[attention.state_index])
-            x = x + layer.mlp(layer.ffn_norm(x))
-            continue
-        q, k, v, gate = attention.project(layer.attn_norm(x), cos, sin)
-        keys, values = pool.keys[attention.layer_index], pool.values[attention.layer_index]
-        keys.index_copy_(1, inputs.slot, k[0].to(keys.dtype))
-        values.index_copy_(1, inputs.slot, v[0].to(values.dtype))
-        out = attend(q, keys, values, inputs, pool.block_size)
-        x = x + attention.output(out.transpose(1, 2), gate)
-        x = x + layer.mlp(layer.ffn_norm(x))
-    return model.output(model.norm(x)).float().view(-1)
+    cache)[0, -1]` computes them: the model's own forward on a `StaticState`, with the new keys and
+    values written into `pool` at `inputs.slot` and the DeltaNet layers' `recurrent` states (a hybrid
+    model's; the cache's own) advanced in place. Every shape is fixed and nothing is read back to the
+    host: capturable, and traceable whole. Run it inside `layer_in_compiled_step` (set before a trace
+    starts: a trace sees the flag as a constant)."""
+    return model(inputs.token.view(1, 1), StaticState(pool, recurrent, inputs, attend))[0, -1]
 
 
 def capture_cuda_graph(run: Run) -> Run:
@@ -279,9 +302,10 @@ class GraphDecodeStep:
             saved = [state.snapshot() for state in recurrent]
             replay: Run | None
             try:
-                replay = self.capture(
-                    lambda: static_decode_step(model_ref(), pool, recurrent, inputs, attend)
-                )
+                with layer_in_compiled_step():
+                    replay = self.capture(
+                        lambda: static_decode_step(model_ref(), pool, recurrent, inputs, attend)
+                    )
             except Exception as error:  # any failure to capture: decode eagerly, as before
                 log.warning("CUDA graph capture of the decode step failed, decoding eagerly: %r", error)
                 self.failed = True
@@ -294,7 +318,8 @@ class GraphDecodeStep:
             captured = self._captured[cache] = _Captured(inputs, replay)
         else:
             captured.inputs.load(token, cache)
-        logits = captured.replay()
+        with layer_in_compiled_step():  # a CUDA graph replays no Python; the CPU tests' stand-ins do
+            logits = captured.replay()
         cache.advance(1)
         # The replay's output is overwritten by the next one; the caller may hold these logits longer.
         return logits.clone()

@@ -76,14 +76,14 @@ class Attention(nn.Module):
             q, k, v, gate = self.project(x, cos, sin, queries_from=x.shape[1] - 1)
             return self.attend(q, k, v, gate, cache, None)
         q, k, v, gate = self.project(x, cos, sin)
+        if in_compiled_step():
+            # A compiled or captured step's state attends each row over its own cache, causally (`attend`).
+            return self.attend(q, k, v, gate, cache, None)
         if x.shape[1] == 1 and triton_enabled(q.device):
             # One token per sequence on CUDA: the paged kernel reads every row's blocks in place.
             caches = cache.caches if isinstance(cache, CacheBatch) else [cache]
             out = paged_decode_attention(q, k, v, caches, self.layer_index)
             return self.output(out.transpose(1, 2), gate)
-        if in_compiled_step():
-            # The step's op attends each row over its own cache, causally (`attend`).
-            return self.attend(q, k, v, gate, cache, None)
         if isinstance(cache, CacheBatch):
             rows = [
                 self.attend(
@@ -142,9 +142,9 @@ class Attention(nn.Module):
         """Store k, v in the cache, attend over everything cached (under `mask`), then gate and project
         out — or, with `project` False, return the heads' outputs [B, T, heads, head_dim] as they are."""
         if in_compiled_step():
-            # The cache grows every step: its write and the attention over it are one opaque op of the
-            # compiled step's graph, which runs them for each of the step's rows (bubo/model/step_ops.py).
-            out = torch.ops.bubo.cached_attention(q, k, v).transpose(1, 2)
+            # The cache grows every step: a compiled or captured step's state writes it and attends over
+            # it for each of the step's rows in a form its graph can hold (bubo/model/step_ops.py).
+            out = cache.step_attention(self.layer_index, q, k, v).transpose(1, 2)
             return self.output(out, gate) if project else out
         keys, values = cache.update(self.layer_index, k, v)
         narrower = keys.dtype != q.dtype or values.dtype != q.dtype

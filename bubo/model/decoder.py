@@ -136,9 +136,9 @@ class IndexedAttentionMixer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if in_compiled_step():
-            # The indexer's state and selection change shape from step to step: in a compiled step this
-            # mixer runs eagerly, as one opaque op (bubo/model/step_ops.py).
-            return torch.ops.bubo.token_mixer(x, cos, sin)
+            # The indexer's state and selection change shape from step to step: a compiled step's state
+            # runs this mixer eagerly, as one opaque op of its graph (bubo/model/step_ops.py).
+            return cache.opaque_mixer(x, cos, sin)
         return self.attention(x, cos, sin, cache, cache.indexers[self.state_index])
 
 
@@ -593,18 +593,18 @@ class Decoder(nn.Module):
         """The residual after the last layer, before the output norm (`hidden`)."""
         tokens = tokens.to(self.device)
         length = tokens.shape[1]
-        starts = cache.start_positions()
+        positions = cache.positions(length).to(self.device)
         if isinstance(cache, CacheBatch) and not self.supports_cache_batch:
             raise ValueError(f"{self.config.architecture} can't run several caches as one batch")
         if multimodal is not None:
-            if len(starts) > 1:
+            if positions.dim() > 1:
                 raise ValueError("image inputs run one sequence at a time, not in a cache batch")
             cos, sin = self._multimodal_rotary(tokens, multimodal)
-        elif len(starts) == 1:
-            cos, sin = self._rotary_at(starts[0], length)
+        elif positions.dim() == 1:
+            cos, sin = self.rotary(positions, self.dtype)
         else:
             # Rows of a batch continue their own sequences, each at its own position.
-            angles = [self._rotary_at(start, length) for start in starts]
+            angles = [self.rotary(row, self.dtype) for row in positions]
             cos, sin = torch.stack([a[0] for a in angles]), torch.stack([a[1] for a in angles])
         x = self.embedding(tokens)
         if multimodal is not None:
@@ -637,9 +637,6 @@ class Decoder(nn.Module):
             raise ValueError(f"image inputs run one sequence at a time, got a batch of {tokens.shape[0]}")
         multimodal.check(tokens.shape[1], self.config.hidden_size)
         return self.rotary(multimodal.positions.to(self.device), self.dtype)
-
-    def _rotary_at(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary(torch.arange(start, start + length, device=self.device), self.dtype)
 
     def draft_logits(
         self, hidden: torch.Tensor, next_tokens: torch.Tensor, mtp_cache: KVCache

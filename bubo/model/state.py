@@ -363,9 +363,10 @@ class KVCache:
                 del table[keep:]
                 self._layout[row] = None
 
-    def start_positions(self) -> list[int]:
-        """The rotary position of the next token (its sequences advance together: one)."""
-        return [self.length + self.rope_delta]
+    def positions(self, length: int) -> torch.Tensor:
+        """The rotary positions [length] of the next `length` tokens (its sequences advance together)."""
+        start = self.length + self.rope_delta
+        return torch.arange(start, start + length)
 
     def run_layer(
         self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens: torch.Tensor
@@ -459,9 +460,9 @@ class CacheBatch:
             raise ValueError("a cache batch is one or more single-sequence caches")
         self.caches = list(caches)
 
-    def start_positions(self) -> list[int]:
-        """Each row's rotary position for its next token."""
-        return [start for cache in self.caches for start in cache.start_positions()]
+    def positions(self, length: int) -> torch.Tensor:
+        """Each row's rotary positions [rows, length] for its next tokens."""
+        return torch.stack([cache.positions(length) for cache in self.caches])
 
     def run_layer(
         self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens: torch.Tensor

@@ -1,16 +1,18 @@
-"""The points of a layer that a compiled decode step leaves out of its traced graph, as custom ops.
+"""Where a layer's code meets a compiled or captured step: the points that can't be a fixed graph.
 
-The compiled step (bubo/engine/compiled_decode.py) traces each layer's own forward into a graph. Two
-things in a layer can't be a fixed graph: writing the new keys and values into the cache and attending
-over every cached position (the cache grows by a position each step), and running a token's routed
-experts (which ones is known only once the router has run, and only those are read). A third is QSA's
-indexed attention (qwen4exp), whose indexer state grows by whole compressed blocks and whose selection
-depends on the scores: that whole token mixer runs eagerly, as one op. While a layer runs inside such a
-step (`in_compiled_step`), Attention, SparseMoE and IndexedAttentionMixer call the ops below at those
-points instead of their eager code; a trace records each op as one opaque call (its fake implementation gives
-the output's shape), and when the compiled graph runs, the op hands the work to the `StepOps` that the
-engine installed for the step (`step_ops`), which knows the step's caches and the layer being run, as
-nano-vllm's attention reads its per-step context.
+The compiled CPU step (bubo/engine/compiled_decode.py) traces each layer's own forward into a graph, and
+the captured CUDA step (bubo/engine/graph_decode.py) records the model's own forward as a CUDA graph.
+Three things in a layer can't be a fixed graph: writing the new keys and values into the cache and
+attending over every cached position (the cache grows by a position each step); a token's routed
+experts on the CPU (which ones is known only once the router has run, and only those are read); and
+QSA's indexed attention (qwen4exp), whose indexer state grows by whole compressed blocks. While a layer
+runs inside such a step (`in_compiled_step`), Attention asks the step's state for its cache write and
+attention (`state.step_attention`), IndexedAttentionMixer asks it to run the mixer (`state.opaque_mixer`),
+and SparseMoE calls the routed-experts op. The compiled step's state answers with the custom ops below: a
+trace records each as one opaque call (its fake implementation gives the output's shape), and when the
+graph runs, the op hands the work to the `StepOps` the engine installed for the step (`step_ops`), which
+knows the step's caches and the layer being run, as nano-vllm's attention reads its per-step context. The
+captured step's state answers with device-side writes and static-shaped attention instead.
 """
 
 import threading
@@ -67,8 +69,10 @@ def layer_in_compiled_step() -> Iterator[None]:
         _local.layer = previous
 
 
+# A constant of a dynamo trace (the captured CUDA step's tests trace it whole): it doesn't change inside one.
+@torch.compiler.assume_constant_result
 def in_compiled_step() -> bool:
-    """Whether the layer code running now is a compiled step's (`layer_in_compiled_step`)."""
+    """Whether the layer code running now is a compiled or captured step's (`layer_in_compiled_step`)."""
     return getattr(_local, "layer", False)
 
 

@@ -39,6 +39,7 @@ from bubo.model import moe
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
 from bubo.model.state import KVCache
+from bubo.model.step_ops import layer_in_compiled_step
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.fixtures.hybrid_models import tiny_hybrid
 from tests.model.test_decoder import CASES
@@ -278,7 +279,16 @@ def _step_with_a_host_read(
     assert cache.reserve(1)
     inputs = StepInputs.allocate(cache.pool.num_blocks, model.device)
     inputs.load(torch.tensor(5), cache)
-    return capture(lambda: static_decode_step(model, cache.pool, cache.recurrent, inputs, attend_with_sync))
+    with layer_in_compiled_step():
+        captured = capture(
+            lambda: static_decode_step(model, cache.pool, cache.recurrent, inputs, attend_with_sync)
+        )
+
+    def run() -> torch.Tensor:
+        with layer_in_compiled_step():  # as GraphDecodeStep runs its captured step
+            return captured()
+
+    return run
 
 
 SYNCS = [_item, _tolist, _branch, _nonzero]
