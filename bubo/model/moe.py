@@ -224,8 +224,16 @@ class SparseMoE(nn.Module):
     def routed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for rows x [rows, hidden] with the router's top-k `weights` and
         `chosen` experts [rows, top_k] (a compiled step runs it as an opaque op, bubo/model/step_ops.py)."""
-        if x.shape[0] == 1 and x.dtype == torch.float32 and self.packed_experts:
-            return self.one_token(x, weights, chosen)
+        if x.shape[0] <= quantized_linear.MATVEC_ROWS and x.dtype == torch.float32 and self.packed_experts:
+            # A decode step's token, or a few (batched slots, a verify pass): each row's experts as compiled
+            # graphs, where the grouped loop below pays a dozen eager ops per expert; rows seldom share an
+            # expert at these counts.
+            return torch.cat(
+                [
+                    self.one_token(x[r : r + 1], weights[r : r + 1], chosen[r : r + 1])
+                    for r in range(x.shape[0])
+                ]
+            )
         out = torch.zeros_like(x)
         # Tokens grouped by expert, so each active expert's weights are used (and, quantized,
         # dequantized) once for all its tokens. unique() is sorted: experts are summed in the
