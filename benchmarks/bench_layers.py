@@ -305,7 +305,7 @@ def run_layers(
     """One forward pass of `tokens` [1, T] through every layer (Decoder.hidden's loop), adding each
     layer's, its token mixer's and its MoE's time to `times`."""
     length = tokens.shape[1]
-    cos, sin = model._rotary_at(cache.length, length)
+    cos, sin = model.rotary(cache.positions(length).to(model.device), model.dtype)
     x = expand_streams(model.embedding(tokens.to(model.device)), model.config.hc_count)
     marks = []
     for layer in model.layers:
