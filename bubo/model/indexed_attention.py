@@ -75,6 +75,9 @@ class QSAIndexer(nn.Module):
         self.compress_ratio = compress_ratio
         self.block_budget = budget // compress_ratio
         self.rope_style = rope_style
+        # The block scores pass through this identity so that a forward hook on it (the research
+        # trace's indexer_scores site) sees them as computed; without hooks it is a no-op call.
+        self.score_probe = nn.Identity()
 
     def new_state(
         self,
@@ -107,7 +110,8 @@ class QSAIndexer(nn.Module):
         if num_blocks > self.block_budget:
             scores = torch.matmul(q.float(), block_keys.float().transpose(1, 2)[:, None])
             scores = scores.relu().sum(1) / math.sqrt(self.head_dim)  # [B, T, NB]
-            top = scores.masked_fill(~selected, float("-inf")).topk(self.block_budget, dim=-1)
+            scores = self.score_probe(scores.masked_fill(~selected, float("-inf")))
+            top = scores.topk(self.block_budget, dim=-1)
             chosen = torch.zeros_like(selected).scatter(-1, top.indices, True)
             sparse = visible_blocks > self.block_budget
             selected = torch.where(sparse[:, None], chosen, selected)

@@ -265,6 +265,9 @@ class PLELayer(nn.Module):
         self.conv_kernel = ple_conv1d.shape[1]
         self.dilation = embedding.ngram_hash.ngram_size
         self.conv_history = (self.conv_kernel - 1) * self.dilation
+        # The sigmoid gates pass through this identity so that a forward hook on it (the research
+        # trace's ngram_gates site) sees them as computed; without hooks it is a no-op call.
+        self.gate_probe = nn.Identity()
 
     def new_state(
         self, batch: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
@@ -298,7 +301,7 @@ class PLELayer(nn.Module):
         gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden_size)
         # A signed square root: keeps the gate's sign, compresses its range (sign(0) = 0).
         gate = gate.abs().clamp_min(_GATE_FLOOR).sqrt() * gate.sign()
-        gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
+        gated = (self.gate_probe(torch.sigmoid(gate)) * value.unsqueeze(-2)).flatten(-2)
         gated_normed = self._norm(gated, self.norm_conv)
 
         # Causal depthwise conv with dilation n over the normed gated values: tap k of position t reads

@@ -20,6 +20,13 @@ Sites, per layer (a `Trace` saves the ones it is asked for, for the layers it is
                     its stream mixer) and output head: float32 logits [B, T, vocab]
     indexer_keep    a QSA layer's indexer selection: bool [B, T, keys], the keys each query attends
                     to (the kept blocks and the tail, causal included)
+    indexer_scores  a QSA layer's indexer block scores, float32 [B, T, blocks] over the complete blocks
+                    so far, as the indexer ranked them: -inf where a block is not yet complete at the
+                    query. Only a pass whose layer holds more complete blocks than the indexer's budget
+                    scores them; a pass with fewer (a short prompt's prefill, its early decode steps)
+                    attends to every block and saves nothing
+    ngram_gates     the PLE layer's per-stream n-gram gates [B, T, hc]: sigmoid of the signed square
+                    root, the weight in (0, 1) each stream gives the hashed n-gram value
 
 And once per model, where it has an MTP block (`layers` does not apply):
     mtp_logits      each call of the MTP block (drafting, and taking in the prompt) read through its
@@ -45,6 +52,7 @@ from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder, DecoderLayer, DeltaNetMixer, HyperConnectedLayer
 from bubo.model.indexed_attention import QSAIndexer
 from bubo.model.moe import SparseMoE, top_k_routing
+from bubo.model.ngram_embedding import PLELayer
 from bubo.model.state import CacheBatch, KVCache
 
 __all__ = ["SITES", "TRACED_REASON", "Step", "Trace", "is_traced"]
@@ -58,10 +66,12 @@ SITES = (
     "deltanet_state",
     "logit_lens",
     "indexer_keep",
+    "indexer_scores",
+    "ngram_gates",
     "mtp_logits",
 )
 # Sites captured once per step rather than per position (`Trace.tokens` can't join them).
-STEP_SITES = ("attention_probs", "deltanet_state", "indexer_keep", "mtp_logits")
+STEP_SITES = ("attention_probs", "deltanet_state", "indexer_keep", "indexer_scores", "mtp_logits")
 # The sites an intervention can change (experts are ablated with `ablate_experts`).
 ACTIVATION_SITES = ("residual", "attention", "mlp")
 TRACED_REASON = "traced: eager so every site is seen"
@@ -331,6 +341,12 @@ class Trace:
     def _on_indexer(self, layer: int, _: nn.Module, __: Any, ___: Any, keep: torch.Tensor) -> None:
         self._save("indexer_keep", layer, keep)
 
+    def _on_scores(self, layer: int, _: nn.Module, __: Any, ___: Any, scores: torch.Tensor) -> None:
+        self._save("indexer_scores", layer, scores)
+
+    def _on_gates(self, layer: int, _: nn.Module, __: Any, ___: Any, gates: torch.Tensor) -> None:
+        self._save("ngram_gates", layer, gates.squeeze(-1))
+
     def _on_mtp(self, _: int, __: nn.Module, ___: Any, ____: Any, output: tuple[torch.Tensor, ...]) -> None:
         if not self.steps:
             return  # the block run on its own before any pass of the main layers: no step to file it in
@@ -359,6 +375,8 @@ _HOOKED = {
     "router": "router",
     "deltanet_state": "deltanet",
     "indexer_keep": "indexer",
+    "indexer_scores": "scores",
+    "ngram_gates": "gates",
     "mtp_logits": "mtp",
 }
 
@@ -394,8 +412,10 @@ def _has_site(layer: nn.Module, site: str) -> bool:
         return isinstance(getattr(layer, "attention", None), DeltaNetMixer)
     if site == "attention_probs":
         return isinstance(getattr(layer, "attention", None), Attention)
-    if site == "indexer_keep":
+    if site in ("indexer_keep", "indexer_scores"):
         return any(isinstance(module, QSAIndexer) for module in layer.modules())
+    if site == "ngram_gates":
+        return isinstance(getattr(layer, "ple", None), PLELayer)
     return isinstance(layer, DecoderLayer | HyperConnectedLayer)
 
 
@@ -407,6 +427,9 @@ def _site_module(layer: nn.Module, site: str) -> nn.Module:
         return layer.mlp.router
     if kind in ("deltanet", "probs"):
         return layer.attention
-    if kind == "indexer":
-        return next(module for module in layer.modules() if isinstance(module, QSAIndexer))
+    if kind in ("indexer", "scores"):
+        indexer = next(module for module in layer.modules() if isinstance(module, QSAIndexer))
+        return indexer if kind == "indexer" else indexer.score_probe
+    if kind == "gates":
+        return layer.ple.gate_probe
     return getattr(layer, kind)

@@ -2,12 +2,16 @@
 models (hidden states, router logits and choices, the Gated DeltaNet state), the logit lens reads the
 model's own head, interventions change exactly what they say, and hooks are gone after the trace."""
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -104,6 +108,13 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, De
 def moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, Decoder]:
     reference = _qwen3moe()
     return reference, _bubo(reference, tmp_path_factory.mktemp("trace") / "moe.gguf")
+
+
+@pytest.fixture(scope="module")
+def qwen4exp(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, Decoder]:
+    reference = _eager(Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**TINY_QWEN4EXP_CONFIG)))
+    f = GGUFFile(write_qwen4exp_gguf(reference, tmp_path_factory.mktemp("trace") / "qwen4exp.gguf"))
+    return reference, load_decoder(f, config_from_gguf(f))
 
 
 def _steps(trace: Trace) -> list[tuple[int, int, int]]:
@@ -212,12 +223,12 @@ def test_deltanet_state_is_transformers_recurrent_state(arch: str, tmp_path: Pat
         assert {name for name, _ in trace.names()} >= {"router_logits", "router_experts", "router_weights"}
 
 
-def test_qwen4exp_streams_router_and_lens_are_transformers(tmp_path: Path) -> None:
+def test_qwen4exp_streams_router_and_lens_are_transformers(
+    qwen4exp: tuple[PreTrainedModel, Decoder],
+) -> None:
     """Every hyper-connection stream of the residual, the router logits, and the lens through the
     stream mixer, against transformers' hidden states, router logits and output."""
-    reference = _eager(Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**TINY_QWEN4EXP_CONFIG)))
-    f = GGUFFile(write_qwen4exp_gguf(reference, tmp_path / "qwen4exp.gguf"))
-    model = load_decoder(f, config_from_gguf(f))
+    reference, model = qwen4exp
     hc, hidden = model.config.hc_count, model.config.hidden_size
     tokens = _tokens(reference.config.vocab_size)
     with torch.no_grad():
@@ -237,14 +248,30 @@ def test_qwen4exp_streams_router_and_lens_are_transformers(tmp_path: Path) -> No
     assert _diff(logits, expected.logits) <= TOLERANCE
 
 
-def test_qsa_indexer_selection_is_transformers(tmp_path: Path) -> None:
+QSA_PREFILL, QSA_DECODE = 20, 3  # 5 complete blocks at the prefill's end: more than the budget's 2
+
+
+def _qsa_tokens() -> torch.Tensor:
+    return torch.randint(
+        0, 2048, (BATCH, QSA_PREFILL + QSA_DECODE), generator=torch.Generator().manual_seed(6)
+    )
+
+
+def _run_qsa(model: Decoder, tokens: torch.Tensor) -> None:
+    """A prefill of QSA_PREFILL tokens, then one decode step per remaining token."""
+    cache = model.new_cache(batch=BATCH, max_len=tokens.shape[1])
+    with torch.inference_mode():
+        model(tokens[:, :QSA_PREFILL], cache)
+        for i in range(QSA_PREFILL, tokens.shape[1]):
+            model(tokens[:, i : i + 1], cache)
+
+
+def test_qsa_indexer_selection_is_transformers(qwen4exp: tuple[PreTrainedModel, Decoder]) -> None:
     """The keys each query of a QSA layer attends to (kept blocks and tail), at a prefill long enough for
     the indexer to choose and at each decode step, against transformers' indexer output."""
-    reference = _eager(Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**TINY_QWEN4EXP_CONFIG)))
-    f = GGUFFile(write_qwen4exp_gguf(reference, tmp_path / "qwen4exp.gguf"))
-    model = load_decoder(f, config_from_gguf(f))
-    prefill, decode = 20, 3
-    tokens = torch.randint(0, 2048, (BATCH, prefill + decode), generator=torch.Generator().manual_seed(6))
+    reference, model = qwen4exp
+    prefill, decode = QSA_PREFILL, QSA_DECODE
+    tokens = _qsa_tokens()
     indexers = [m for m in reference.modules() if type(m).__name__ == "Qwen4ExpTextQSAIndexer"]
     selected: list[torch.Tensor] = []
     handles = [m.register_forward_hook(lambda _, __, out: selected.append(out[:, 0])) for m in indexers]
@@ -255,11 +282,7 @@ def test_qsa_indexer_selection_is_transformers(tmp_path: Path) -> None:
         for handle in handles:
             handle.remove()
     with Trace(model, sites=["indexer_keep"]) as trace:
-        cache = model.new_cache(batch=BATCH, max_len=prefill + decode)
-        with torch.inference_mode():
-            model(tokens[:, :prefill], cache)
-            for i in range(prefill, prefill + decode):
-                model(tokens[:, i : i + 1], cache)
+        _run_qsa(model, tokens)
     layers = sorted(layer for name, layer in trace.names() if name == "indexer_keep")
     assert len(layers) == len(indexers) > 0
     for layer, expected in zip(layers, selected, strict=True):
@@ -269,6 +292,80 @@ def test_qsa_indexer_selection_is_transformers(tmp_path: Path) -> None:
         assert first.sum() < torch.ones(prefill, prefill).tril().sum() * BATCH
         for i, keep in zip(range(prefill, prefill + decode), steps, strict=True):
             assert torch.equal(keep[:, 0], expected[:, i, : i + 1])
+
+
+@contextmanager
+def _spy_inside(modules: list[nn.Module], function: str) -> Iterator[list[torch.Tensor]]:
+    """The first argument of every call of torch.`function` made while one of `modules` runs its forward:
+    how a test reads a value transformers computes inside a forward and returns nothing of."""
+    seen: list[torch.Tensor] = []
+    real = getattr(torch, function)
+
+    def spy(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(x.clone())
+        return real(x, *args, **kwargs)
+
+    handles = [
+        handle
+        for module in modules
+        for handle in (
+            module.register_forward_pre_hook(lambda *_: setattr(torch, function, spy)),
+            module.register_forward_hook(lambda *_: setattr(torch, function, real)),
+        )
+    ]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+        setattr(torch, function, real)
+
+
+def test_qsa_indexer_scores_and_ngram_gates_are_transformers(
+    qwen4exp: tuple[PreTrainedModel, Decoder],
+) -> None:
+    """The QSA indexer's block scores and the PLE layer's n-gram gates, at a prefill long enough for the
+    indexer to choose and at each decode step, against what transformers' indexer and PLE layer compute
+    (read from their relu and sigmoid calls); a pass of no more blocks than the budget scores none."""
+    reference, model = qwen4exp
+    config = reference.config
+    tokens = _qsa_tokens()
+    length, ratio = tokens.shape[1], config.indexer_compress_ratio
+    indexers = [m for m in reference.modules() if type(m).__name__ == "Qwen4ExpTextQSAIndexer"]
+    ples = [m for m in reference.modules() if type(m).__name__ == "Qwen4ExpTextPLELayer"]
+    with _spy_inside(indexers, "relu") as products, _spy_inside(ples, "sigmoid") as gates, torch.no_grad():
+        reference(tokens)
+    # transformers scores query t's (t + 1) // ratio complete blocks alone, one [blocks, heads] product
+    # per query, batch row by batch row; blocks completed after the query read -inf.
+    expected = torch.full((len(indexers), BATCH, length, length // ratio), float("-inf"))
+    found = iter(products)
+    for k in range(len(indexers)):
+        for b in range(BATCH):
+            for t in range(ratio - 1, length):
+                row = next(found).relu().sum(-1) / math.sqrt(config.indexer_head_dim)
+                expected[k, b, t, : (t + 1) // ratio] = row
+    assert next(found, None) is None
+
+    with Trace(model, sites=["indexer_scores", "ngram_gates"]) as trace:
+        _run_qsa(model, tokens)
+        budget = config.indexer_budget  # as many tokens as make the budget's blocks: nothing to choose
+        with torch.inference_mode():
+            model(tokens[:, :budget], model.new_cache(batch=BATCH, max_len=budget))
+    layers = sorted(layer for name, layer in trace.names() if name == "indexer_scores")
+    assert len(layers) == len(indexers) > 0
+    for layer, want in zip(layers, expected, strict=True):
+        first, *steps = trace["indexer_scores", layer]  # the short pass saved none
+        blocks = QSA_PREFILL // ratio
+        torch.testing.assert_close(first, want[:, :QSA_PREFILL, :blocks], rtol=0, atol=TOLERANCE)
+        for i, scores in zip(range(QSA_PREFILL, length), steps, strict=True):
+            torch.testing.assert_close(scores, want[:, i : i + 1, : (i + 1) // ratio], rtol=0, atol=TOLERANCE)
+
+    (ple_layer,) = {layer for name, layer in trace.names() if name == "ngram_gates"}
+    assert ple_layer == config.ple_layer_ids[0] - 1  # 1-based in the HF config
+    (gate,) = gates  # the layer's one sigmoid: of its signed-square-root gate [B, T, hc, 1]
+    captured = torch.cat(trace["ngram_gates", ple_layer][: 1 + QSA_DECODE], dim=1)
+    assert captured.shape == (BATCH, length, model.config.hc_count)
+    assert _diff(captured, torch.sigmoid(gate).squeeze(-1)) <= TOLERANCE
 
 
 def test_mtp_logits_are_each_draft_calls_logits(
