@@ -124,5 +124,7 @@ def test_large_temporaries_stay_on_the_heap_for_reuse() -> None:
     mb = 1 << 20
     # glibc's defaults: a fresh mapping for the block, unmapped when it is freed, so the next one faults in anew.
     assert default["mapped"] >= 20 * mb and default["kept"] < mb
-    # Configured: carved from the heap, and kept there once freed, for the next temporary to reuse.
-    assert configured["mapped"] < mb and configured["kept"] >= 20 * mb
+    # Configured: carved from the heap, and kept there once freed, for the next temporary to reuse. The
+    # interpreter's own small allocations between the free and the count (the result objects) may come
+    # out of the freed chunk: a few KB of it (3.6 KB seen on the AMX Xeon VM).
+    assert configured["mapped"] < mb and configured["kept"] >= 20 * mb - 64 * 1024

@@ -223,7 +223,8 @@ class Runner:
         eager batched pass over a CacheBatch."""
         if not caches or len(caches) > MATVEC_ROWS or not all(_one_sequence(c) for c in caches):
             return None
-        return self._compiled() if self.model.supports_cache_batch else None
+        compiled = self._compiled()
+        return compiled if compiled is not None and compiled.model.supports_cache_batch else None
 
     # Reporting
 
