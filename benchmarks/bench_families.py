@@ -6,26 +6,60 @@ make_kquant_model.py --hybrid): a qwen35moe (Gated DeltaNet + gated attention, s
 qwen3next of the same widths; and bench_hybrid.py's tiny qwen4exp (float32: its fixture writer doesn't
 quantize, and llama.cpp doesn't run qwen4exp, so Bubo alone). Then for each file it starts both servers
 on the same threads, streams the same completion from each in alternating rounds (a fresh prompt prefix
-each time, end tokens pushed down: bench_busy.py's `decode_rate`), and prints the median decode speed,
-its range and Bubo's ratio to llama.cpp.
+each time, end tokens pushed down), and prints the median decode speed,
+its range and Bubo's ratio to llama.cpp. The decode speed is timed on whole answers (`decode_rate`).
 
     python benchmarks/bench_families.py                       # 2 threads, 3 rounds of 64 tokens
     python benchmarks/bench_families.py --families qwen35moe --rounds 5 --threads 1
 """
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
+import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from bench_busy import decode_rate, end_token_ids, start_servers  # noqa: E402
+from bench_busy import PROMPT, end_token_ids, start_servers  # noqa: E402
 
 from bubo.default_model import default_model_path  # noqa: E402
+
+
+def _completion_seconds(base: str, tokens: int, prefix: str, end_ids: list[int]) -> float:
+    """Seconds one completion of exactly `tokens` tokens takes (not streamed), its prompt fresh."""
+    body = {
+        "model": "bubo",
+        "prompt": f"{prefix} {PROMPT}",
+        "max_tokens": tokens,
+        "temperature": 0,
+        "logit_bias": {str(i): -100 for i in end_ids},
+    }
+    request = urllib.request.Request(
+        f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as response:
+        answer = json.loads(response.read())
+    elapsed = time.perf_counter() - started
+    if answer["usage"]["completion_tokens"] != tokens:
+        raise RuntimeError(f"{base} answered {answer['usage']['completion_tokens']} tokens, not {tokens}")
+    return elapsed
+
+
+def decode_rate(base: str, tokens: int, prefix: str, end_ids: list[int]) -> float:
+    """Decode tokens/s: the tokens after the first over the time a completion of `tokens` takes beyond one
+    of a single token (prompts of the same length, both fresh). Timing whole answers rather than streamed
+    chunks: a random model's tokens are often pieces of characters, which a server holds back until they
+    form text, so chunks don't arrive one a token."""
+    one = _completion_seconds(base, 1, f"{prefix} a", end_ids)
+    many = _completion_seconds(base, tokens, f"{prefix} b", end_ids)
+    return (tokens - 1) / (many - one)
 
 
 def _quantized_hybrid(arch: str) -> Callable[[Path], None]:
