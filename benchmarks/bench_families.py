@@ -47,8 +47,10 @@ def _completion_seconds(base: str, tokens: int, prefix: str, end_ids: list[int])
     with urllib.request.urlopen(request, timeout=600) as response:
         answer = json.loads(response.read())
     elapsed = time.perf_counter() - started
-    if answer["usage"]["completion_tokens"] != tokens:
-        raise RuntimeError(f"{base} answered {answer['usage']['completion_tokens']} tokens, not {tokens}")
+    # llama-cpp-python's server counts the answer's text tokenized again, a few more than it generated
+    # for a random model's text; fewer would mean it stopped early.
+    if answer["usage"]["completion_tokens"] < tokens:
+        raise RuntimeError(f"{base} stopped after {answer['usage']['completion_tokens']} of {tokens} tokens")
     return elapsed
 
 
