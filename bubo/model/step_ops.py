@@ -17,7 +17,7 @@ captured step's state answers with device-side writes and static-shaped attentio
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
 import torch
@@ -47,33 +47,33 @@ _local = threading.local()
 
 
 @contextmanager
-def step_ops(ops: StepOps) -> Iterator[None]:
+def _setting(name: str, value: object) -> Iterator[None]:
+    """This thread's `name` set to `value` while inside."""
+    previous = getattr(_local, name, None)
+    setattr(_local, name, value)
+    try:
+        yield
+    finally:
+        setattr(_local, name, previous)
+
+
+def step_ops(ops: StepOps) -> AbstractContextManager[None]:
     """Install `ops` as what the ops below call while a compiled step runs on this thread."""
-    previous = getattr(_local, "ops", None)
-    _local.ops = ops
-    try:
-        yield
-    finally:
-        _local.ops = previous
+    return _setting("ops", ops)
 
 
-@contextmanager
-def layer_in_compiled_step() -> Iterator[None]:
-    """Mark a layer's forward as running inside a compiled step (traced, or run as it is where inductor
-    can't build): its cache write, attention and routed experts go through the ops."""
-    previous = getattr(_local, "layer", False)
-    _local.layer = True
-    try:
-        yield
-    finally:
-        _local.layer = previous
+def layer_in_compiled_step() -> AbstractContextManager[None]:
+    """Mark a layer's forward as running inside a compiled or captured step (traced, replayed, or run as
+    it is where inductor can't build): its cache write, attention and routed experts take the step's
+    forms."""
+    return _setting("layer", True)
 
 
 # A constant of a dynamo trace (the captured CUDA step's tests trace it whole): it doesn't change inside one.
 @torch.compiler.assume_constant_result
 def in_compiled_step() -> bool:
     """Whether the layer code running now is a compiled or captured step's (`layer_in_compiled_step`)."""
-    return getattr(_local, "layer", False)
+    return bool(getattr(_local, "layer", False))
 
 
 def _ops() -> StepOps:
@@ -101,18 +101,8 @@ def _routed_experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
 
 def _token_mixer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # The mixer's own forward runs inside: its layer code must take its eager paths there.
-    with _outside_step():
+    with _setting("layer", False):
         return _ops().mix(x, cos, sin)
-
-
-@contextmanager
-def _outside_step() -> Iterator[None]:
-    previous = getattr(_local, "layer", False)
-    _local.layer = False
-    try:
-        yield
-    finally:
-        _local.layer = previous
 
 
 _library.impl("cached_attention", _cached_attention, "CompositeExplicitAutograd")
