@@ -26,6 +26,7 @@ and PLE states are per call), and a step inside which the prompt cache wants rec
 """
 
 import dataclasses
+import enum
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -94,7 +95,7 @@ class LayerTensors:
                     seen.add(id(value))
                     self._walk(value, [f.name for f in dataclasses.fields(value)], signature, seen)
             elif name not in _IDENTITY_ATTRIBUTES and isinstance(
-                value, int | float | str | bool | tuple | type(None)
+                value, int | float | str | bool | tuple | enum.Enum | type(None)
             ):
                 signature.append((name, value))
 
