@@ -122,6 +122,25 @@ class DecodeBatcher:
             self._compute.submit(self._execute, calls).result()
 
     def _execute(self, calls: list[_Call]) -> None:
+        # Every call is answered, whatever fails on the way (its error then reaches its thread): a call
+        # left waiting would hang its generation and, at exit, the process.
+        failure: BaseException | None = None
+        try:
+            self._execute_calls(calls)
+        except BaseException as error:
+            failure = error
+            raise
+        finally:
+            with self._cond:
+                for call in calls:
+                    if not call.done:
+                        call.error = (
+                            call.error or failure or RuntimeError("the batched forward pass did not run")
+                        )
+                        call.done = True
+                self._cond.notify_all()
+
+    def _execute_calls(self, calls: list[_Call]) -> None:
         batch = [c for c in calls if c.batchable and c.cache.reserve(1)]
         steps = self._compiled_steps(batch)
         if steps or len(batch) < 2 or not getattr(self.model, "supports_cache_batch", False):
@@ -138,24 +157,16 @@ class DecodeBatcher:
                 return nullcontext()
             return governor.step()
 
-        try:
-            if steps or batch:
-                with governed(decode=True):
-                    if steps:
-                        self._run_steps(steps)
-                    if batch:
-                        self._run_batch(batch)
-            for call in calls:
-                if call not in batch and call not in steps:
-                    with governed(decode=call.batchable):
-                        self._run_one(call)
-        finally:
-            with self._cond:
-                for call in calls:
-                    if not call.done:
-                        call.error = call.error or RuntimeError("the batched forward pass did not run")
-                        call.done = True
-                self._cond.notify_all()
+        if steps or batch:
+            with governed(decode=True):
+                if steps:
+                    self._run_steps(steps)
+                if batch:
+                    self._run_batch(batch)
+        for call in calls:
+            if call not in batch and call not in steps:
+                with governed(decode=call.batchable):
+                    self._run_one(call)
 
     def _compiled_steps(self, batch: list[_Call]) -> dict[_Call, CompiledDecodeStep]:
         """The compiled decode step for each call of `batch`, when every one is a forward pass it covers

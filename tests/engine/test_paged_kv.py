@@ -203,3 +203,36 @@ def test_concurrent_generations_through_the_batcher_match_sequential_ones(
         t.join(120)
     assert [got[i] for i in range(len(PROMPTS))] == expected
     assert batcher.steps > 0 and batcher.rows > batcher.steps  # some steps did carry several sequences
+
+
+def test_a_failure_before_the_pass_reaches_every_waiting_call(
+    tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever fails while a batch is being put together (here choosing its compiled step), every call in
+    it gets the error: none is left waiting, which would hang its generation and the process's exit."""
+    model = tiny_llama.model
+    batcher = DecodeBatcher(model)
+
+    def broken(self: DecodeBatcher, batch: list) -> dict:
+        raise RuntimeError("no step for you")
+
+    monkeypatch.setattr(DecodeBatcher, "_compiled_steps", broken)
+    errors: dict[int, BaseException] = {}
+    start = threading.Barrier(2)
+
+    def worker(i: int) -> None:
+        cache = model.new_cache(max_len=8)
+        start.wait()
+        with batcher.member():
+            try:
+                batcher.call("forward", torch.tensor([[5 + i]]), cache, True)
+            except RuntimeError as error:
+                errors[i] = error
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(errors) == [0, 1] and all("no step for you" in str(e) for e in errors.values())
