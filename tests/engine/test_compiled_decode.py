@@ -39,7 +39,7 @@ STEPS = 8
 
 # Every matrix Q4_0, Q5_0, Q5_1 or Q8_0 (packed once the threshold allows it: PackedQ4, PackedQ8 and
 # PackedQ8Offset), one float: no row groups. The down projection's format differs between the layers (as
-# a Q4_K_M file's: Q4_K or Q6_K), so the step runs a graph per pair of neighbouring formats.
+# a Q4_K_M file's: Q4_K or Q6_K), so the two layers trace to two graphs.
 _MIXED = {
     "token_embd.weight": Q.Q8_0,
     "output.weight": Q.Q8_0,
