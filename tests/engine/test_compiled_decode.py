@@ -250,6 +250,14 @@ def test_hybrid_models_match_the_eager_step(
     step = CompiledDecodeStep(model)
     _compare(model, step)
     _compare_batch(model, step)
+    # A verify pass's few tokens (the DeltaNet layers' chunked rule, traced for that count).
+    eager_cache, compiled_cache = model.new_cache(max_len=16), model.new_cache(max_len=16)
+    with torch.inference_mode():
+        for cache in (eager_cache, compiled_cache):
+            model(torch.tensor([[3, 17, 42, 7]]), cache, last_only=True)
+        expected = model(torch.tensor([[5, 61, 2]]), eager_cache)[0]
+        got = step(torch.tensor([5, 61, 2]), compiled_cache)
+    assert (got - expected).abs().max().item() <= LOGIT_TOLERANCE
 
 
 class _ScaledNorm(torch.nn.Module):
