@@ -134,7 +134,6 @@ class _TracedCache:
     state inputs."""
 
     length = 0
-    rope_delta = 0
     batch = 1
     snapshot_at: tuple[int, ...] = ()
 
@@ -172,12 +171,15 @@ def _has_state(layer: nn.Module) -> tuple[bool, bool]:
     return isinstance(layer.attention, DeltaNetMixer), getattr(layer, "ple", None) is not None
 
 
-def _state_tensors(layer: nn.Module, cache: KVCache | CacheBatch) -> tuple[torch.Tensor, ...]:
+def _state_tensors(
+    layer: nn.Module, has_state: tuple[bool, bool], caches: Sequence[KVCache]
+) -> tuple[torch.Tensor, ...]:
     """The per-sequence state a layer's graph takes as inputs (and updates), of each row's sequence in
-    turn: a DeltaNet layer's convolution and recurrent states, a PLE layer's token and conv history."""
-    deltanet, ple = _has_state(layer)
+    turn: a DeltaNet layer's convolution and recurrent states, a PLE layer's token and conv history
+    (`has_state`: which of the two the layer has)."""
+    deltanet, ple = has_state
     out: list[torch.Tensor] = []
-    for c in cache.caches if isinstance(cache, CacheBatch) else [cache]:
+    for c in caches:
         if deltanet:
             state = c.recurrent[layer.attention.state_index]
             out += [state.conv_state, state.recurrent_state]
@@ -249,11 +251,12 @@ class CompiledDecodeStep:
         self._index = {id(layer): i for i, layer in enumerate(self.layers)}
         self._tensors = [LayerTensors(layer) for layer in self.layers]
         self._weights = [t.tensors() for t in self._tensors]
+        self._has_state = [_has_state(layer) for layer in self.layers]
         # One graph per kind of layer (the first layer of each signature is traced for all of them).
         graphs: dict[tuple, StaticKernel] = {}
         self._graphs = []
-        for layer, tensors in zip(self.layers, self._tensors, strict=True):
-            key = (tensors.signature, _has_state(layer))
+        for layer, tensors, has_state in zip(self.layers, self._tensors, self._has_state, strict=True):
+            key = (tensors.signature, has_state)
             if key not in graphs:
                 graphs[key] = _layer_graph(layer, tensors)
             self._graphs.append(graphs[key])
@@ -263,27 +266,25 @@ class CompiledDecodeStep:
         self._attention_kernels: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        count = tokens.numel()
-        sequences = [(cache, count, cache.single_run(cache.length + count))]
-        logits = self._forward(tokens.view(1, count), cache, sequences)[0]
+        logits = self._forward(tokens.view(1, -1), cache, [cache])[0]
         return logits if tokens.dim() else logits[0]
 
     def batch(self, tokens: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor:
         """The next token of each of several sequences (tokens [B], one single-sequence KVCache each; every
         cache advances by one) -> logits [B, vocab]: the sequences are the rows of one pass, so every
         matvec expands the weights' codes once for all of them, and each row attends over its own cache."""
-        sequences = [(cache, 1, cache.single_run(cache.length + 1)) for cache in caches]
-        return self._forward(tokens.view(-1, 1), CacheBatch(caches), sequences)[:, -1]
+        return self._forward(tokens.view(-1, 1), CacheBatch(caches), list(caches))[:, -1]
 
     def _forward(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache | CacheBatch,
-        sequences: list[tuple[KVCache, int, int | None]],
+        self, tokens: torch.Tensor, cache: KVCache | CacheBatch, caches: list[KVCache]
     ) -> torch.Tensor:
-        ops = _StepOps(self, sequences)
+        """The model's forward on `tokens` [rows, T] through the compiled layers; row i continues
+        `caches[i]` (one cache: `cache` itself; several: `cache` is their CacheBatch)."""
+        # Each sequence's blocks are taken now, so the step's writes know whether they form one run.
+        runs = [c.single_run(c.length + tokens.shape[1]) for c in caches]
+        ops = _StepOps(self, list(zip(caches, runs, strict=True)))
         with step_ops(ops), torch.inference_mode():
-            return self.model(tokens, CompiledState(self, cache, ops))
+            return self.model(tokens, CompiledState(self, cache, caches, ops))
 
     def run_layer(
         self,
@@ -292,12 +293,12 @@ class CompiledDecodeStep:
         cos: torch.Tensor,
         sin: torch.Tensor,
         tokens: torch.Tensor,
-        cache: KVCache | CacheBatch,
+        caches: Sequence[KVCache],
         ops: "_StepOps",
     ) -> torch.Tensor:
-        """One layer of a step through its compiled graph."""
+        """One layer of a step through its compiled graph; row i continues `caches[i]`."""
         i = self._index[id(layer)]
-        state = _state_tensors(layer, cache)
+        state = _state_tensors(layer, self._has_state[i], caches)
         args = (x, cos, sin, tokens, *state, *self._weights[i])
         key = (i, x.shape, cos.shape)
         kernel = self._kernels.get(key)
@@ -325,8 +326,10 @@ class CompiledState:
     """The cache a compiled step hands the model's forward: the step's KVCache or CacheBatch, whose layers
     run through their compiled graphs (`CompiledDecodeStep.run_layer`)."""
 
-    def __init__(self, step: CompiledDecodeStep, cache: KVCache | CacheBatch, ops: "_StepOps") -> None:
-        self._step, self._cache, self._ops = step, cache, ops
+    def __init__(
+        self, step: CompiledDecodeStep, cache: KVCache | CacheBatch, caches: list[KVCache], ops: "_StepOps"
+    ) -> None:
+        self._step, self._cache, self._caches, self._ops = step, cache, caches, ops
 
     def positions(self, length: int) -> torch.Tensor:
         return self._cache.positions(length)
@@ -334,7 +337,7 @@ class CompiledState:
     def run_layer(
         self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens: torch.Tensor
     ) -> torch.Tensor:
-        return self._step.run_layer(layer, x, cos, sin, tokens, self._cache, self._ops)
+        return self._step.run_layer(layer, x, cos, sin, tokens, self._caches, self._ops)
 
     def advance(self, n: int) -> None:
         self._cache.advance(n)
@@ -372,10 +375,10 @@ def _store(
 
 class _StepOps:
     """The opaque points of one step's layers (bubo/model/step_ops.py): `sequences` are the caches the
-    step's rows belong to, in row order, as (cache, its rows, the pool position of its blocks' one run or
-    None); `layer` is the layer running now."""
+    step's rows belong to, in row order, each with the pool position of its blocks' one run (or None);
+    `layer` is the layer running now."""
 
-    def __init__(self, step: CompiledDecodeStep, sequences: list[tuple[KVCache, int, int | None]]) -> None:
+    def __init__(self, step: CompiledDecodeStep, sequences: list[tuple[KVCache, int | None]]) -> None:
         self.step = step
         self.sequences = sequences
         self.layer: nn.Module | None = None
@@ -383,15 +386,11 @@ class _StepOps:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self.layer is not None
         slot = self.layer.attention.layer_index
-        if len(self.sequences) == 1:
-            ((cache, _, run),) = self.sequences
-            keys, values = _store(cache, slot, run, k[0], v[0])
-            return self.step.attention(slot, q, keys, values)
         outputs = []
-        for row, (cache, _, run) in enumerate(self.sequences):
+        for row, (cache, run) in enumerate(self.sequences):
             keys, values = _store(cache, slot, run, k[row], v[row])
             outputs.append(self.step.attention(slot, q[row : row + 1], keys, values))
-        return torch.cat(outputs)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def mix(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         assert self.layer is not None and len(self.sequences) == 1  # qwen4exp runs no cache batch

@@ -178,7 +178,6 @@ class StaticState:
     cache's own recurrent states in place. `advance` is left to the caller, after the replay."""
 
     length = 0  # no position is read on the host: the rotary positions come from `inputs`
-    rope_delta = 0
     snapshot_at: tuple[int, ...] = ()
 
     def __init__(
