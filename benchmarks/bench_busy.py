@@ -75,19 +75,27 @@ def start_servers(model: Path, threads: int, engines: list[str]) -> dict[str, tu
     return servers
 
 
-def decode_rate(base: str, tokens: int, prefix: str, end_ids: list[int]) -> float:
-    """Decode tokens/s of one streamed completion: tokens after the first over the time they took."""
+def completion_request(
+    base: str, tokens: int, prefix: str, end_ids: list[int], stream: bool
+) -> urllib.request.Request:
+    """A greedy /v1/completions request for exactly `tokens` tokens (the end tokens pushed down), its
+    prompt made fresh by `prefix` (no prompt cache helps)."""
     body = {
         "model": "bubo",
         "prompt": f"{prefix} {PROMPT}",
         "max_tokens": tokens,
         "temperature": 0,
-        "stream": True,
+        "stream": stream,
         "logit_bias": {str(i): -100 for i in end_ids},
     }
-    request = urllib.request.Request(
+    return urllib.request.Request(
         f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
+
+
+def decode_rate(base: str, tokens: int, prefix: str, end_ids: list[int]) -> float:
+    """Decode tokens/s of one streamed completion: tokens after the first over the time they took."""
+    request = completion_request(base, tokens, prefix, end_ids, stream=True)
     stamps = []
     with urllib.request.urlopen(request, timeout=600) as response:
         for line in response:

@@ -26,23 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from bench_busy import PROMPT, end_token_ids, start_servers  # noqa: E402
+from bench_busy import completion_request, end_token_ids, start_servers  # noqa: E402
 
 from bubo.default_model import default_model_path  # noqa: E402
 
 
 def _completion_seconds(base: str, tokens: int, prefix: str, end_ids: list[int]) -> float:
     """Seconds one completion of exactly `tokens` tokens takes (not streamed), its prompt fresh."""
-    body = {
-        "model": "bubo",
-        "prompt": f"{prefix} {PROMPT}",
-        "max_tokens": tokens,
-        "temperature": 0,
-        "logit_bias": {str(i): -100 for i in end_ids},
-    }
-    request = urllib.request.Request(
-        f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    request = completion_request(base, tokens, prefix, end_ids, stream=False)
     started = time.perf_counter()
     with urllib.request.urlopen(request, timeout=600) as response:
         answer = json.loads(response.read())

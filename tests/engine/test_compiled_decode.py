@@ -272,20 +272,24 @@ class _ScaledNorm(torch.nn.Module):
         return 1.5 * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+def scale_the_feed_forward_norms(model: Decoder, prompt: torch.Tensor) -> None:
+    """Put a `_ScaledNorm` in place of every layer's norm before its feed-forward, after checking that it
+    changes the eager forward's logits of `prompt` (else the tests using it would prove nothing)."""
+    with torch.inference_mode():
+        before = model(prompt, model.new_cache(max_len=prompt.shape[1]))[0, -1]
+        for layer in model.layers:
+            layer.ffn_norm = _ScaledNorm(layer.ffn_norm)
+        after = model(prompt, model.new_cache(max_len=prompt.shape[1]))[0, -1]
+    assert (after - before).abs().max().item() > 1e-2
+
+
 def test_the_step_runs_the_layers_own_math(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One forward: the compiled step traces each layer's own modules, so a change to a piece of a
     layer's math (here every layer's norm before its feed-forward) changes the compiled step's logits
     exactly as the eager forward's."""
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     model = _model("qwen3-qk-norm", tmp_path / "qwen3.gguf", quantize={"blk.*": Q.Q8_0})
-    prompt = torch.tensor([[3, 17, 42]])
-    with torch.inference_mode():
-        before = model(prompt, model.new_cache(max_len=8))[0, -1]
-    for layer in model.layers:
-        layer.ffn_norm = _ScaledNorm(layer.ffn_norm)
-    with torch.inference_mode():
-        after = model(prompt, model.new_cache(max_len=8))[0, -1]
-    assert (after - before).abs().max().item() > 1e-2
+    scale_the_feed_forward_norms(model, torch.tensor([[3, 17, 42]]))
     _compare(model, CompiledDecodeStep(model))
 
 

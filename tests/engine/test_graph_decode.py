@@ -551,14 +551,8 @@ def test_the_step_runs_the_layers_own_math(tmp_path: Path) -> None:
     """One forward: the captured step is the model's own forward, so a test double of a piece of a layer's
     math (every layer's norm before its feed-forward, the compiled step's test uses the same) changes its
     logits exactly as the eager forward's."""
-    from tests.engine.test_compiled_decode import _ScaledNorm
+    from tests.engine.test_compiled_decode import scale_the_feed_forward_norms
 
     model = _model("qwen3-qk-norm", tmp_path / "qwen3.gguf")
-    with torch.inference_mode():
-        before = model(PROMPT, model.new_cache(max_len=32))[0, -1]
-    for layer in model.layers:
-        layer.ffn_norm = _ScaledNorm(layer.ffn_norm)
-    with torch.inference_mode():
-        after = model(PROMPT, model.new_cache(max_len=32))[0, -1]
-    assert (after - before).abs().max().item() > 1e-2
+    scale_the_feed_forward_norms(model, PROMPT)
     _compare(model, GraphDecodeStep(model, masked_attention, capture=_run_as_is), _cache(model), sample=False)
