@@ -20,7 +20,8 @@ ALLOWED = {
     "engine": {"gguf", "kernels", "templates", "vision", "model"},
     "api": {"engine", "model", "gguf"},
     "server": {"engine", "model", "gguf", "templates", "vision", "__init__"},
-    "cli": {"api", "engine", "gguf", "server", "__init__"},
+    "file_listing": {"gguf"},
+    "cli": {"api", "engine", "file_listing", "gguf", "server", "__init__"},
     "__main__": {"cli"},
 }
 LEAVES = {"options", "dtypes", "process_memory", "default_model"}
