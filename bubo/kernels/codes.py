@@ -27,11 +27,13 @@ offset -8d where it overflows float16); the kernels widen them as they load them
 sub-blocks' integer scales as bytes and d, dmin as float32 words, in an array of their own
 (bubo/kernels/super_block_matvec.py).
 
-Words enter a compiled kernel as float32 bit patterns (`word_bits`) and are viewed back to int32
-inside it. Inductor loads a vector of int32 with `Vectorized<int32_t>::loadu(ptr, count)`, which in
-ATen's AVX2 header always copies through a stack buffer (two 16-byte stores, then one 32-byte load: a
-store-forwarding stall on every load); the float32 load has a full-width fast path. Measured on the
-default model's matrices: 2.3-2.9x the speed of the same kernel fed int32.
+Words enter a compiled kernel as int32 with AVX-512 and as float32 bit patterns elsewhere (`word_bits`),
+viewed back to int32 inside it. Inductor loads a vector of int32 with `Vectorized<int32_t>::loadu(ptr,
+count)`, which in ATen's AVX2 header always copies through a stack buffer (two 16-byte stores, then one
+32-byte load: a store-forwarding stall on every load); the float32 load has a full-width fast path (2.3-2.9x
+the speed on the default model's matrices). The AVX-512 header loads int32 directly, while the bit cast
+back from float32 is emitted as a loop over the lanes through the stack, which the C++ compiler leaves
+scalar (inductor turns its loop vectorizer off): with 16 lanes the int32 words run at twice the speed.
 """
 
 import dataclasses
@@ -279,8 +281,8 @@ def field_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def word_bits(words: torch.Tensor) -> torch.Tensor:
-    """int32 code words as the float32 bit patterns a compiled kernel takes them in (see above): a view."""
-    return words.view(torch.float32)
+    """int32 code words as a compiled kernel takes them in (see above): a view."""
+    return words if TILE >= 16 else words.view(torch.float32)
 
 
 def pairwise_sum(terms: list[torch.Tensor]) -> torch.Tensor:

@@ -131,7 +131,7 @@ def _unpack_kernel(with_offset: bool, dtype: torch.dtype) -> StaticKernel:
         # q4_unpack). PackedQ8's bytes are biased codes, PackedQ8Offset's the codes themselves; the
         # subtraction is exact, and without FMA contraction the rest rounds as the reference does.
         if not with_offset:
-            bits, scale = bits[:, :, :-1], bits[:, :, -1]
+            bits, scale = bits[:, :, :-1], bits[:, :, -1].view(torch.float32)
         words = bits.view(torch.int32).permute(1, 2, 0, 3)
         shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=bits.device)[:, None, None]
         codes = ((words[:, :, None] >> shifts) & 0xFF).to(torch.float32)
@@ -148,7 +148,7 @@ def _unpack_kernel(with_offset: bool, dtype: torch.dtype) -> StaticKernel:
 def _matvec(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     # sum_b scale[b] * (x_b . (bytes_b - CODE_BIAS)): the inner dot product runs on the bytes alone
     # (bubo/kernels/codes.py's block_dots, the codes of several rows of x expanded once).
-    words, scale = bits[:, :, :-1].view(torch.int32), bits[:, :, -1]
+    words, scale = bits[:, :, :-1].view(torch.int32), bits[:, :, -1].view(torch.float32)
     sums = block_sums(x, words.shape[1])
     dots = block_dots(x, words, 8)
     return by_rows(x, [((d - CODE_BIAS * sums[r]) * scale).sum(1).view(-1) for r, d in enumerate(dots)])

@@ -258,11 +258,11 @@ def _scale_offset(
         words = fields[:, :, first : first + n, None, :]
         return ((words >> shifts) & 0xFF).to(torch.float32).view(tiles, n_super, fmt.sub_blocks, lanes)
 
-    d = field_bits[:, :, 2 * n if fmt.has_min else n, None, :]
+    d = field_bits[:, :, 2 * n if fmt.has_min else n, None, :].view(torch.float32)
     scale = d * (sub_block_bytes(0) + fmt.scale_bias)
     if not fmt.has_min:
         return scale, None
-    dmin = field_bits[:, :, 2 * n + 1, None, :]
+    dmin = field_bits[:, :, 2 * n + 1, None, :].view(torch.float32)
     return scale, -(dmin * sub_block_bytes(n))
 
 

@@ -23,8 +23,9 @@ the compiled matvecs read is repacked at load as one matrix of experts x rows ro
 an expert's product runs on its slice of whole tiles: a decoded token's few rows as matvecs on the codes,
 a prefill's many through unpacked chunks, as a dense QuantizedLinear's do; gate and up are merged into
 one packed matrix (`merge_gate_up`), an expert's gate rows followed by its up rows. A decoded token's
-expert is one compiled graph (`_routed_expert_kernel`: the gate|up matvec, SwiGLU, the down matvec,
-weighted and added to the sum) instead of a dozen eager ops. Dequantizing each routed expert whole for
+experts are one compiled graph (`_gathered_experts_kernel`: its chosen experts' gate|up rows as one
+matvec, SwiGLU, their down blocks as one matvec), which a compiled decode step traces into the layer's
+own graph: no Python runs between the router and the sum. Dequantizing each routed expert whole for
 every token made decode ~13x slower than llama.cpp's on Qwen3-30B-A3B's widths
 (benchmarks/make_kquant_model.py --moe).
 """
@@ -48,6 +49,7 @@ from bubo.model.quantized_linear import (
     pack_for_cpu,
     packed_graph_inputs,
     packed_graph_matvec,
+    packed_graph_tensors,
     packed_product,
     same_layout,
     scratch_buffer,
@@ -111,10 +113,6 @@ class QuantizedExpertMatrices(nn.Module):
         )
         return F.linear(operand, weight).to(x.dtype)
 
-    def graph_inputs(self, expert: int) -> tuple[str, tuple[torch.Tensor, ...]]:
-        """Expert e's packed matrix as a compiled graph takes it (quantized_linear.packed_graph_inputs)."""
-        return packed_graph_inputs(self._expert(expert))
-
     def _expert(self, expert: int) -> Packed:
         assert self.packed is not None
         rows = self.raw.shape[1]
@@ -176,16 +174,11 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate_up = merge_gate_up(gate, up)
-        self._expert_inputs: dict[int, tuple[torch.Tensor, ...]] = {}
-        # The one-token graph's formats (each matrix's packed kind and tensor count), alike for every expert.
-        self._formats = (
-            tuple((kind, len(ts)) for kind, ts in self._expert_parts(0)) if self.packed_experts else ()
-        )
 
     @property
     def packed_experts(self) -> bool:
-        """Whether the experts run on repacked stacks (gate and up merged, down), which a token's routed
-        experts need to run as one compiled graph (`one_token`)."""
+        """Whether the experts run on repacked stacks (gate and up merged, down), which a few rows' routed
+        experts need to run as one compiled graph (`routed`)."""
         return self.gate_up is not None and packed_stack(self.down)
 
     def warm_up(self, dtype: torch.dtype) -> None:
@@ -204,9 +197,9 @@ class SparseMoE(nn.Module):
             from bubo.kernels.triton_moe import fused_moe
 
             out = fused_moe(x, weights, chosen, self.gate, self.up, self.down)
-        elif in_compiled_step():
-            # Only the chosen experts are read, which a fixed graph can't say: an opaque op of the compiled
-            # step runs this module's own expert loop (bubo/model/step_ops.py).
+        elif in_compiled_step() and not self._gathered(x):
+            # Unpacked experts are read one by one as the router picks them, which a fixed graph can't say:
+            # an opaque op of the compiled step runs this module's own expert loop (bubo/model/step_ops.py).
             out = torch.ops.bubo.routed_experts(x, weights, chosen)
         else:
             out = self.routed(x, weights, chosen)
@@ -221,19 +214,23 @@ class SparseMoE(nn.Module):
             isinstance(s, QuantizedExpertMatrices) and s.ggml_type in TRITON_TYPES for s in stacks
         ) and triton_enabled(x.device)
 
+    def _gathered(self, x: torch.Tensor) -> bool:
+        """Whether the rows x run as one graph that gathers their experts from the stacks (`routed`)."""
+        return x.shape[0] <= quantized_linear.MATVEC_ROWS and x.dtype == torch.float32 and self.packed_experts
+
     def routed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for rows x [rows, hidden] with the router's top-k `weights` and
-        `chosen` experts [rows, top_k] (a compiled step runs it as an opaque op, bubo/model/step_ops.py)."""
-        if x.shape[0] <= quantized_linear.MATVEC_ROWS and x.dtype == torch.float32 and self.packed_experts:
-            # A decode step's token, or a few (batched slots, a verify pass): each row's experts as compiled
-            # graphs, where the grouped loop below pays a dozen eager ops per expert; rows seldom share an
-            # expert at these counts.
-            return torch.cat(
-                [
-                    self.one_token(x[r : r + 1], weights[r : r + 1], chosen[r : r + 1])
-                    for r in range(x.shape[0])
-                ]
-            )
+        `chosen` experts [rows, top_k]."""
+        if self._gathered(x):
+            # A decode step's token, or a few (batched slots, a verify pass): one compiled graph reads each
+            # row's chosen experts straight out of the stacks, where the grouped loop below pays a dozen
+            # eager ops per expert. Inside a compiled step it traces into the layer's own graph.
+            assert self.gate_up is not None and isinstance(self.down, QuantizedExpertMatrices)
+            assert self.down.packed is not None
+            gate_up_kind, gate_up = packed_graph_inputs(self.gate_up)
+            down_kind, down = packed_graph_inputs(self.down.packed)
+            kernel = _gathered_experts_kernel(gate_up_kind, down_kind, self.down.raw.shape[0])
+            return kernel(x, weights, chosen, *gate_up, *down)
         out = torch.zeros_like(x)
         # Tokens grouped by expert, so each active expert's weights are used (and, quantized,
         # dequantized) once for all its tokens. unique() is sorted: experts are summed in the
@@ -244,39 +241,6 @@ class SparseMoE(nn.Module):
             y = self.down.linear(self._swiglu(h, expert), expert)
             out.index_add_(0, tokens, y * weights[tokens, slot, None])
         return out
-
-    def one_token(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """One token's routed experts (x [1, hidden] float32, `packed_experts`; its top-k `weights` and
-        `chosen` experts [1, top_k]), one compiled graph each, summed in the loop's order (ascending expert
-        ids)."""
-        experts, order = chosen[0].sort()
-        weights = weights[0, order]
-        out = torch.zeros_like(x)
-        kernel = None
-        for j, expert in enumerate(experts.tolist()):
-            inputs = self._graph_inputs(expert)
-            if kernel is None:
-                # Every expert's tensors have the same layouts: the compiled graph is looked up once.
-                kernel = _routed_expert_kernel(self._formats, tuple(x.shape)).kernel_for(
-                    x, out, weights[j], *inputs
-                )
-            out = kernel(x, out, weights[j], *inputs)
-        return out
-
-    def _graph_inputs(self, expert: int) -> tuple[torch.Tensor, ...]:
-        """Expert e's merged gate|up and down tensors as the one-token graph takes them, made on first use
-        and kept (slicing them out per token cost a noticeable share of the expert's own matvecs)."""
-        inputs = self._expert_inputs.get(expert)
-        if inputs is None:
-            inputs = self._expert_inputs[expert] = tuple(
-                t for _, ts in self._expert_parts(expert) for t in ts
-            )
-        return inputs
-
-    def _expert_parts(self, expert: int) -> list[tuple[str, tuple[torch.Tensor, ...]]]:
-        """Expert e's merged gate|up and down as (packed kind, tensors) (quantized_linear.packed_graph_inputs)."""
-        assert isinstance(self.down, QuantizedExpertMatrices)
-        return [packed_graph_inputs(self._gate_up_of(expert)), self.down.graph_inputs(expert)]
 
     def _swiglu(self, h: torch.Tensor, expert: int) -> torch.Tensor:
         """silu(gate_e(h)) * up_e(h) for the rows h routed to `expert`."""
@@ -331,23 +295,37 @@ def merge_gate_up(gate: Experts, up: Experts) -> Packed | None:
 
 
 @functools.cache
-def _routed_expert_kernel(formats: tuple[tuple[str, int], ...], shape: tuple[int, ...]) -> StaticKernel:
-    """sum + weight * down(silu(gate(x)) * up(x)) for one token x [1, hidden] and one expert, compiled as
-    one graph: `formats` gives the merged gate|up's and down's packed kind and how many tensors each takes."""
+def _gathered_experts_kernel(gate_up_kind: str, down_kind: str, experts: int) -> StaticKernel:
+    """sum_j weight_j * down_ej(silu(gate_ej(x)) * up_ej(x)) over each row's chosen experts e_j, for a few
+    rows x [rows, hidden], compiled as one graph on the whole stacks (their packed tensors, of the kinds
+    given, after the three arguments).
 
-    def routed_expert(
-        x: torch.Tensor, total: torch.Tensor, weight: torch.Tensor, *tensors: torch.Tensor
+    A row's experts are gathered by index inside the graph, which inductor folds into the matvecs' loads:
+    nothing is copied. Their merged gate|up rows form one matrix of top_k x (gate + up) rows for one matvec.
+    The down products add up as one matvec too: the tiles hold output rows and the blocks run along the
+    input, so the chosen experts' blocks laid side by side are the matrix [hidden, top_k x ffn] whose
+    product with the weighted SwiGLU outputs, concatenated, is the weighted sum."""
+    gate_up_tensors = packed_graph_tensors(gate_up_kind)
+
+    def gathered_experts(
+        x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, *tensors: torch.Tensor
     ) -> torch.Tensor:
-        matrices, start = [], 0
-        for kind, count in formats:
-            matrices.append((kind, tensors[start : start + count]))
-            start += count
-        (gate_up_kind, gate_up), (down_kind, down) = matrices
-        rows = gate_up[0].shape[0] * TILE  # whole tiles: pack_experts takes only stacks whose rows fill them
-        gate, up = packed_graph_matvec(gate_up_kind, x, gate_up, rows).chunk(2, dim=-1)
-        h = F.silu(gate) * up
-        # Stored once: left as an expression, inductor would recompute SiLU in the down matvec's loop.
-        h = force_stride_order(h, h.stride())
-        return total + weight * packed_graph_matvec(down_kind, h, down, shape[-1])
+        gate_up, down = tensors[:gate_up_tensors], tensors[gate_up_tensors:]
+        sums = []
+        for row, picked in zip(x.unbind(0), chosen.unbind(0), strict=True):
+            top_k = picked.shape[0]
+            # [experts x tiles, ...] -> the picked experts' tiles, one after the other.
+            rows = tuple(t.view(experts, -1, *t.shape[1:])[picked].flatten(0, 1) for t in gate_up)
+            h = packed_graph_matvec(gate_up_kind, row, rows, rows[0].shape[0] * TILE).view(top_k, 2, -1)
+            h = (F.silu(h[:, 0]) * h[:, 1] * weights[len(sums), :, None]).reshape(-1)
+            # Stored once: left as an expression, inductor would recompute SiLU in the down matvec's loop.
+            h = force_stride_order(h, h.stride())
+            # [experts x tiles, blocks, ...] -> [tiles, picked experts' blocks, ...]
+            blocks = tuple(
+                t.view(experts, -1, *t.shape[1:])[picked].transpose(0, 1).contiguous().flatten(1, 2)
+                for t in down
+            )
+            sums.append(packed_graph_matvec(down_kind, h, blocks, blocks[0].shape[0] * TILE))
+        return torch.stack(sums)
 
-    return StaticKernel(routed_expert, fused=True)  # type: ignore[arg-type]
+    return StaticKernel(gathered_experts, fused=True)  # type: ignore[arg-type]

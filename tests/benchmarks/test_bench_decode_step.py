@@ -3,6 +3,7 @@ the step's results untouched by the timers, and the engine left as it was."""
 
 import contextlib
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -84,8 +85,13 @@ def test_breakdown_times_every_part_of_the_default_model_step(
     assert rows["step"][1:] == [100.0, 1] and rows["attention"][2] == len(model.layers)
 
 
-def test_breakdown_times_the_routed_experts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_breakdown_times_the_routed_experts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime_options: Callable[..., None]
+) -> None:
+    """Experts left in the file's blocks (--no-pack-experts) run through the step's routed-experts op,
+    which the breakdown times apart (packed ones are gathered inside the layer's graph)."""
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    runtime_options(pack_experts=False)
     model = _moe_model(tmp_path / "moe.gguf")
     step = CompiledDecodeStep(model)
     expected, _ = _steps(model, step, None)

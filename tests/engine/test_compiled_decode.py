@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bubo.engine import compiled_decode
 from bubo.engine.compiled_decode import CompiledDecodeStep
 from bubo.engine.generate import (
     GenerationResult,
@@ -415,9 +416,14 @@ def _moe_model(path: Path) -> Decoder:
 
 
 def test_mixture_of_experts_matches_the_eager_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """qwen3moe with packed expert stacks: each layer is a graph around the routed-experts op, which runs
-    the module's own expert loop (a compiled graph per expert), a token at a time and a verify pass's rows."""
+    """qwen3moe with packed expert stacks: each token's routed experts are gathered from the stacks inside
+    the layer's own graph (the routed-experts op never runs), a token at a time and a verify pass's rows."""
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+
+    def unexpected(*args: object) -> torch.Tensor:
+        raise AssertionError("packed experts went through the routed-experts op")
+
+    monkeypatch.setattr(compiled_decode._StepOps, "routed_experts", unexpected)
     model = _moe_model(tmp_path / "moe.gguf")
     step = CompiledDecodeStep(model)
     _compare(model, step)

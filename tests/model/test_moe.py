@@ -206,17 +206,17 @@ def test_runs_on_cuda(tmp_path: Path) -> None:
 
 def test_packed_experts_match_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Expert stacks repacked for the CPU's compiled matvecs (here at the tiny model's widths): a prefill's
-    many rows through unpacked chunks, and each decoded token (one sequence's, or each row of a batch of
-    two) through one compiled graph per routed expert."""
+    many rows through unpacked chunks, and each decoded step (one sequence's token, or the rows of a batch
+    of two) through one compiled graph that gathers the routed experts from the stacks."""
     monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     graphs: list[tuple] = []
-    kernel_for = bubo.model.moe._routed_expert_kernel
+    kernel_for = bubo.model.moe._gathered_experts_kernel
 
     def counting(*key: Any) -> Any:
         graphs.append(key)
         return kernel_for(*key)
 
-    monkeypatch.setattr(bubo.model.moe, "_routed_expert_kernel", counting)
+    monkeypatch.setattr(bubo.model.moe, "_gathered_experts_kernel", counting)
     reference = _reference()
     _, model = _load(write_gguf(reference, tmp_path / "moe-q.gguf", quantize=PACKED_EXPERTS_Q))
     for layer in model.layers:
@@ -224,7 +224,7 @@ def test_packed_experts_match_transformers(tmp_path: Path, monkeypatch: pytest.M
         assert layer.mlp.packed_experts and layer.mlp.gate_up is not None
         assert layer.mlp.gate.packed is None and layer.mlp.up.packed is None
     _check_against_reference(reference, model, "qwen3moe packed experts, batch of 2")
-    # The prefill's many rows took the grouped loop; each decoded row of the batch, its experts' graphs.
+    # The prefill's many rows took the grouped loop; each decoded step of the batch, the gathering graph.
     assert graphs
     graphs.clear()
     tokens = _tokens(reference.config.vocab_size)[:1]
@@ -234,7 +234,7 @@ def test_packed_experts_match_transformers(tmp_path: Path, monkeypatch: pytest.M
     )
     assert d_prefill <= TOLERANCE
     assert d_decode <= TOLERANCE
-    # Every decoded token, in each of 3 layers: the graph looked up once, then run for each of the top 2.
+    # Every decoded token, in each of 3 layers: one graph for its top 2 experts.
     assert len(graphs) == DECODE * 3
 
 
