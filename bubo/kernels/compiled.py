@@ -55,6 +55,10 @@ _FUSED = {
     # A matvec's reduction over a row's few groups (8 for a 1024-wide Q6_K row) stays a loop: inductor
     # would unroll it whole (8 or fewer steps), each step hundreds of instructions.
     "unroll_reductions_threshold": 1,
+    # A one-row product with a small float matrix (a router, a shared expert's gate) as a reduction fused
+    # with its neighbours rather than a call to the BLAS (inductor's decompose_mm_pass: 1 row, both
+    # dimensions at most 2048).
+    "post_grad_fusion_options": {"decompose_mm_pass": {}},
 }
 
 

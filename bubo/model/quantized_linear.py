@@ -195,6 +195,12 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.packed = pack_for_cpu(raw, ggml_type)
         self.group: RowGroup | None = None  # set by group_rows
+        # A matrix too small to repack (a DeltaNet layer's alpha and beta rows), dequantized once for the
+        # compiled decode step: dequantized inside its graph, it cost a dozen small kernels and host ops
+        # a layer; dense, its product is one reduction fused with its neighbours (at most
+        # MIN_PACKED_WEIGHTS values, 256 KB).
+        small = raw.device.type == "cpu" and self.out_features * in_features < MIN_PACKED_WEIGHTS
+        self.dense = dequantize(raw, ggml_type, torch.float32) if small and self.packed is None else None
 
     def warm_up(self, dtype: torch.dtype, alone: bool = False) -> None:
         """Compile this shape's kernels now (seconds, once per shape) rather than on the first request: the
@@ -218,8 +224,11 @@ class QuantizedLinear(nn.Module):
             return self._packed_forward(x)
         operand = gemm_operand(x)
         if in_compiled_step():
-            # In a traced graph: the small matrices that stay unpacked, dequantized whole (no scratch buffer).
-            out = F.linear(operand, dequantize(self.raw, self.ggml_type, operand.dtype)).to(x.dtype)
+            # In a traced graph: the matrices that stay unpacked, dequantized whole (no scratch buffer).
+            weight = (
+                self.dense if self.dense is not None else dequantize(self.raw, self.ggml_type, operand.dtype)
+            )
+            out = F.linear(operand, weight.to(operand.dtype)).to(x.dtype)
             return out if self.bias is None else out + self.bias
         rows = max(1, CHUNK_VALUES // self.in_features)
         if rows >= self.out_features:
