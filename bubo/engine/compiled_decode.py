@@ -14,8 +14,9 @@ runs the same compiled graph: a model whose layers are alike compiles one graph 
 What can't be a fixed graph stays out of it as opaque ops the layer code calls inside a compiled step
 (bubo/model/step_ops.py): the cache write with the attention over the whole cache (whose length grows every
 step), run here (`_StepOps.attend`) as views of the pool and one attention kernel compiled for every length
-(bubo/kernels/decode_attention.py); a token's routed experts (`_StepOps.routed_experts`), the
-mixture-of-experts module's own expert loop, which reads only the chosen experts; and qwen4exp's QSA token
+(bubo/kernels/decode_attention.py); a token's routed experts where their stacks stay in the file's
+blocks (`_StepOps.routed_experts`, the mixture-of-experts module's own expert loop; repacked stacks are
+gathered by index inside the layer's graph); and qwen4exp's QSA token
 mixer (`_StepOps.mix`), run eagerly, whose indexer state grows by whole blocks. A Gated DeltaNet layer's
 recurrent and convolution states and qwen4exp's PLE history are inputs the graph updates in place.
 

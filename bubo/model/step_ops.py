@@ -4,11 +4,12 @@ The compiled CPU step (bubo/engine/compiled_decode.py) traces each layer's own f
 the captured CUDA step (bubo/engine/graph_decode.py) records the model's own forward as a CUDA graph.
 Three things in a layer can't be a fixed graph: writing the new keys and values into the cache and
 attending over every cached position (the cache grows by a position each step); a token's routed
-experts on the CPU (which ones is known only once the router has run, and only those are read); and
+experts on the CPU where their stacks stay in the file's blocks (which ones is known only once the router
+has run, and only those are read; repacked stacks are gathered by index inside the graph instead); and
 QSA's indexed attention (qwen4exp), whose indexer state grows by whole compressed blocks. While a layer
 runs inside such a step (`in_compiled_step`), Attention asks the step's state for its cache write and
 attention (`state.step_attention`), IndexedAttentionMixer asks it to run the mixer (`state.opaque_mixer`),
-and SparseMoE calls the routed-experts op. The compiled step's state answers with the custom ops below: a
+and SparseMoE calls the routed-experts op for stacks it can't gather. The compiled step's state answers with the custom ops below: a
 trace records each as one opaque call (its fake implementation gives the output's shape), and when the
 graph runs, the op hands the work to the `StepOps` the engine installed for the step (`step_ops`), which
 knows the step's caches and the layer being run, as nano-vllm's attention reads its per-step context. The
