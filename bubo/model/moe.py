@@ -312,12 +312,12 @@ def _gathered_experts_kernel(gate_up_kind: str, down_kind: str, experts: int) ->
     ) -> torch.Tensor:
         gate_up, down = tensors[:gate_up_tensors], tensors[gate_up_tensors:]
         sums = []
-        for row, picked in zip(x.unbind(0), chosen.unbind(0), strict=True):
+        for r, (row, picked) in enumerate(zip(x.unbind(0), chosen.unbind(0), strict=True)):
             top_k = picked.shape[0]
             # [experts x tiles, ...] -> the picked experts' tiles, one after the other.
             rows = tuple(t.view(experts, -1, *t.shape[1:])[picked].flatten(0, 1) for t in gate_up)
             h = packed_graph_matvec(gate_up_kind, row, rows, rows[0].shape[0] * TILE).view(top_k, 2, -1)
-            h = (F.silu(h[:, 0]) * h[:, 1] * weights[len(sums), :, None]).reshape(-1)
+            h = (F.silu(h[:, 0]) * h[:, 1] * weights[r, :, None]).reshape(-1)
             # Stored once: left as an expression, inductor would recompute SiLU in the down matvec's loop.
             h = force_stride_order(h, h.stride())
             # [experts x tiles, blocks, ...] -> [tiles, picked experts' blocks, ...]
