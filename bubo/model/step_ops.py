@@ -9,11 +9,12 @@ has run, and only those are read; repacked stacks are gathered by index inside t
 QSA's indexed attention (qwen4exp), whose indexer state grows by whole compressed blocks. While a layer
 runs inside such a step (`in_compiled_step`), Attention asks the step's state for its cache write and
 attention (`state.step_attention`), IndexedAttentionMixer asks it to run the mixer (`state.opaque_mixer`),
-and SparseMoE calls the routed-experts op for stacks it can't gather. The compiled step's state answers with the custom ops below: a
-trace records each as one opaque call (its fake implementation gives the output's shape), and when the
-graph runs, the op hands the work to the `StepOps` the engine installed for the step (`step_ops`), which
-knows the step's caches and the layer being run, as nano-vllm's attention reads its per-step context. The
-captured step's state answers with device-side writes and static-shaped attention instead.
+and SparseMoE calls the routed-experts op for stacks it can't gather. The compiled step's state answers
+with the custom ops below: a trace records each as one opaque call (its fake implementation gives the
+output's shape), and when the graph runs, the op hands the work to the `StepOps` the engine installed for
+the step (`step_ops`), which knows the step's caches and the layer being run, as nano-vllm's attention
+reads its per-step context. The captured step's state answers with device-side writes and static-shaped
+attention instead.
 """
 
 import threading
