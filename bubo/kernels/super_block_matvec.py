@@ -18,7 +18,11 @@ Layout (`PackedSuperBlocks`, tiled as bubo/kernels/codes.py says):
   straddle two words.
 - `fields` int32 [tiles, super-blocks, field words, TILE]: the sub-blocks' stored scale bytes (four
   a word, sub-block j at byte j % 4 of word j // 4), then as many of their min bytes where the type
-  has mins, then d's float32 bits, then dmin's.
+  has mins.
+- `factors` float32 [tiles, super-blocks, 1 or 2, TILE]: d, then dmin where the type has mins. A tensor of
+  their own rather than float32 bits among the fields' words: inductor's C++ vectorizes no bit cast, and
+  reinterpreting words as floats inside a kernel went lane by lane through a stack buffer, twice a
+  super-block.
 Stored values are unsigned (a field isolated by one AND, as the other layouts do): a signed code or scale
 is stored minus its format's bias (Q6_K's code q - 32 as q, its int8 sc as sc + 128), and the kernel adds
 the bias back: code_bias * scale * sum(x_j) once a sub-block, scale_bias exactly in the scale.
@@ -122,12 +126,17 @@ class SuperBlockFormat:
 
     @property
     def field_words(self) -> int:
-        """Scale bytes' words, min bytes' words, d (and dmin)."""
-        return (self.scale_words + 1) * (2 if self.has_min else 1)
+        """Scale bytes' words (and min bytes' words)."""
+        return self.scale_words * self.factors
+
+    @property
+    def factors(self) -> int:
+        """The super-block's float32 factors: d (and dmin)."""
+        return 2 if self.has_min else 1
 
     @property
     def bits_a_weight(self) -> float:
-        return (self.code_words + self.field_words) * 32 / QK_K
+        return (self.code_words + self.field_words + self.factors) * 32 / QK_K
 
 
 SUPER_BLOCK_FORMATS: dict[GGMLQuantizationType, SuperBlockFormat] = {
@@ -197,6 +206,7 @@ _READERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], _SuperBlocks]] = {
 class PackedSuperBlocks:
     words: torch.Tensor  # int32 [tiles, super-blocks, code words, TILE]
     fields: torch.Tensor  # int32 [tiles, super-blocks, field words, TILE]
+    factors: torch.Tensor  # float32 [tiles, super-blocks, d (and dmin), TILE]
     out_features: int
     ggml_type: GGMLQuantizationType
 
@@ -216,7 +226,7 @@ def super_block_rows(
 ) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]:
     """How one run of n rows' super-blocks of a type in SUPER_BLOCK_FORMATS, uint8 [n_blocks, block bytes],
     becomes the layout's rows: (words [n, super-blocks, code words], fields [n, super-blocks, field
-    words]), which bubo/kernels/repack.py tiles."""
+    words], factors [n, super-blocks, 1 or 2]), which bubo/kernels/repack.py tiles."""
     fmt, read = SUPER_BLOCK_FORMATS[ggml_type], _READERS[ggml_type]
 
     def rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
@@ -226,12 +236,13 @@ def super_block_rows(
         if fmt.has_min:
             assert parts.mins is not None
             fields.append(field_words(parts.mins, 8))
-        fields.append(parts.d.view(torch.int32))
-        if fmt.has_min:
-            assert parts.dmin is not None
-            fields.append(parts.dmin.view(torch.int32))
+        factors = [parts.d] if parts.dmin is None else [parts.d, parts.dmin]
         words = field_words(codes.view(n, -1, fmt.groups, fmt.group_weights), fmt.code_bits)
-        return words.view(n, -1, fmt.code_words), torch.cat(fields, dim=-1).view(n, -1, fmt.field_words)
+        return (
+            words.view(n, -1, fmt.code_words),
+            torch.cat(fields, dim=-1).view(n, -1, fmt.field_words),
+            torch.stack(factors, dim=-1).to(torch.float32).view(n, -1, fmt.factors),
+        )
 
     return rows
 
@@ -245,10 +256,11 @@ def _unsigned(values: torch.Tensor, bias: int) -> torch.Tensor:
 
 
 def _scale_offset(
-    fmt: SuperBlockFormat, field_bits: torch.Tensor
+    fmt: SuperBlockFormat, field_bits: torch.Tensor, factors: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every sub-block's scale d * (sc + scale_bias), and its offset -dmin * m where the format has mins
-    (else None): float32 [tiles, super-blocks, sub-blocks, TILE], from the fields' float32 bits."""
+    (else None): float32 [tiles, super-blocks, sub-blocks, TILE], from the fields (codes.word_bits) and
+    the factors."""
     fields = field_bits.view(torch.int32)
     tiles, n_super, _, lanes = fields.shape
     shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=fields.device)[:, None]
@@ -258,12 +270,10 @@ def _scale_offset(
         words = fields[:, :, first : first + n, None, :]
         return ((words >> shifts) & 0xFF).to(torch.float32).view(tiles, n_super, fmt.sub_blocks, lanes)
 
-    d = field_bits[:, :, 2 * n if fmt.has_min else n, None, :].view(torch.float32)
-    scale = d * (sub_block_bytes(0) + fmt.scale_bias)
+    scale = factors[:, :, 0, None, :] * (sub_block_bytes(0) + fmt.scale_bias)
     if not fmt.has_min:
         return scale, None
-    dmin = field_bits[:, :, 2 * n + 1, None, :].view(torch.float32)
-    return scale, -(dmin * sub_block_bytes(n))
+    return scale, -(factors[:, :, 1, None, :] * sub_block_bytes(n))
 
 
 def _group_words(fmt: SuperBlockFormat, bits: torch.Tensor) -> torch.Tensor:
@@ -276,13 +286,13 @@ def _group_words(fmt: SuperBlockFormat, bits: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _matvec_kernel(fmt: SuperBlockFormat) -> StaticKernel:
     def super_block_matvec_tiles(
-        x: torch.Tensor, bits: torch.Tensor, field_bits: torch.Tensor
+        x: torch.Tensor, bits: torch.Tensor, field_bits: torch.Tensor, factors: torch.Tensor
     ) -> torch.Tensor:
         # sum_j scale_j * (x_j . codes_j + code_bias * sum(x_j)) + offset_j * sum(x_j) over every sub-block
         # j: the dot products run on the stored codes alone (codes.sub_block_dots, several rows of x at once).
         tiles, n_super, _, lanes = bits.shape
         n_groups, runs = n_super * fmt.groups, fmt.group_weights // fmt.sub_block_weights
-        scale, offset = _scale_offset(fmt, field_bits)
+        scale, offset = _scale_offset(fmt, field_bits, factors)
         if fmt.code_bias:
             offset = fmt.code_bias * scale if offset is None else fmt.code_bias * scale + offset
         # Per group of whole words, [tiles, groups, runs of a group, TILE]: one step of the loop a group.
@@ -304,7 +314,9 @@ def _matvec_kernel(fmt: SuperBlockFormat) -> StaticKernel:
 
 @functools.cache
 def _unpack_kernel(fmt: SuperBlockFormat, dtype: torch.dtype) -> StaticKernel:
-    def super_block_unpack_tiles(bits: torch.Tensor, field_bits: torch.Tensor) -> torch.Tensor:
+    def super_block_unpack_tiles(
+        bits: torch.Tensor, field_bits: torch.Tensor, factors: torch.Tensor
+    ) -> torch.Tensor:
         # [tiles, super-blocks, words, TILE] -> [sub-blocks, weights, 1, tiles, TILE]: the
         # transposed weight (see q4_matvec's unpacking). Compiled without FMA contraction, and in the reference
         # dequantizer's order, (code + code_bias) * scale + offset, the first product and sum exact: bit for
@@ -319,7 +331,7 @@ def _unpack_kernel(fmt: SuperBlockFormat, dtype: torch.dtype) -> StaticKernel:
         codes = fields.reshape(n_super * fmt.groups, -1, tiles, lanes)[:, : fmt.group_weights]
         # A sub-block's codes as one of codes.by_block's blocks.
         codes = codes.reshape(-1, fmt.sub_block_weights, 1, tiles, lanes).to(torch.float32)
-        scale, offset = _scale_offset(fmt, field_bits)
+        scale, offset = _scale_offset(fmt, field_bits, factors)
         # Stored once: left as expressions, inductor would take each sub-block's bytes apart again for
         # every one of its weights.
         scale = force_stride_order(scale, scale.stride())
@@ -335,7 +347,7 @@ def _unpack_kernel(fmt: SuperBlockFormat, dtype: torch.dtype) -> StaticKernel:
 def super_block_matvec(x: torch.Tensor, packed: PackedSuperBlocks) -> torch.Tensor:
     """x [in_features] (float32) -> x W^T [out_features], in one compiled pass over the codes; x [rows,
     in_features] (a few rows) -> [rows, out_features], the codes expanded once for all rows."""
-    tensors = (word_bits(packed.words), word_bits(packed.fields))
+    tensors = (word_bits(packed.words), word_bits(packed.fields), packed.factors)
     return super_block_matvec_bits(x, *tensors, packed.out_features, packed.ggml_type)
 
 
@@ -343,12 +355,13 @@ def super_block_matvec_bits(
     x: torch.Tensor,
     bits: torch.Tensor,
     field_bits: torch.Tensor,
+    factors: torch.Tensor,
     out_features: int,
     ggml_type: GGMLQuantizationType,
 ) -> torch.Tensor:
     """`super_block_matvec` on the packed tensors as their float32 bits (codes.word_bits): the form in
     which a compiled graph that contains the matvec takes them as inputs."""
-    out = _matvec_kernel(SUPER_BLOCK_FORMATS[ggml_type])(x, bits, field_bits)
+    out = _matvec_kernel(SUPER_BLOCK_FORMATS[ggml_type])(x, bits, field_bits, factors)
     return out if out.shape[-1] == out_features else out[..., :out_features]
 
 
@@ -358,4 +371,5 @@ def super_block_unpack(
     """Weight columns start:stop, transposed: [in_features, stop - start] in `dtype` (for a prefill's
     GEMM), expanded from the words in one compiled pass per whole tile."""
     kernel = _unpack_kernel(SUPER_BLOCK_FORMATS[packed.ggml_type], dtype)
-    return expand_tiles(kernel, (word_bits(packed.words), word_bits(packed.fields)), start, stop)
+    tensors = (word_bits(packed.words), word_bits(packed.fields), packed.factors)
+    return expand_tiles(kernel, tensors, start, stop)

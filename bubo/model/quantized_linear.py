@@ -30,6 +30,7 @@ from torch._inductor.inductor_prims import force_stride_order
 
 from bubo.gguf.quants import block_size, dequantize, type_size
 from bubo.kernels.codes import TILE, concat_tiled, slice_tiled, word_bits
+from bubo.kernels.compiled import StaticKernel
 from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4, q4_matvec_bits
 from bubo.kernels.q8_matvec import PackedQ8Offset, pack_q8, q8_matvec_bits, q8_offset_matvec_bits
 from bubo.kernels.repack import REPACKABLE, Packed, repack
@@ -296,13 +297,13 @@ def packed_graph_inputs(packed: Packed) -> tuple[str, tuple[torch.Tensor, ...]]:
     if isinstance(packed, PackedQ8Offset):
         return "q8_offset", (word_bits(packed.words), packed.scale_offset)
     if isinstance(packed, PackedSuperBlocks):
-        return packed.ggml_type.name, (word_bits(packed.words), word_bits(packed.fields))
+        return packed.ggml_type.name, (word_bits(packed.words), word_bits(packed.fields), packed.factors)
     return "q8", (word_bits(packed.words),)
 
 
 def packed_graph_tensors(kind: str) -> int:
     """How many tensors `packed_graph_inputs` gives for a packed matrix of `kind`."""
-    return 1 if kind == "q8" else 2
+    return 1 if kind == "q8" else 2 if kind in ("q4", "q8_offset") else 3
 
 
 def packed_graph_matvec(
@@ -404,7 +405,30 @@ class QuantizedEmbedding(nn.Module):
         self.dtype = dtype  # the compute dtype; there is no float input to take it from
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if (
+            self.raw.device.type == "cpu"
+            and tokens.numel() <= MATVEC_ROWS
+            and self.ggml_type not in _CODEBOOK_TYPES
+        ):
+            # A decode step's few rows: one compiled kernel, where the dequantizer's eager ops are a few
+            # dozen dispatches (about a twentieth of a small hybrid model's decode step).
+            return _embedding_rows_kernel(self.ggml_type, self.dtype)(self.raw, tokens)
         return dequantize(self.raw[tokens], self.ggml_type, dtype=self.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, type={self.ggml_type.name}"
+
+
+# Their dequantizer looks codes up in a constant table, which a kernel's trace on fake tensors can't read.
+_CODEBOOK_TYPES = frozenset({GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS})
+
+
+@functools.cache
+def _embedding_rows_kernel(ggml_type: GGMLQuantizationType, dtype: torch.dtype) -> StaticKernel:
+    """The rows `tokens` of a quantized table, dequantized: (raw, tokens) -> [*tokens.shape, dim]. Compiled
+    without FMA contraction, as the dequantizer computes them bit for bit."""
+
+    def embedding_rows(raw: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return dequantize(raw[tokens], ggml_type, dtype=dtype)
+
+    return StaticKernel(embedding_rows)

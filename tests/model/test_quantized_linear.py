@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from bubo.model import quantized_linear
-from bubo.model.quantized_linear import QuantizedLinear, group_rows, project_rows
+from bubo.model.quantized_linear import QuantizedEmbedding, QuantizedLinear, group_rows, project_rows
 from tests.kernels.k_blocks import random_blocks
 
 Q = gguf.GGMLQuantizationType
@@ -258,3 +258,16 @@ def test_float16_and_float32_fields_group(monkeypatch) -> None:
         weight = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_0).astype(np.float64))
         expected = x.double() @ weight.T
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_NL])
+# A decoded token, batched rows, a verify pass; more rows than MATVEC_ROWS: the eager dequantizer.
+@pytest.mark.parametrize("shape", [(1, 1), (4, 1), (1, 7), (20, 1)])
+def test_embedding_rows_match_gguf_dequantizer(qtype: Q, shape: tuple[int, ...]) -> None:
+    raw = random_blocks(qtype, 32, 512, 2)
+    table = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+    embedding = QuantizedEmbedding(torch.from_numpy(raw), qtype, 512, torch.float32)
+    tokens = torch.randint(0, 32, shape, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = embedding(tokens)
+    assert torch.equal(got, table[tokens])
