@@ -123,8 +123,9 @@ class KernelStore:
         )
         return hashlib.sha256(text.encode()).hexdigest()[:40]
 
-    def load(self, name: str, options: dict) -> Callable[..., Any] | None:
-        """The kernel stored as `name`, or None where there is none or it won't load (then removed)."""
+    def load(self, name: str, options: dict) -> tuple[CompiledArtifact, pytree.TreeSpec] | None:
+        """The kernel stored as `name` and the structure of its outputs (a loaded artifact returns them as
+        a flat list), or None where there is none or it won't load (then removed)."""
         artifact, outputs = self._paths(name)
         if not (artifact.is_file() and outputs.is_file()):
             return None
@@ -140,7 +141,7 @@ class KernelStore:
             artifact.unlink(missing_ok=True)
             outputs.unlink(missing_ok=True)
             return None
-        return _structured(compiled, spec)
+        return compiled, spec
 
     def save(self, name: str, artifact: CompiledArtifact, graph: torch.fx.GraphModule) -> None:
         """Keep inductor's `artifact` of `graph` as `name`; a store that can't be written is skipped."""
@@ -169,15 +170,6 @@ class KernelStore:
         for directory in self.root.iterdir():
             if directory.name != _SOURCE and now - directory.stat().st_mtime > _STALE_SECONDS:
                 shutil.rmtree(directory, ignore_errors=True)
-
-
-def _structured(compiled: Callable[..., Any], spec: pytree.TreeSpec) -> Callable[..., Any]:
-    """A loaded artifact returns its outputs as a flat list: the function's own structure again."""
-    if spec.is_leaf():
-        return lambda *args: compiled(*args)[0]
-    if spec.type is tuple and all(child.is_leaf() for child in spec.children()):
-        return lambda *args: tuple(compiled(*args))
-    return lambda *args: pytree.tree_unflatten(compiled(*args), spec)
 
 
 def kernel_store() -> KernelStore | None:

@@ -198,3 +198,39 @@ def test_a_store_that_cannot_be_written_is_skipped_with_one_warning(
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "not stored" in warnings[0].getMessage()
+
+
+def test_kernels_call_inductors_runtime_wrapper_directly(
+    store: KernelStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Compiled now and loaded from the store, a kernel's artifact is called through AOTAutograd's runtime
+    # wrapper inside it; torch building the wrappers around that differently would lose ~20 us a call
+    # silently (the artifact is then called as it is), so it fails here instead.
+    found = []
+    direct = compiled._direct_call
+
+    def spy(artifact: object, outputs: object) -> object:
+        found.append(compiled._runtime_wrapper(artifact) is not None)
+        return direct(artifact, outputs)
+
+    monkeypatch.setattr(compiled, "_direct_call", spy)
+    x, w = torch.randn(2, 4), torch.randn(8, 4)
+
+    def scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ w.T) * 2
+
+    def project(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple((x @ w.T).split((3, 5), dim=-1))
+
+    for fn in (scaled, project):
+        fn.__module__ = "bubo.engine.compiled_decode"  # stored, as Bubo's own functions are
+        for _ in range(2):  # compiled, then loaded
+            got = StaticKernel(fn)(x, w)
+            expected = fn(x, w)
+            if isinstance(expected, tuple):
+                assert isinstance(got, tuple) and len(got) == len(expected)
+                for a, b in zip(got, expected, strict=True):
+                    torch.testing.assert_close(a, b)
+            else:
+                torch.testing.assert_close(got, expected)
+    assert found == [True] * 4
