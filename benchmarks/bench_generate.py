@@ -142,6 +142,21 @@ def _print_table(args: argparse.Namespace, results: dict[str, list[dict]], skipp
             lo, mid, hi = min(values), statistics.median(values), max(values)
             cells.append(f"{fmt.format(mid)} [{fmt.format(lo)}–{fmt.format(hi)}]")
         print(f"{engine:<18}" + "".join(f"{c:>26}" for c in cells))
+    _print_ratios(results, skipped)
+
+
+def _print_ratios(results: dict[str, list[dict]], skipped: dict[str, str]) -> None:
+    """Bubo's median prefill and decode speed over each other engine's."""
+    if "bubo" not in results or "bubo" in skipped:
+        return
+    for engine, runs in results.items():
+        if engine == "bubo" or engine in skipped:
+            continue
+        ratios = [
+            f"{label} {statistics.median(r[key] for r in results['bubo']) / statistics.median(r[key] for r in runs):.2f}x"
+            for label, key in (("prefill", "prefill_tps"), ("decode", "decode_tps"))
+        ]
+        print(f"bubo / {engine}: " + ", ".join(ratios))
 
 
 def _prompt_ids(tokenize, n: int) -> list[int]:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = [
     "IQ4_CODEBOOK",
@@ -375,8 +376,9 @@ def dequantize(
     if n_blocks:
         result = out if dtype == torch.float32 else torch.empty(shape, dtype=torch.float32, device=raw.device)
         blocks = raw.reshape(n_blocks, ts)
-        if blocks.data_ptr() % 8:
-            # Word views need aligned blocks; file data always is, an arbitrary slice may not be.
+        if not isinstance(blocks, FakeTensor) and blocks.data_ptr() % 8:
+            # Word views need aligned blocks; file data always is, an arbitrary slice may not be. (A fake
+            # tensor, traced into a compiled kernel, has no address: the kernel's buffers are aligned.)
             blocks = blocks.clone(memory_format=torch.contiguous_format)
         fn(blocks, result.view(n_blocks, bs))
         if result is not out:

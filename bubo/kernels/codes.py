@@ -24,7 +24,7 @@ arrays rather than three, which streams faster. They are float16 where every val
 (`half_if_exact`: the fp16 d and m of Q4_0/Q4_1/Q5_1, the file's own bytes), float32 otherwise (Q4_0's
 offset -8d where it overflows float16); the kernels widen them as they load them. A scale alone
 (PackedQ8) rides in the block's words as one more word of float32 bits. K-quant super-blocks keep their
-sub-blocks' integer scales as bytes and d, dmin as float32 words, in an array of their own
+sub-blocks' integer scales as bytes in an array of their own, and d, dmin in a float32 array beside it
 (bubo/kernels/super_block_matvec.py).
 
 Words enter a compiled kernel as int32 with AVX-512 and as float32 bit patterns elsewhere (`word_bits`),
