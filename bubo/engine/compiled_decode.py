@@ -4,9 +4,8 @@ of a few batched sequences.
 
 Run eagerly, a layer is some 25 small ops between its matvecs (norms, rotary, residual adds, SwiGLU):
 each an op dispatch and an OpenMP parallel region, about a third of a token's time on the default model.
-Here the model's own `Decoder.residual` runs as it always does, but on a `CompiledState`, whose
-`run_layer` calls the compiled trace of the layer's own `forward` instead of the module (the eager cache
-calls the module), and `Decoder.head` (the output norm and head) runs as one more compiled graph:
+Here `Decoder.forward` runs as it always does, but on a `CompiledState`, whose `run_layer` calls the
+compiled trace of the layer's own `forward` instead of the module (the eager cache calls the module):
 make_fx traces the layer with its weights swapped for the graph's inputs (`LayerTensors`), and inductor
 fuses the glue into the matvecs' loops (bubo/kernels/compiled.py: a matvec called while a graph traces
 traces into it). Since the weights are inputs, not constants, every layer alike in structure and shapes
@@ -223,18 +222,6 @@ def _layer_graph(layer: nn.Module, tensors: LayerTensors) -> StaticKernel:
     return StaticKernel(layer_step, fused=True)  # type: ignore[arg-type]
 
 
-def _head_graph(model: Decoder, tensors: LayerTensors) -> StaticKernel:
-    """The model's head (`Decoder.head`: the output norm, the output head, float32 logits) as a kernel of
-    (residual, *the norm's and head's tensors): eagerly, the norm's few ops and the head's calls down to
-    its matvec were ~5% of a small hybrid model's step."""
-
-    def head_step(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        with tensors.swapped(weights), layer_in_compiled_step():
-            return model.head(x)
-
-    return StaticKernel(head_step, fused=True)  # type: ignore[arg-type]
-
-
 def _why_not(model: Decoder) -> str | None:
     """Why the compiled step can't run `model`, or None."""
     if model.device.type != "cpu" or model.dtype != torch.float32:
@@ -274,11 +261,8 @@ class CompiledDecodeStep:
             if key not in graphs:
                 graphs[key] = _layer_graph(layer, tensors)
             self._graphs.append(graphs[key])
-        self._head_tensors = LayerTensors(nn.ModuleList([model.norm, model.output]))
-        self._head_weights = self._head_tensors.tensors()
-        self._head = _head_graph(model, self._head_tensors)
-        # The compiled kernel of each layer (and of the head) for each input layout, looked up once: the
-        # lookup keys every input's shape and stride, and every step of the same kind passes the same layouts.
+        # The compiled kernel of each layer for each input layout, looked up once: the lookup keys every
+        # input's shape and stride, and every step of the same kind passes the same layouts.
         self._kernels: dict[tuple, Callable[..., Any]] = {}
         self._attention_kernels: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
 
@@ -301,13 +285,7 @@ class CompiledDecodeStep:
         runs = [c.single_run(c.length + tokens.shape[1]) for c in caches]
         ops = _StepOps(self, list(zip(caches, runs, strict=True)))
         with step_ops(ops), torch.inference_mode():
-            x = self.model.residual(tokens, CompiledState(self, cache, caches, ops))
-            args = (x, *self._head_weights)
-            key = ("head", x.shape)
-            kernel = self._kernels.get(key)
-            if kernel is None:
-                kernel = self._kernels[key] = self._head.kernel_for(*args)
-            return kernel(*args)
+            return self.model(tokens, CompiledState(self, cache, caches, ops))
 
     def run_layer(
         self,

@@ -555,12 +555,7 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """Logits for every position, or with `last_only` just the last ([B, 1, vocab]): enough for
         generation, and a long prompt's full-vocabulary logits would be large."""
-        return self.head(self.residual(tokens, cache, last_only, multimodal))
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of the residual after the last layer (`residual`): the output norm, then the
-        output head."""
-        return self.output(self.norm(x)).float()
+        return self.output(self.hidden(tokens, cache, last_only, multimodal)).float()
 
     def hidden(
         self,
@@ -576,7 +571,7 @@ class Decoder(nn.Module):
         image runs off its token index, see bubo.vision.positions), or with `multimodal` (one sequence)
         its mRoPE positions, and its image embeddings take the place of the tokens' at its rows. The
         tokens there stay the image placeholder id, which is what qwen4exp's PLE hashes (spec 4.12)."""
-        return self.norm(self.residual(tokens, cache, last_only, multimodal))
+        return self.norm(self._residual(tokens, cache, last_only, multimodal))
 
     def hidden_and_mtp_input(
         self, tokens: torch.Tensor, cache: KVCache, multimodal: MultimodalInputs | None = None
@@ -584,19 +579,18 @@ class Decoder(nn.Module):
         """`hidden` for every position, and what the MTP block continues from at those positions: the
         same normed states, or for qwen4exp the residual streams [B, T, hc·hidden] before the output
         mixer (bubo/model/hyper_connected_mtp.py)."""
-        x = self.residual(tokens, cache, False, multimodal)
+        x = self._residual(tokens, cache, False, multimodal)
         normed = self.norm(x)
         return normed, (x if self.config.hc_count else normed)
 
-    def residual(
+    def _residual(
         self,
         tokens: torch.Tensor,
         cache: KVCache | CacheBatch,
-        last_only: bool = False,
-        multimodal: MultimodalInputs | None = None,
+        last_only: bool,
+        multimodal: MultimodalInputs | None,
     ) -> torch.Tensor:
-        """The residual after the last layer, before the output norm (`hidden` and `head` take it from
-        there); the arguments as `forward`'s."""
+        """The residual after the last layer, before the output norm (`hidden`)."""
         tokens = tokens.to(self.device)
         length = tokens.shape[1]
         positions = cache.positions(length).to(self.device)
