@@ -603,9 +603,8 @@ class Decoder(nn.Module):
         elif positions.dim() == 1:
             cos, sin = self.rotary(positions, self.dtype)
         else:
-            # Rows of a batch continue their own sequences, each at its own position.
-            angles = [self.rotary(row, self.dtype) for row in positions]
-            cos, sin = torch.stack([a[0] for a in angles]), torch.stack([a[1] for a in angles])
+            # Rows of a batch continue their own sequences, each at its own position: [B, T, rope_dim / 2].
+            cos, sin = (t.view(*positions.shape, -1) for t in self.rotary(positions.flatten(), self.dtype))
         x = self.embedding(tokens)
         if multimodal is not None:
             # transformers' masked_scatter of the image features into the placeholder embeddings
