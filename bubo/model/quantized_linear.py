@@ -196,10 +196,10 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.packed = pack_for_cpu(raw, ggml_type)
         self.group: RowGroup | None = None  # set by group_rows
-        # A matrix too small to repack (a DeltaNet layer's alpha and beta rows), dequantized once for the
-        # compiled decode step: dequantized inside its graph, it cost a dozen small kernels and host ops
-        # a layer; dense, its product is one reduction fused with its neighbours (at most
-        # MIN_PACKED_WEIGHTS values, 256 KB).
+        # A matrix too small to repack (a DeltaNet layer's alpha and beta rows), dequantized once at load
+        # (at most MIN_PACKED_WEIGHTS values, 256 KB): in a compiled decode step, dequantized inside the
+        # graph it cost a dozen small kernels and host ops a layer, where dense its product is one
+        # reduction fused with its neighbours; eagerly, it spares dequantizing it again every call.
         small = raw.device.type == "cpu" and self.out_features * in_features < MIN_PACKED_WEIGHTS
         self.dense = dequantize(raw, ggml_type, torch.float32) if small and self.packed is None else None
 
@@ -224,8 +224,8 @@ class QuantizedLinear(nn.Module):
         if self.packed is not None:
             return self._packed_forward(x)
         operand = gemm_operand(x)
-        if in_compiled_step():
-            # In a traced graph: the matrices that stay unpacked, dequantized whole (no scratch buffer).
+        if self.dense is not None or in_compiled_step():
+            # Dequantized at load; else in a traced graph, dequantized whole (no scratch buffer).
             weight = (
                 self.dense if self.dense is not None else dequantize(self.raw, self.ggml_type, operand.dtype)
             )
