@@ -98,15 +98,16 @@ class _Kernel:
             with torch.inference_mode(False), torch.no_grad():
                 stored = store.load(name, self._options) if name else None
                 if stored is not None:
-                    return _direct_call(*stored)
+                    return _direct_call(*stored, loaded=True)
                 graph, artifact = self._build(args)
         except Exception as error:  # a missing compiler, an inductor limitation, or an assumed layout
             log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)
             self._broken = True
             return self.fn
+        outputs = pytree.tree_structure(graph.graph.output_node().args[0])
         if name:
-            store.save(name, artifact, graph)
-        return _direct_call(artifact, pytree.tree_structure(graph.graph.output_node().args[0]))
+            store.save(name, artifact, outputs)
+        return _direct_call(artifact, outputs, loaded=False)
 
     def _key(self, args: tuple[torch.Tensor, ...]) -> tuple:
         raise NotImplementedError
@@ -139,8 +140,8 @@ class StaticKernel(_Kernel):
         return graph, _inductor_compile(graph, list(args), mode, self._options)
 
 
-def _direct_call(artifact: CompiledArtifact, outputs: pytree.TreeSpec) -> Callable[..., Any]:
-    """`artifact` (compiled now, or loaded: then it returns its outputs flat) as a function of the kernel's
+def _direct_call(artifact: CompiledArtifact, outputs: pytree.TreeSpec, loaded: bool) -> Callable[..., Any]:
+    """`artifact` (compiled now, or `loaded`: then it returns its outputs flat) as a function of the kernel's
     arguments returning the outputs structured as `outputs`, calling AOTAutograd's runtime wrapper inside
     it directly: the layers around that one (the artifact's call, the output restructuring, dynamo's
     disable context, the list of no parameters put in front) cost ~20 us a call, paid a dozen times a
@@ -148,7 +149,7 @@ def _direct_call(artifact: CompiledArtifact, outputs: pytree.TreeSpec) -> Callab
     artifact isn't built as expected (another torch), it is called as it is."""
     runtime = _runtime_wrapper(artifact)
     if runtime is None:
-        if getattr(artifact, "_artifacts", True) is None:  # a loaded artifact: flat outputs
+        if loaded:
             return _structured(lambda args: artifact(*args), outputs)
         return artifact
     return _structured(runtime, outputs)

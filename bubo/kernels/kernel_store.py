@@ -143,14 +143,14 @@ class KernelStore:
             return None
         return compiled, spec
 
-    def save(self, name: str, artifact: CompiledArtifact, graph: torch.fx.GraphModule) -> None:
-        """Keep inductor's `artifact` of `graph` as `name`; a store that can't be written is skipped."""
+    def save(self, name: str, artifact: CompiledArtifact, outputs: pytree.TreeSpec) -> None:
+        """Keep inductor's `artifact`, whose graph's outputs are structured as `outputs`, as `name`; a store
+        that can't be written is skipped."""
         artifact_path, outputs_path = self._paths(name)
         try:
             outputs_path.parent.mkdir(parents=True, exist_ok=True)
             self._prune()
-            spec = pytree.tree_structure(graph.graph.output_node().args[0])
-            write_atomic(str(outputs_path), json.dumps({"outputs": pytree.treespec_dumps(spec)}))
+            write_atomic(str(outputs_path), json.dumps({"outputs": pytree.treespec_dumps(outputs)}))
             artifact.save(path=str(artifact_path), format="binary")
         except Exception as error:  # a read-only or full disk, an artifact inductor can't serialize
             level = logging.DEBUG if self._said_unwritable else logging.WARNING

@@ -209,9 +209,9 @@ def test_kernels_call_inductors_runtime_wrapper_directly(
     found = []
     direct = compiled._direct_call
 
-    def spy(artifact: object, outputs: object) -> object:
-        found.append(compiled._runtime_wrapper(artifact) is not None)
-        return direct(artifact, outputs)
+    def spy(artifact: object, outputs: object, loaded: bool) -> object:
+        found.append((loaded, compiled._runtime_wrapper(artifact) is not None))
+        return direct(artifact, outputs, loaded)
 
     monkeypatch.setattr(compiled, "_direct_call", spy)
     x, w = torch.randn(2, 4), torch.randn(8, 4)
@@ -233,4 +233,4 @@ def test_kernels_call_inductors_runtime_wrapper_directly(
                     torch.testing.assert_close(a, b)
             else:
                 torch.testing.assert_close(got, expected)
-    assert found == [True] * 4
+    assert found == [(False, True), (True, True)] * 2
