@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch._guards import TracingContext, tracing
 from torch._inductor import CompiledArtifact
+from torch._inductor.output_code import CompiledFxGraph
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
@@ -142,17 +143,27 @@ class StaticKernel(_Kernel):
 
 def _direct_call(artifact: CompiledArtifact, outputs: pytree.TreeSpec, loaded: bool) -> Callable[..., Any]:
     """`artifact` (compiled now, or `loaded`: then it returns its outputs flat) as a function of the kernel's
-    arguments returning the outputs structured as `outputs`, calling AOTAutograd's runtime wrapper inside
-    it directly: the layers around that one (the artifact's call, the output restructuring, dynamo's
-    disable context, the list of no parameters put in front) cost ~20 us a call, paid a dozen times a
-    decode step. The kernels run outside dynamo, so its disable context has nothing to do. Where the
-    artifact isn't built as expected (another torch), it is called as it is."""
+    arguments returning the outputs structured as `outputs`, calling the innermost layer that does work
+    directly: inductor's generated `call` where AOTAutograd's runtime wrapper around it has nothing to do
+    at run time (`_generated_call`), else that wrapper. The layers around them (the artifact's call, the
+    output restructuring, dynamo's disable context, the list of no parameters put in front, the wrapper's
+    version counting and metrics) cost tens of microseconds a call in a decode step, paid a dozen times a
+    step. The kernels run outside dynamo, so its disable context has nothing to do. Where the artifact
+    isn't built as expected (another torch), it is called as it is."""
     runtime = _runtime_wrapper(artifact)
     if runtime is None:
         if loaded:
             return _structured(lambda args: artifact(*args), outputs)
         return artifact
-    return _structured(runtime, outputs)
+    generated = _generated_call(runtime)
+    if generated is None:
+        return _structured(runtime, outputs)
+
+    def call(args: list) -> list:
+        # With grad enabled the wrapper turns it off around the call, as the generated code assumes.
+        return runtime(args) if torch.is_grad_enabled() else generated(args)
+
+    return _structured(call, outputs)
 
 
 def _runtime_wrapper(artifact: CompiledArtifact) -> Callable[[list], list] | None:
@@ -167,6 +178,40 @@ def _runtime_wrapper(artifact: CompiledArtifact) -> Callable[[list], list] | Non
             return cells["compiled_fn"]
         fn = cells.get("compiled_fn", cells.get("fn"))  # the output restructuring, the disable context
     return None
+
+
+# What AOTAutograd's generated runtime wrapper may reference besides the call itself and still have
+# nothing to do for an inference graph: bumping the version counters of inputs the graph mutates in
+# place, which only autograd reads. A mutation applied after the call, an output rebuilt as a view of an
+# input, dynamic-dimension marks or an autocast switch each add a name here, and the wrapper then runs.
+_IDLE_WRAPPER_NAMES = {"torch", "_increment_version_", "__builtins__"}
+
+
+def _generated_call(runtime: Callable[[list], list]) -> Callable[[list], list] | None:
+    """Inductor's generated `call` (a list of inputs -> a list of outputs) under the AOTAutograd runtime
+    wrapper `runtime`, when the wrapper does nothing else for it (`_IDLE_WRAPPER_NAMES`) and the layers
+    between them only pass the list on; else None."""
+    wrapper_fn = _unwrapped(runtime)
+    cells = _closure(wrapper_fn)
+    wrapper = cells.get("_codegen_runtime_wrapper")
+    if wrapper is None:
+        return None
+    if set(wrapper.__globals__) - _IDLE_WRAPPER_NAMES or "enable_grad" in wrapper.__code__.co_names:
+        return None
+    inner = _unwrapped(cells.get("_inner_compiled_fn"))
+    if not isinstance(inner, CompiledFxGraph) or inner.current_callable is None:
+        return None
+    return inner.current_callable
+
+
+def _unwrapped(fn: Any) -> Any:
+    """`fn` without the SerializableCompiledFunction layers around it (they only pass the call on)."""
+    # Imported here: importing this module of torch's before torch._dynamo is a circular import.
+    from torch._functorch._aot_autograd.runtime_wrappers import SerializableCompiledFunction
+
+    while isinstance(fn, SerializableCompiledFunction):
+        fn = fn.compiled_fn
+    return fn
 
 
 def _closure(fn: Any) -> dict[str, Any]:

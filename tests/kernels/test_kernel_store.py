@@ -200,17 +200,21 @@ def test_a_store_that_cannot_be_written_is_skipped_with_one_warning(
     assert len(warnings) == 1 and "not stored" in warnings[0].getMessage()
 
 
-def test_kernels_call_inductors_runtime_wrapper_directly(
+def test_kernels_call_inductors_generated_code_directly(
     store: KernelStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Compiled now and loaded from the store, a kernel's artifact is called through AOTAutograd's runtime
-    # wrapper inside it; torch building the wrappers around that differently would lose ~20 us a call
-    # silently (the artifact is then called as it is), so it fails here instead.
+    # Compiled now and loaded from the store, a kernel calls inductor's generated code itself where
+    # AOTAutograd's runtime wrapper around it has nothing to do, else that wrapper; torch building the
+    # wrappers differently would lose tens of microseconds a call silently (the artifact is then called as
+    # it is), so it fails here instead. A graph updating an input in place (a DeltaNet layer's state) is
+    # called directly, and its update lands; an output that is a view of an input keeps the wrapper, which
+    # rebuilds it as a view of the caller's tensor.
     found = []
     direct = compiled._direct_call
 
     def spy(artifact: object, outputs: object, loaded: bool) -> object:
-        found.append((loaded, compiled._runtime_wrapper(artifact) is not None))
+        runtime = compiled._runtime_wrapper(artifact)
+        found.append((loaded, runtime is not None and compiled._generated_call(runtime) is not None))
         return direct(artifact, outputs, loaded)
 
     monkeypatch.setattr(compiled, "_direct_call", spy)
@@ -219,18 +223,31 @@ def test_kernels_call_inductors_runtime_wrapper_directly(
     def scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.relu(x @ w.T) * 2
 
+    def decayed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        w.mul_(0.5).add_(x.sum())
+        return w.sum(0)
+
     def project(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple((x @ w.T).split((3, 5), dim=-1))
 
-    for fn in (scaled, project):
+    def transposed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w.T
+
+    for fn in (scaled, decayed, project, transposed):
         fn.__module__ = "bubo.engine.compiled_decode"  # stored, as Bubo's own functions are
         for _ in range(2):  # compiled, then loaded
-            got = StaticKernel(fn)(x, w)
-            expected = fn(x, w)
-            if isinstance(expected, tuple):
-                assert isinstance(got, tuple) and len(got) == len(expected)
-                for a, b in zip(got, expected, strict=True):
-                    torch.testing.assert_close(a, b)
-            else:
-                torch.testing.assert_close(got, expected)
-    assert found == [(False, True), (True, True)] * 2
+            for grad in (False, True):  # with grad enabled the wrapper runs (it turns grad off)
+                state, reference = w.clone(), w.clone()
+                with torch.set_grad_enabled(grad):
+                    got = StaticKernel(fn)(x, state)
+                expected = fn(x, reference)
+                torch.testing.assert_close(state, reference)
+                if isinstance(expected, tuple):
+                    assert isinstance(got, tuple) and len(got) == len(expected)
+                    for a, b in zip(got, expected, strict=True):
+                        torch.testing.assert_close(a, b)
+                else:
+                    torch.testing.assert_close(got, expected)
+    # Each function compiled once, then loaded by each new kernel; called directly but for `transposed`.
+    direct = [True] * 12 + [False] * 4
+    assert found == [(i % 4 != 0, d) for i, d in enumerate(direct)]
