@@ -4,8 +4,10 @@ of a few batched sequences.
 
 Run eagerly, a layer is some 25 small ops between its matvecs (norms, rotary, residual adds, SwiGLU):
 each an op dispatch and an OpenMP parallel region, about a third of a token's time on the default model.
-Here `Decoder.forward` runs as it always does, but on a `CompiledState`, whose `run_layer` calls the
-compiled trace of the layer's own `forward` instead of the module (the eager cache calls the module):
+Here the model's own `Decoder.residual` runs as it always does, but on a `CompiledState`, whose
+`run_layer` calls the compiled trace of the layer's own `forward` instead of the module (the eager cache
+calls the module), and whose `run_inputs` runs `Decoder.inputs` (the token embeddings and rotary
+angles) as one more compiled graph, as `Decoder.head` (the output norm and head) runs after them:
 make_fx traces the layer with its weights swapped for the graph's inputs (`LayerTensors`), and inductor
 fuses the glue into the matvecs' loops (bubo/kernels/compiled.py: a matvec called while a graph traces
 traces into it). Since the weights are inputs, not constants, every layer alike in structure and shapes
@@ -222,6 +224,20 @@ def _layer_graph(layer: nn.Module, tensors: LayerTensors) -> StaticKernel:
     return StaticKernel(layer_step, fused=True)  # type: ignore[arg-type]
 
 
+def _part_graph(part: Callable[..., Any], arguments: int, tensors: LayerTensors) -> StaticKernel:
+    """A part of the model's forward outside its layers (`Decoder.inputs`: the embeddings and rotary
+    angles; `Decoder.head`: the output norm and head) as a kernel of (its `arguments` arguments, *the
+    tensors of its modules): eagerly, their few ops each and the calls down to the embedding's and
+    head's kernels were ~12% of a small hybrid model's step."""
+
+    def part_step(*args: torch.Tensor) -> Any:
+        with tensors.swapped(args[arguments:]), layer_in_compiled_step():
+            return part(*args[:arguments])
+
+    part_step.__name__ = f"{part.__name__}_step"
+    return StaticKernel(part_step, fused=True)  # type: ignore[arg-type]
+
+
 def _why_not(model: Decoder) -> str | None:
     """Why the compiled step can't run `model`, or None."""
     if model.device.type != "cpu" or model.dtype != torch.float32:
@@ -261,8 +277,12 @@ class CompiledDecodeStep:
             if key not in graphs:
                 graphs[key] = _layer_graph(layer, tensors)
             self._graphs.append(graphs[key])
-        # The compiled kernel of each layer for each input layout, looked up once: the lookup keys every
-        # input's shape and stride, and every step of the same kind passes the same layouts.
+        inputs = LayerTensors(nn.ModuleList([model.embedding, model.rotary]))
+        self._inputs, self._inputs_weights = _part_graph(model.inputs, 2, inputs), inputs.tensors()
+        head = LayerTensors(nn.ModuleList([model.norm, model.output]))
+        self._head, self._head_weights = _part_graph(model.head, 1, head), head.tensors()
+        # The compiled kernel of each layer (and of the head) for each input layout, looked up once: the
+        # lookup keys every input's shape and stride, and every step of the same kind passes the same layouts.
         self._kernels: dict[tuple, Callable[..., Any]] = {}
         self._attention_kernels: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
 
@@ -285,7 +305,22 @@ class CompiledDecodeStep:
         runs = [c.single_run(c.length + tokens.shape[1]) for c in caches]
         ops = _StepOps(self, list(zip(caches, runs, strict=True)))
         with step_ops(ops), torch.inference_mode():
-            return self.model(tokens, CompiledState(self, cache, caches, ops))
+            x = self.model.residual(tokens, CompiledState(self, cache, caches, ops))
+            return self._run_part(self._head, x, weights=self._head_weights)
+
+    def run_inputs(
+        self, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`Decoder.inputs` of a step through its compiled graph."""
+        return self._run_part(self._inputs, tokens, positions, weights=self._inputs_weights)
+
+    def _run_part(self, graph: StaticKernel, *inputs: torch.Tensor, weights: list[torch.Tensor]) -> Any:
+        args = (*inputs, *weights)
+        key = (id(graph), *(a.shape for a in inputs))
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            kernel = self._kernels[key] = graph.kernel_for(*args)
+        return kernel(*args)
 
     def run_layer(
         self,
@@ -340,6 +375,11 @@ class CompiledState:
     ) -> torch.Tensor:
         return self._step.run_layer(layer, x, cos, sin, tokens, self._caches, self._ops)
 
+    def run_inputs(
+        self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._step.run_inputs(tokens, positions)
+
     def advance(self, n: int) -> None:
         self._cache.advance(n)
 
@@ -387,6 +427,10 @@ class _StepOps:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self.layer is not None
         slot = self.layer.attention.layer_index
+        if len(self.sequences) == 1:  # the usual case, without the rows' slicing and concatenation
+            cache, run = self.sequences[0]
+            keys, values = _store(cache, slot, run, k[0], v[0])
+            return self.step.attention(slot, q, keys, values)
         outputs = []
         for row, (cache, run) in enumerate(self.sequences):
             keys, values = _store(cache, slot, run, k[row], v[row])

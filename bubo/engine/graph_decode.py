@@ -193,6 +193,11 @@ class StaticState:
     ) -> torch.Tensor:
         return layer(x, cos, sin, self, tokens)
 
+    def run_inputs(
+        self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return model.inputs(tokens, positions)
+
     def step_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         keys.index_copy_(1, self.inputs.slot, k[0].to(keys.dtype))

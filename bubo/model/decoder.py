@@ -555,7 +555,12 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """Logits for every position, or with `last_only` just the last ([B, 1, vocab]): enough for
         generation, and a long prompt's full-vocabulary logits would be large."""
-        return self.output(self.hidden(tokens, cache, last_only, multimodal)).float()
+        return self.head(self.residual(tokens, cache, last_only, multimodal))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the residual after the last layer (`residual`): the output norm, then the
+        output head."""
+        return self.output(self.norm(x)).float()
 
     def hidden(
         self,
@@ -571,7 +576,7 @@ class Decoder(nn.Module):
         image runs off its token index, see bubo.vision.positions), or with `multimodal` (one sequence)
         its mRoPE positions, and its image embeddings take the place of the tokens' at its rows. The
         tokens there stay the image placeholder id, which is what qwen4exp's PLE hashes (spec 4.12)."""
-        return self.norm(self._residual(tokens, cache, last_only, multimodal))
+        return self.norm(self.residual(tokens, cache, last_only, multimodal))
 
     def hidden_and_mtp_input(
         self, tokens: torch.Tensor, cache: KVCache, multimodal: MultimodalInputs | None = None
@@ -579,18 +584,19 @@ class Decoder(nn.Module):
         """`hidden` for every position, and what the MTP block continues from at those positions: the
         same normed states, or for qwen4exp the residual streams [B, T, hc·hidden] before the output
         mixer (bubo/model/hyper_connected_mtp.py)."""
-        x = self._residual(tokens, cache, False, multimodal)
+        x = self.residual(tokens, cache, False, multimodal)
         normed = self.norm(x)
         return normed, (x if self.config.hc_count else normed)
 
-    def _residual(
+    def residual(
         self,
         tokens: torch.Tensor,
         cache: KVCache | CacheBatch,
-        last_only: bool,
-        multimodal: MultimodalInputs | None,
+        last_only: bool = False,
+        multimodal: MultimodalInputs | None = None,
     ) -> torch.Tensor:
-        """The residual after the last layer, before the output norm (`hidden`)."""
+        """The residual after the last layer, before the output norm (`hidden` and `head` take it from
+        there); the arguments as `forward`'s."""
         tokens = tokens.to(self.device)
         length = tokens.shape[1]
         positions = cache.positions(length).to(self.device)
@@ -600,23 +606,21 @@ class Decoder(nn.Module):
             if positions.dim() > 1:
                 raise ValueError("image inputs run one sequence at a time, not in a cache batch")
             cos, sin = self._multimodal_rotary(tokens, multimodal)
-        elif positions.dim() == 1:
-            cos, sin = self.rotary(positions, self.dtype)
-        else:
-            # Rows of a batch continue their own sequences, each at its own position: [B, T, rope_dim / 2].
-            cos, sin = (t.view(*positions.shape, -1) for t in self.rotary(positions.flatten(), self.dtype))
-        x = self.embedding(tokens)
-        if multimodal is not None:
             # transformers' masked_scatter of the image features into the placeholder embeddings
             rows = multimodal.rows.to(self.device)
+            x = self.embedding(tokens)
             x = x.index_copy(1, rows, multimodal.embeds.to(self.device, x.dtype)[None])
+        else:
+            # The cache runs `inputs` as it runs the layers (a compiled step: one compiled graph).
+            x, cos, sin = cache.run_inputs(self, tokens, positions)
         if self.config.hc_count:
             x = expand_streams(x, self.config.hc_count)
         # The cache runs each layer: its own forward, or in a compiled step the compiled trace of that
         # forward (bubo/engine/compiled_decode.py).
-        for layer in self.layers[:-1]:
+        # (Unpacked, not sliced: a slice of a ModuleList is a new ModuleList, built at every step.)
+        *layers, last = self.layers
+        for layer in layers:
             x = cache.run_layer(layer, x, cos, sin, tokens)
-        last = self.layers[-1]
         if last_only and isinstance(last, DecoderLayer):
             # Only the last position leaves the model: the last layer computes little more than that.
             x = last(x, cos, sin, cache, tokens, last_only=True)
@@ -626,6 +630,18 @@ class Decoder(nn.Module):
                 x = x[:, -1:]
         cache.advance(length)
         return x
+
+    def inputs(
+        self, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first layer's input (the tokens' embeddings [B, T, hidden]) and the rotary cos, sin of
+        `positions`: [T, rope_dim / 2], or with positions [B, T] (rows of a batch, each continuing its own
+        sequence at its own position) [B, T, rope_dim / 2]."""
+        if positions.dim() == 1:
+            cos, sin = self.rotary(positions, self.dtype)
+        else:
+            cos, sin = (t.view(*positions.shape, -1) for t in self.rotary(positions.flatten(), self.dtype))
+        return self.embedding(tokens), cos, sin
 
     def _multimodal_rotary(
         self, tokens: torch.Tensor, multimodal: MultimodalInputs

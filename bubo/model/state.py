@@ -375,6 +375,13 @@ class KVCache:
         compiled trace of it instead)."""
         return layer(x, cos, sin, self, tokens)
 
+    def run_inputs(
+        self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The model's `inputs` (embeddings, rotary cos and sin) for a step on this cache, run as they are
+        (a compiled step's state runs a compiled trace of them instead)."""
+        return model.inputs(tokens, positions)
+
     def advance(self, n: int) -> None:
         """Mark n more positions filled (after every layer has written them)."""
         if self.length + n > self.max_len:
@@ -469,6 +476,12 @@ class CacheBatch:
     ) -> torch.Tensor:
         """A decoder layer's step on every row (`KVCache.run_layer`)."""
         return layer(x, cos, sin, self, tokens)
+
+    def run_inputs(
+        self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The model's `inputs` for every row (`KVCache.run_inputs`)."""
+        return model.inputs(tokens, positions)
 
     def advance(self, n: int) -> None:
         for cache in self.caches:
