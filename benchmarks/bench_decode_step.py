@@ -11,8 +11,8 @@ On a device where no compiled step applies (CUDA: the captured step is bench_cud
 eager step is measured. `--breakdown` then times the compiled step's parts where they run: the layers'
 graphs, the attention kernel and the writes of each layer's new key and value into the cache, a mixture
 of experts' routed experts (the last three run as opaque ops inside the graphs, and count as theirs),
-the output head, and the rest (the embedding, rotary angles, the final norm, Python between the calls)
-as what the parts leave of the step.
+the inputs' graph (token embeddings, rotary angles), the head's (final norm, output head), and the rest
+(Python between the calls) as what the parts leave of the step.
 """
 
 import argparse
@@ -65,10 +65,10 @@ def timed_parts(step: "CompiledDecodeStep") -> Iterator[dict[str, list[float]]]:
     """[seconds, calls] of each part of the compiled decode step `step` while the block runs, summed, each
     part's own time (an op that runs inside a layer's graph counts as the op's, not the graph's): the layer
     graphs, the attention kernel, the KV cache writes, a mixture of experts' routed experts (the opaque
-    ops inside the graphs), and the output head."""
+    ops inside the graphs), the inputs' graph and the head's."""
     from bubo.engine import compiled_decode
 
-    parts = ["layer graphs", "attention", "KV cache writes", "output head"]
+    parts = ["inputs", "layer graphs", "attention", "KV cache writes", "output head"]
     if any(isinstance(layer.mlp, SparseMoE) for layer in step.layers):
         parts.append("routed experts")
     totals = {part: [0.0, 0] for part in parts}
@@ -90,8 +90,8 @@ def timed_parts(step: "CompiledDecodeStep") -> Iterator[dict[str, list[float]]]:
 
         return timed
 
-    head = step.model.output
     patches = [
+        (type(step), "run_inputs", timer("inputs", type(step).run_inputs)),
         (type(step), "run_layer", timer("layer graphs", type(step).run_layer)),
         (type(step), "attention", timer("attention", type(step).attention)),
         (compiled_decode, "_store", timer("KV cache writes", compiled_decode._store)),
@@ -100,7 +100,7 @@ def timed_parts(step: "CompiledDecodeStep") -> Iterator[dict[str, list[float]]]:
             "routed_experts",
             timer("routed experts", compiled_decode._StepOps.routed_experts),
         ),
-        (head, "forward", timer("output head", head.forward)),
+        (type(step), "head", timer("output head", type(step).head)),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, wrapped in patches:
@@ -109,10 +109,7 @@ def timed_parts(step: "CompiledDecodeStep") -> Iterator[dict[str, list[float]]]:
         yield totals
     finally:
         for owner, name, original in saved:
-            if owner is head:
-                del head.forward  # the instance's timer: the class's forward again
-            else:
-                setattr(owner, name, original)
+            setattr(owner, name, original)
 
 
 def print_breakdown(step: "CompiledDecodeStep", run: Step, steps: int) -> None:

@@ -305,8 +305,11 @@ class CompiledDecodeStep:
         runs = [c.single_run(c.length + tokens.shape[1]) for c in caches]
         ops = _StepOps(self, list(zip(caches, runs, strict=True)))
         with step_ops(ops), torch.inference_mode():
-            x = self.model.residual(tokens, CompiledState(self, cache, caches, ops))
-            return self._run_part(self._head, x, weights=self._head_weights)
+            return self.head(self.model.residual(tokens, CompiledState(self, cache, caches, ops)))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """`Decoder.head` (float32 logits of the last layer's residual) through its compiled graph."""
+        return self._run_part(self._head, x, weights=self._head_weights)
 
     def run_inputs(
         self, tokens: torch.Tensor, positions: torch.Tensor

@@ -19,7 +19,7 @@ from bubo.model.decoder import Decoder
 from tests.engine.test_compiled_decode import _moe_model
 
 ROOT = Path(__file__).resolve().parents[2]
-DENSE_PARTS = {"layer graphs", "attention", "KV cache writes", "output head"}
+DENSE_PARTS = {"inputs", "layer graphs", "attention", "KV cache writes", "output head"}
 
 
 def _bench() -> ModuleType:
@@ -46,13 +46,14 @@ def _steps(model: Decoder, step: CompiledDecodeStep, bench: ModuleType | None) -
     return logits, totals
 
 
-def _originals(model: Decoder) -> list:
+def _originals() -> list:
     return [
         CompiledDecodeStep.run_layer,
         CompiledDecodeStep.attention,
         compiled_decode._store,
         compiled_decode._StepOps.routed_experts,
-        "forward" in vars(model.output),
+        CompiledDecodeStep.run_inputs,
+        CompiledDecodeStep.head,
     ]
 
 
@@ -62,15 +63,16 @@ def test_breakdown_times_every_part_of_the_default_model_step(
     bench, model = _bench(), smollm2.model
     step = runner_for(model).decode_step(model.new_cache(max_len=2))
     assert step is not None
-    originals = _originals(model)
+    originals = _originals()
     expected, _ = _steps(model, step, None)
     got, totals = _steps(model, step, bench)
-    assert _originals(model) == originals  # every wrapper taken off again
+    assert _originals() == originals  # every wrapper taken off again
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     assert set(totals) == DENSE_PARTS and all(seconds > 0 for seconds, _ in totals.values())
     layers = len(model.layers)
-    # A step: each layer's graph, with its attention and cache write inside, then the output head.
-    calls = {"layer graphs": 3 * layers, "output head": 3, "attention": 3 * layers}
+    # A step: the inputs' graph, each layer's graph with its attention and cache write inside, then the
+    # head's graph.
+    calls = {"inputs": 3, "layer graphs": 3 * layers, "output head": 3, "attention": 3 * layers}
     assert {part: totals[part][1] for part in calls} == calls
     assert totals["KV cache writes"][1] == 3 * layers
 
