@@ -224,18 +224,19 @@ def _layer_graph(layer: nn.Module, tensors: LayerTensors) -> StaticKernel:
     return StaticKernel(layer_step, fused=True)  # type: ignore[arg-type]
 
 
-def _part_graph(part: Callable[..., Any], arguments: int, tensors: LayerTensors) -> StaticKernel:
+def _part_graph(part: Callable[..., Any], arguments: int, tensors: LayerTensors, fused: bool) -> StaticKernel:
     """A part of the model's forward outside its layers (`Decoder.inputs`: the embeddings and rotary
     angles; `Decoder.head`: the output norm and head) as a kernel of (its `arguments` arguments, *the
     tensors of its modules): eagerly, their few ops each and the calls down to the embedding's and
-    head's kernels were ~12% of a small hybrid model's step."""
+    head's kernels were ~12% of a small hybrid model's step. `fused`: StaticKernel's, which the head's
+    matvec wants; the inputs' graph is compiled as the embedding's own kernel is, without it."""
 
     def part_step(*args: torch.Tensor) -> Any:
         with tensors.swapped(args[arguments:]), layer_in_compiled_step():
             return part(*args[:arguments])
 
     part_step.__name__ = f"{part.__name__}_step"
-    return StaticKernel(part_step, fused=True)  # type: ignore[arg-type]
+    return StaticKernel(part_step, fused=fused)  # type: ignore[arg-type]
 
 
 def _why_not(model: Decoder) -> str | None:
@@ -278,9 +279,12 @@ class CompiledDecodeStep:
                 graphs[key] = _layer_graph(layer, tensors)
             self._graphs.append(graphs[key])
         inputs = LayerTensors(nn.ModuleList([model.embedding, model.rotary]))
-        self._inputs, self._inputs_weights = _part_graph(model.inputs, 2, inputs), inputs.tensors()
+        self._inputs, self._inputs_weights = (
+            _part_graph(model.inputs, 2, inputs, fused=False),
+            inputs.tensors(),
+        )
         head = LayerTensors(nn.ModuleList([model.norm, model.output]))
-        self._head, self._head_weights = _part_graph(model.head, 1, head), head.tensors()
+        self._head, self._head_weights = _part_graph(model.head, 1, head, fused=True), head.tensors()
         # The compiled kernel of each layer (and of the head) for each input layout, looked up once: the
         # lookup keys every input's shape and stride, and every step of the same kind passes the same layouts.
         self._kernels: dict[tuple, Callable[..., Any]] = {}

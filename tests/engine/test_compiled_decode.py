@@ -456,3 +456,25 @@ def test_qwen4exp_matches_the_eager_step(tmp_path: Path) -> None:
     # Past 8 blocks of 4 (the tiny config's budget): the indexer selects blocks at every step.
     _compare(model, step, prompt=torch.arange(3, 43)[None])
     assert runner_for(model).batch_steps([model.new_cache(max_len=8), model.new_cache(max_len=8)]) is None
+
+
+def test_step_inputs_graph_embeds_as_the_eager_model(smollm2: LoadedModel) -> None:
+    # The step's inputs (token embeddings, rotary angles) run as one compiled graph; the quantized
+    # table's rows come out bit for bit as the eager embedding's (gguf's dequantizer), for one token and
+    # for a batch's rows at their own positions.
+    model = smollm2.model
+    assert isinstance(model.embedding, quantized_linear.QuantizedEmbedding)
+    step = runner_for(model).decode_step(model.new_cache(max_len=2))
+    assert step is not None
+    for tokens, positions in (
+        (torch.tensor([[17]]), torch.tensor([5])),
+        (torch.tensor([[3], [900], [41]]), torch.tensor([[0], [7], [130]])),
+    ):
+        with torch.inference_mode():
+            got = step.run_inputs(tokens, positions)
+            expected = model.inputs(tokens, positions)
+        assert torch.equal(got[0], expected[0])
+        for a, b in zip(got[1:], expected[1:], strict=True):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert not step._inputs._broken  # compiled, not the plain function
