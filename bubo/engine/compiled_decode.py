@@ -285,8 +285,9 @@ class CompiledDecodeStep:
         )
         head = LayerTensors(nn.ModuleList([model.norm, model.output]))
         self._head, self._head_weights = _part_graph(model.head, 1, head, fused=True), head.tensors()
-        # The compiled kernel of each layer (and of the head) for each input layout, looked up once: the
-        # lookup keys every input's shape and stride, and every step of the same kind passes the same layouts.
+        # The compiled kernel of each layer (and of the inputs and the head) for each input layout, looked up
+        # once: the lookup keys every input's shape and stride, and every step of the same kind passes the
+        # same layouts.
         self._kernels: dict[tuple, Callable[..., Any]] = {}
         self._attention_kernels: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
 
@@ -434,15 +435,12 @@ class _StepOps:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self.layer is not None
         slot = self.layer.attention.layer_index
-        if len(self.sequences) == 1:  # the usual case, without the rows' slicing and concatenation
-            cache, run = self.sequences[0]
-            keys, values = _store(cache, slot, run, k[0], v[0])
-            return self.step.attention(slot, q, keys, values)
+        single = len(self.sequences) == 1  # the usual case: no slicing of q, no concatenation
         outputs = []
         for row, (cache, run) in enumerate(self.sequences):
             keys, values = _store(cache, slot, run, k[row], v[row])
-            outputs.append(self.step.attention(slot, q[row : row + 1], keys, values))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+            outputs.append(self.step.attention(slot, q if single else q[row : row + 1], keys, values))
+        return outputs[0] if single else torch.cat(outputs)
 
     def mix(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         assert self.layer is not None and len(self.sequences) == 1  # qwen4exp runs no cache batch
