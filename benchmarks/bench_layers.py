@@ -5,7 +5,7 @@ Builds a few layers of each kind with the real shapes (shared/spec/qwen4exp.md s
 Gated DeltaNet, QSA indexed attention, and dense gated attention (what a file whose compress ratios
 are 0 runs, spec 2.3), each with its hyper-connections and its 512-expert MoE, plus the output head.
 Weights are random ggml blocks of the UD-Q4_K_XL type mix (UD_Q4_K_XL below), built as Bubo loads
-a GGUF file (bubo.model.decoder.build_layer over a WeightSource), so the measured code is the real
+a GGUF file (bubo.model.decoder_layer.build_layer over a WeightSource), so the measured code is the real
 one: on CUDA with triton installed the paged-attention and gated-delta kernels, and whatever the
 quantized linear layers use. The PLE layer (one of 48) is not built: its 51 B-entry table would not
 fit, and it reads 16 table rows per token.
@@ -46,7 +46,8 @@ from bubo.gguf.config import (  # noqa: E402
 )
 from bubo.gguf.quants import block_size, type_size  # noqa: E402
 from bubo.kernels.triton_support import triton_enabled  # noqa: E402
-from bubo.model.decoder import Decoder, DeltaNetMixer, HyperConnectedLayer, IndexedAttentionMixer  # noqa: E402
+from bubo.model.decoder import Decoder  # noqa: E402
+from bubo.model.decoder_layer import DeltaNetMixer, HyperConnectedLayer, IndexedAttentionMixer  # noqa: E402
 from bubo.model.hyper_connections import expand_streams  # noqa: E402
 from bubo.model.moe import Experts, QuantizedExpertMatrices, SparseMoE  # noqa: E402
 from bubo.model.quantized_linear import QuantizedEmbedding, QuantizedLinear  # noqa: E402
@@ -158,7 +159,7 @@ def random_blocks(shape: tuple[int, ...], kind: GGMLQuantizationType, device: to
 
 
 class RandomWeights:
-    """A WeightSource (bubo.model.decoder) handing out random weights in the UD_Q4_K_XL types."""
+    """A WeightSource (bubo.model.decoder_layer) handing out random weights in the UD_Q4_K_XL types."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device

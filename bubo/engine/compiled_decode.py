@@ -41,13 +41,8 @@ from torch import nn
 from bubo.kernels.compiled import StaticKernel
 from bubo.kernels.decode_attention import decode_attention_kernel
 from bubo.model.attention import Attention
-from bubo.model.decoder import (
-    Decoder,
-    DecoderLayer,
-    DeltaNetMixer,
-    HyperConnectedLayer,
-    IndexedAttentionMixer,
-)
+from bubo.model.decoder import Decoder
+from bubo.model.decoder_layer import DecoderLayer, DeltaNetMixer, HyperConnectedLayer, IndexedAttentionMixer
 from bubo.model.moe import SparseMoE
 from bubo.model.state import CacheBatch, DeltaNetState, KVCache, PLEState
 from bubo.model.step_ops import layer_in_compiled_step, step_ops

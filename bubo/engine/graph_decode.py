@@ -38,7 +38,8 @@ from torch import nn
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
 from bubo.model.attention import Attention
 from bubo.model.block_pool import BlockPool
-from bubo.model.decoder import Decoder, DecoderLayer, DeltaNetMixer
+from bubo.model.decoder import Decoder
+from bubo.model.decoder_layer import DecoderLayer, DeltaNetMixer
 from bubo.model.layers import MLP, RMSNorm
 from bubo.model.moe import QuantizedExpertMatrices, SparseMoE
 from bubo.model.state import DeltaNetState, KVCache

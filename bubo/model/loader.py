@@ -210,7 +210,7 @@ def load_decoder(
         if not config.hc_count:
             ignored += (f"blk.{n}.nextn.shared_head_head.",)
         if config.indexer is not None and not any(config.indexer.compress_ratios):
-            ignored += (f"blk.{n}.indexer.",)  # the block runs dense with the trunk (decoder.py)
+            ignored += (f"blk.{n}.indexer.",)  # the block runs dense with the trunk (decoder_layer.py)
     elif config.architecture == "qwen4exp":
         # A block without `nextn_predict_layers` to say it is one is left alone (spec section 4.11).
         ignored += (f"blk.{n}.", "mtp.")

@@ -37,7 +37,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from bubo.gguf.config import ModelConfig
-from bubo.model.decoder import Decoder, build_mtp
+from bubo.model.decoder import Decoder
+from bubo.model.decoder_layer import build_mtp
 from bubo.model.moe import ExpertMatrices
 
 __all__ = ["MTPWeightsError", "check_mtp_file", "load_mtp_weights"]
@@ -110,7 +111,7 @@ class MTPWeightsError(ValueError):
 
 
 class CheckpointMTPWeights:
-    """A WeightSource (bubo/model/decoder.py) over a checkpoint's `mtp.*` tensors, asked by GGUF name
+    """A WeightSource (bubo/model/decoder_layer.py) over a checkpoint's `mtp.*` tensors, asked by GGUF name
     (`names`: GGUF name after `blk.{layer}.` -> checkpoint name after `mtp.`)."""
 
     def __init__(

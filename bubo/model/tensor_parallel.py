@@ -34,7 +34,8 @@ from torch import nn
 from bubo.gguf.config import ModelConfig
 from bubo.gguf.quants import block_size, type_size
 from bubo.model.attention import Attention
-from bubo.model.decoder import Decoder, DeltaNetMixer
+from bubo.model.decoder import Decoder
+from bubo.model.decoder_layer import DeltaNetMixer
 from bubo.model.deltanet import GatedDeltaNet
 from bubo.model.layers import MLP
 from bubo.model.moe import ExpertMatrices, Experts, QuantizedExpertMatrices, SparseMoE, top_k_routing

@@ -49,7 +49,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from bubo.model.attention import Attention
-from bubo.model.decoder import Decoder, DecoderLayer, DeltaNetMixer, HyperConnectedLayer
+from bubo.model.decoder import Decoder
+from bubo.model.decoder_layer import DecoderLayer, DeltaNetMixer, HyperConnectedLayer
 from bubo.model.indexed_attention import QSAIndexer
 from bubo.model.moe import SparseMoE, top_k_routing
 from bubo.model.ngram_embedding import PLELayer

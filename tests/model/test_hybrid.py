@@ -27,7 +27,8 @@ from bubo.engine.sampler import SamplingParams
 from bubo.gguf.config import MlpKind, ValueHeadOrder, config_from_gguf
 from bubo.gguf.reader import GGUFFile
 from bubo.model.attention import Attention
-from bubo.model.decoder import Decoder, DeltaNetMixer
+from bubo.model.decoder import Decoder
+from bubo.model.decoder_layer import DeltaNetMixer
 from bubo.model.loader import load_decoder
 from bubo.model.moe import SparseMoE
 from bubo.model.quantized_linear import QuantizedLinear

@@ -26,7 +26,8 @@ from bubo.engine.sampler import SamplingParams
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.model.attention import Attention
-from bubo.model.decoder import Decoder, DeltaNetMixer, HyperConnectedLayer, IndexedAttentionMixer
+from bubo.model.decoder import Decoder
+from bubo.model.decoder_layer import DeltaNetMixer, HyperConnectedLayer, IndexedAttentionMixer
 from bubo.model.hyper_connections import StreamMixer
 from bubo.model.loader import load_decoder
 from bubo.model.state import KVCache

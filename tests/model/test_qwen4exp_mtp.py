@@ -18,7 +18,8 @@ from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.model import hyper_connected_mtp
 from bubo.model.attention import Attention
-from bubo.model.decoder import Decoder, IndexedAttentionMixer
+from bubo.model.decoder import Decoder
+from bubo.model.decoder_layer import IndexedAttentionMixer
 from bubo.model.hyper_connected_mtp import HyperConnectedMTP
 from bubo.model.loader import load_decoder
 from bubo.model.mtp_weights import MTPWeightsError, load_mtp_weights
