@@ -30,6 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.utils import _pytree as pytree
 
+from bubo.kernels.index_strides import fast_index_strides
 from bubo.kernels.kernel_store import kernel_store
 
 __all__ = ["DynamicKernel", "StaticKernel"]
@@ -255,6 +256,7 @@ def _inductor_compile(
     with (
         torch._inductor.config.patch(options),
         tracing(TracingContext(mode)),
+        fast_index_strides(),
         warnings.catch_warnings(),
     ):
         # Said of a bfloat16 unpacking of float16 scales (both widen to float32 in it).
