@@ -19,6 +19,7 @@ inductor's own analysis. The answers are the same numbers, so the generated code
 """
 
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -74,18 +75,29 @@ def _with_fast_path(original: Callable[..., Any]) -> Callable[..., Any]:
     return stride_at_vec_range
 
 
+_lock = threading.Lock()
+_users = 0
+_original: Callable[..., Any] | None = None
+
+
 @contextmanager
 def fast_index_strides() -> Iterator[None]:
-    """Inductor's C++ code generation, while inside, asks `stride_at_vec_range` here first. Where this
+    """Inductor's C++ code generation, while inside, asks `stride_at_vec_range` here first. Compiles on
+    several threads at once share one installation, removed when the last one leaves. Where this
     torch's inductor has no such function, nothing changes."""
+    global _users, _original
     from torch._inductor.codegen import cpp
 
-    original = getattr(cpp, "stride_at_vec_range", None)
-    if original is None:
-        yield
-        return
-    cpp.stride_at_vec_range = _with_fast_path(original)
+    with _lock:
+        if _users == 0:
+            _original = getattr(cpp, "stride_at_vec_range", None)
+            if _original is not None:
+                cpp.stride_at_vec_range = _with_fast_path(_original)
+        _users += 1
     try:
         yield
     finally:
-        cpp.stride_at_vec_range = original
+        with _lock:
+            _users -= 1
+            if _users == 0 and _original is not None:
+                cpp.stride_at_vec_range = _original

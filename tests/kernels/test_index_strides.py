@@ -82,3 +82,21 @@ def test_a_matvec_compiles_to_the_same_code_either_way(qtype: Q, monkeypatch: py
     assert index_strides._linear_stride.cache_info().currsize > 0  # the fast path answered
     assert fast == _generated_code(qtype, False, monkeypatch)
     assert any("cpp_fused" in source for source in fast)
+
+
+def test_installed_while_any_compile_runs_and_removed_after_the_last() -> None:
+    # Two compiles overlapping (two threads): the second shares the first's installation, and inductor's
+    # own function is back once both have left, whichever leaves first.
+    from torch._inductor.codegen import cpp
+
+    original = cpp.stride_at_vec_range
+    first, second = index_strides.fast_index_strides(), index_strides.fast_index_strides()
+    first.__enter__()
+    installed = cpp.stride_at_vec_range
+    assert installed is not original
+    second.__enter__()
+    assert cpp.stride_at_vec_range is installed
+    first.__exit__(None, None, None)
+    assert cpp.stride_at_vec_range is installed
+    second.__exit__(None, None, None)
+    assert cpp.stride_at_vec_range is original
