@@ -319,11 +319,15 @@ class CompiledDecodeStep:
 
     def _run_part(self, graph: StaticKernel, *inputs: torch.Tensor, weights: list[torch.Tensor]) -> Any:
         args = (*inputs, *weights)
-        key = (id(graph), *(a.shape for a in inputs))
+        return self._kernel((graph, *(a.shape for a in inputs)), graph, args)(*args)
+
+    def _kernel(self, key: tuple, graph: StaticKernel, args: tuple[torch.Tensor, ...]) -> Callable[..., Any]:
+        """`graph`'s compiled kernel for `args`, found by `key` (what sets a step's layouts) after the
+        first time."""
         kernel = self._kernels.get(key)
         if kernel is None:
             kernel = self._kernels[key] = graph.kernel_for(*args)
-        return kernel(*args)
+        return kernel
 
     def run_layer(
         self,
@@ -339,10 +343,7 @@ class CompiledDecodeStep:
         i = self._index[id(layer)]
         state = _state_tensors(layer, self._has_state[i], caches)
         args = (x, cos, sin, tokens, *state, *self._weights[i])
-        key = (i, x.shape, cos.shape)
-        kernel = self._kernels.get(key)
-        if kernel is None:
-            kernel = self._kernels[key] = self._graphs[i].kernel_for(*args)
+        kernel = self._kernel((i, x.shape, cos.shape), self._graphs[i], args)
         ops.layer = layer
         return kernel(*args)
 

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import sympy
+from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 __all__ = ["fast_index_strides"]
 
@@ -32,23 +33,19 @@ __all__ = ["fast_index_strides"]
 def _term_stride(term: sympy.Expr, var: sympy.Symbol, vec_length: int) -> sympy.Expr | None:
     """How much `term` (one term of a sum) moves as `var` moves by one within a vector, or None where
     the term isn't of the forms the module docstring lists."""
-    from torch.utils._sympy.functions import FloorDiv, ModularIndexing
-
     if not term.has(var):
         return sympy.S.Zero
     coefficient, factor = term.as_coeff_Mul()
     if factor == var:
         return coefficient
-    if isinstance(factor, FloorDiv) and factor.args[0] == var:
+    if isinstance(factor, FloorDiv | ModularIndexing) and factor.args[0] == var:
         divisor = factor.args[1]
         if divisor.is_Integer and divisor % vec_length == 0:
             return sympy.S.Zero
-    if isinstance(factor, ModularIndexing) and factor.args[0] == var:
-        divisor, modulus = factor.args[1], factor.args[2]
-        if divisor.is_Integer and divisor % vec_length == 0:
-            return sympy.S.Zero
-        if divisor == 1 and modulus.is_Integer and modulus % vec_length == 0:
-            return coefficient
+        if isinstance(factor, ModularIndexing) and divisor == 1:
+            modulus = factor.args[2]
+            if modulus.is_Integer and modulus % vec_length == 0:
+                return coefficient
     return None
 
 
