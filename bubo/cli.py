@@ -291,6 +291,11 @@ def _add_runtime_args(parser: argparse.ArgumentParser) -> None:
             "always decode on all --threads (default: on one instead while timings say "
             "a busy neighbour makes that faster)",
         ),
+        (
+            "--no-int8-matvec",
+            "multiply Q4_K/Q6_K weights with float activations instead of int8-quantized ones "
+            "(exact activations, slower; the int8 path needs AVX512-VNNI)",
+        ),
     ):
         group.add_argument(flag, action="store_true", default=None, help=what)
     group.add_argument(
@@ -318,6 +323,7 @@ def _runtime_options(args: argparse.Namespace) -> RuntimeOptions:
             "triton_autotune",
             "pack_experts",
             "adaptive_threads",
+            "int8_matvec",
         )
         if getattr(args, f"no_{field}")
     }

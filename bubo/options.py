@@ -49,6 +49,9 @@ class RuntimeOptions:
         default (inside inductor's cache directory), or "off".
     adaptive_threads: CPU decode steps run on all the threads given (--threads) or on one, whichever
         their timings say is faster at the moment (bubo/engine/thread_governor.py); off: always all.
+    int8_matvec: on CPUs with AVX512-VNNI, Q4_K and Q6_K matvecs multiply int8-quantized activations
+        with the codes in integer arithmetic, as llama.cpp does (bubo/kernels/int8_matvec.py); off: the
+        float matvecs, which keep the activations exact.
     """
 
     compile_decode: bool = True
@@ -59,6 +62,7 @@ class RuntimeOptions:
     prefill_bf16: PrefillBF16 = "auto"
     kernel_cache: str = ""
     adaptive_threads: bool = True
+    int8_matvec: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_bf16 not in ("auto", "on", "off"):

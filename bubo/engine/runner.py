@@ -28,6 +28,7 @@ from bubo.engine.graph_decode import (
     paged_attention,
 )
 from bubo.engine.thread_governor import ThreadGovernor
+from bubo.kernels.int8_matvec import matvec_plan
 from bubo.kernels.triton_support import triton_enabled
 from bubo.model.decoder import Decoder
 from bubo.model.quantized_linear import MATVEC_ROWS, has_packed_weights
@@ -70,15 +71,17 @@ class Plan:
     decode: PathChoice
     batch: PathChoice
     verify: PathChoice
+    matvecs: str = ""  # on the CPU: which quantized matvecs run (bubo/kernels/int8_matvec.py)
 
     def lines(self) -> list[str]:
-        return [
+        lines = [
             f"plan for {self.architecture} on {self.device}:",
             f"  prefill: {self.prefill}",
             f"  decode:  {self.decode}",
             f"  batch:   {self.batch}",
             f"  verify:  {self.verify}",
         ]
+        return [*lines, f"  matvecs: {self.matvecs}"] if self.matvecs else lines
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -254,7 +257,8 @@ class Runner:
         recurrent = any(getattr(layer.attention, "deltanet", None) is not None for layer in model.layers)
         if recurrent and not why_eager:
             decode = PathChoice(decode.path, decode.reason + "; eager where a snapshot falls in the step")
-        return Plan(model.config.architecture, model.device.type, prefill, decode, batch, verify)
+        matvecs = matvec_plan() if model.device.type == "cpu" else ""
+        return Plan(model.config.architecture, model.device.type, prefill, decode, batch, verify, matvecs)
 
 
 def _one_sequence(cache: object) -> bool:

@@ -11,6 +11,8 @@ layouts of the Q8_0 matvec, which then runs them, the decode step included. A Q4
   Q4_K_M mixes with Q5_0 among the q/k/v projections.
 - Q5_1 -> PackedQ8Offset: w = d * q + m, the code q a byte, scale d and offset m as stored (float16).
   9 bits a weight against 6.
+- Q6_K -> PackedQ6KInt8 instead where the int8 matvecs run (bubo/kernels/int8_matvec.py): its codes'
+  low nibbles and high bits in words of their own, whole bytes for integer dot products.
 - IQ4_NL -> PackedQ8 (8-word blocks): w = d * codebook[q], the 4-bit q indexing a table of 16 signed
   bytes (ggml's kvalues_iq4nl): the looked-up value is the byte code, so no table is read at run time.
   9 bits a weight against 4.5. A matvec that kept the 4-bit indices would have to gather from the table
@@ -27,6 +29,7 @@ from gguf import GGMLQuantizationType
 
 from bubo.gguf.quants import f16_field, iq4_nl_codes, q5_0_codes, q5_1_codes, type_size
 from bubo.kernels.codes import field_words, half_if_exact, tiled_by_rows
+from bubo.kernels.int8_matvec import PackedQ6KInt8, int8_matvec_enabled, q6_k_int8_rows
 from bubo.kernels.q4_matvec import PackedQ4
 from bubo.kernels.q8_matvec import CODE_BIAS, PackedQ8, PackedQ8Offset, with_scales
 from bubo.kernels.super_block_matvec import SUPER_BLOCK_FORMATS, PackedSuperBlocks, super_block_rows
@@ -39,7 +42,7 @@ Q = GGMLQuantizationType
 # super-block layout's words and fields (the blocks are decoded by bubo/gguf/quants.py's code readers).
 Rows = Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]
 # A weight repacked for the CPU's compiled matvecs.
-Packed = PackedQ4 | PackedQ8 | PackedQ8Offset | PackedSuperBlocks
+Packed = PackedQ4 | PackedQ8 | PackedQ8Offset | PackedSuperBlocks | PackedQ6KInt8
 
 
 def _biased_words(codes: torch.Tensor) -> torch.Tensor:
@@ -77,6 +80,8 @@ def repack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed:
     if ggml_type not in REPACKABLE:
         raise ValueError(f"no repacking for {ggml_type.name}; it takes {sorted(t.name for t in REPACKABLE)}")
     layout, rows, _ = REPACKABLE[ggml_type]
+    if ggml_type == Q.Q6_K and int8_matvec_enabled():
+        layout, rows = PackedQ6KInt8, q6_k_int8_rows
     out_features, size = raw.shape[0], type_size(ggml_type)
     blocks = raw.reshape(out_features, -1, size)
     tensors = tiled_by_rows(
@@ -84,6 +89,8 @@ def repack(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> Packed:
     )
     if layout is PackedSuperBlocks:
         return PackedSuperBlocks(*tensors, out_features, ggml_type)
+    if layout is PackedQ6KInt8:
+        return PackedQ6KInt8(*tensors, out_features)
     if layout is not PackedQ8:  # a scale and offset beside the words: float16 where exact
         tensors = (tensors[0], half_if_exact(tensors[1]))
     return layout(*tensors, out_features)

@@ -72,6 +72,7 @@ from bubo.kernels.codes import (
     word_bits,
 )
 from bubo.kernels.compiled import StaticKernel
+from bubo.kernels.int8_matvec import int8_matvec_enabled, q4_k_int8_matvec
 
 __all__ = [
     "SUPER_BLOCK_FORMATS",
@@ -360,7 +361,11 @@ def super_block_matvec_bits(
     ggml_type: GGMLQuantizationType,
 ) -> torch.Tensor:
     """`super_block_matvec` on the packed tensors as their float32 bits (codes.word_bits): the form in
-    which a compiled graph that contains the matvec takes them as inputs."""
+    which a compiled graph that contains the matvec takes them as inputs. Q4_K runs the int8 kernel where
+    it is on (bubo/kernels/int8_matvec.py)."""
+    if ggml_type == Q.Q4_K and int8_matvec_enabled():
+        out = q4_k_int8_matvec(x.reshape(-1, x.shape[-1]), bits, field_bits, factors).view(*x.shape[:-1], -1)
+        return out[..., :out_features]
     out = _matvec_kernel(SUPER_BLOCK_FORMATS[ggml_type])(x, bits, field_bits, factors)
     return out if out.shape[-1] == out_features else out[..., :out_features]
 

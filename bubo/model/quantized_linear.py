@@ -31,6 +31,7 @@ from torch._inductor.inductor_prims import force_stride_order
 from bubo.gguf.quants import block_size, dequantize, type_size
 from bubo.kernels.codes import TILE, concat_tiled, slice_tiled, word_bits
 from bubo.kernels.compiled import StaticKernel
+from bubo.kernels.int8_matvec import PackedQ6KInt8, int8_matvec_enabled, q4_k_int8_matvec, q6_k_int8_matvec
 from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4, q4_matvec_bits
 from bubo.kernels.q8_matvec import PackedQ8Offset, pack_q8, q8_matvec_bits, q8_offset_matvec_bits
 from bubo.kernels.repack import REPACKABLE, Packed, repack
@@ -50,6 +51,7 @@ __all__ = [
     "has_packed_weights",
     "native_bf16",
     "pack_for_cpu",
+    "packed_graph_expert_matvec",
     "packed_graph_inputs",
     "packed_graph_matvec",
     "packed_graph_tensors",
@@ -289,8 +291,8 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
 
 
 def packed_graph_inputs(packed: Packed) -> tuple[str, tuple[torch.Tensor, ...]]:
-    """How a compiled graph takes `packed` as inputs: its kind ("q4", "q8", "q8_offset", or a super-block
-    type's name, "Q4_K") and its tensors, the words as their float32 bits (codes.word_bits), then the
+    """How a compiled graph takes `packed` as inputs: its kind ("q4", "q8", "q8_offset", "Q6_K_int8", or a
+    super-block type's name, "Q4_K") and its tensors, the words as their float32 bits (codes.word_bits), then the
     per-block fields where they lie apart (`packed_graph_tensors` of them)."""
     if isinstance(packed, PackedQ4):
         return "q4", (word_bits(packed.words), packed.scale_offset)
@@ -298,12 +300,14 @@ def packed_graph_inputs(packed: Packed) -> tuple[str, tuple[torch.Tensor, ...]]:
         return "q8_offset", (word_bits(packed.words), packed.scale_offset)
     if isinstance(packed, PackedSuperBlocks):
         return packed.ggml_type.name, (word_bits(packed.words), word_bits(packed.fields), packed.factors)
+    if isinstance(packed, PackedQ6KInt8):
+        return "Q6_K_int8", (packed.words, packed.factors)
     return "q8", (word_bits(packed.words),)
 
 
 def packed_graph_tensors(kind: str) -> int:
     """How many tensors `packed_graph_inputs` gives for a packed matrix of `kind`."""
-    return 1 if kind == "q8" else 2 if kind in ("q4", "q8_offset") else 3
+    return 1 if kind == "q8" else 2 if kind in ("q4", "q8_offset", "Q6_K_int8") else 3
 
 
 def packed_graph_matvec(
@@ -317,7 +321,23 @@ def packed_graph_matvec(
         return q8_offset_matvec_bits(x, *tensors, out_features)
     if kind == "q8":
         return q8_matvec_bits(x, *tensors, out_features)
+    if kind == "Q6_K_int8":
+        out = q6_k_int8_matvec(x.reshape(-1, x.shape[-1]), *tensors).view(*x.shape[:-1], -1)
+        return out[..., :out_features]
     return super_block_matvec_bits(x, *tensors, out_features, Q[kind])
+
+
+def packed_graph_expert_matvec(
+    kind: str, x: torch.Tensor, tensors: tuple[torch.Tensor, ...], experts: torch.Tensor, expert_rows: int
+) -> torch.Tensor | None:
+    """Rows x [n, in] (or one row for all) times experts `experts` [n] of a stack of experts of
+    `expert_rows` rows each, packed as `packed_graph_inputs` gave (kind, tensors) -> [n, expert_rows], where
+    an int8 kernel reads the stack by expert id (bubo/kernels/int8_matvec.py); else None."""
+    if kind == "Q6_K_int8":
+        return q6_k_int8_matvec(x, *tensors, experts, expert_rows)
+    if kind == "Q4_K" and int8_matvec_enabled():
+        return q4_k_int8_matvec(x, *tensors, experts, expert_rows)
+    return None
 
 
 def warm_up_packed(packed: Packed, dtype: torch.dtype) -> None:

@@ -1,6 +1,7 @@
 """bubo/kernels/index_strides.py answers inductor's stride question as inductor does, where it answers."""
 
 import contextlib
+from collections.abc import Callable
 
 import pytest
 import sympy
@@ -78,7 +79,10 @@ def _generated_code(qtype: Q, fast: bool, monkeypatch: pytest.MonkeyPatch) -> li
 # Q4_K: a Q4_K_M's bulk. (Q6_K's matvec, whose codes straddle words, takes ~15 s to compile without the
 # fast path; its index forms are among those the unit tests above check.)
 @pytest.mark.parametrize("qtype", [Q.Q4_K])
-def test_a_matvec_compiles_to_the_same_code_either_way(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_matvec_compiles_to_the_same_code_either_way(
+    qtype: Q, monkeypatch: pytest.MonkeyPatch, runtime_options: Callable[..., None]
+) -> None:
+    runtime_options(int8_matvec=False)  # the float matvec: inductor's code, not the int8 kernel
     index_strides._linear_stride.cache_clear()
     fast = _generated_code(qtype, True, monkeypatch)
     assert index_strides._linear_stride.cache_info().currsize > 0  # the fast path answered

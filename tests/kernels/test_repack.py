@@ -1,7 +1,9 @@
 """Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 / Q2_K / Q3_K / IQ4_NL / IQ4_XS blocks repacked for the compiled
 matvecs (the K-quants and IQ4_XS as super-blocks), against gguf's numpy dequantizer (bit for bit) and a
-float64 matvec on it: random blocks, and the real tensors of Gemma 3 270M Q4_K_M."""
+float64 matvec on it: random blocks, and the real tensors of Gemma 3 270M Q4_K_M. The float matvecs, with
+the int8 ones off (those are tests/kernels/test_int8_matvec.py's)."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -17,6 +19,12 @@ from bubo.kernels.super_block_matvec import PackedSuperBlocks
 from tests.kernels.k_blocks import random_blocks
 
 Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(autouse=True)
+def float_matvecs(runtime_options: Callable[..., None]) -> None:
+    runtime_options(int8_matvec=False)
+
 
 LAYOUT = {
     Q.Q4_K: PackedSuperBlocks,

@@ -152,7 +152,10 @@ def test_rows_that_do_not_fill_tiles_stay_apart(monkeypatch) -> None:
     "qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS]
 )
 @pytest.mark.parametrize("rows", [1, 17])  # a compiled matvec; unpacked column chunks for a GEMM
-def test_repacked_k_quants_match_float64_reference(monkeypatch, qtype: Q, rows: int) -> None:
+def test_repacked_k_quants_match_float64_reference(monkeypatch, runtime_options, qtype: Q, rows: int) -> None:
+    runtime_options(
+        int8_matvec=False
+    )  # exact activations (the int8 matvecs: tests/kernels/test_int8_matvec.py)
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     monkeypatch.setattr(quantized_linear, "CHUNK_VALUES", 256 * 24)  # 16 or 24 columns a chunk, of 40
     raw = random_blocks(qtype, 40, 256, seed=5)

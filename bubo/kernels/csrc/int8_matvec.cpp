@@ -1,0 +1,288 @@
+// Matrix-vector products of K-quant weights with int8 activations on AVX512-VNNI (vpdpbusd), the way
+// llama.cpp's CPU kernels multiply: the activations are quantized to int8 once a call, and each code
+// byte multiplies an activation byte in integer arithmetic, four to a 32-bit lane per instruction.
+// bubo/kernels/int8_matvec.py builds this file, registers the ops and describes the layouts.
+//
+// The weights are tiled as bubo/kernels/codes.py says: 16 output rows a tile, one per 32-bit lane, a
+// tile's words together. Q4_K keeps bubo/kernels/super_block_matvec.py's layout: a word holds 8
+// consecutive 4-bit codes of its row, so `w & 0x0F0F0F0F` holds, as bytes, the codes of inputs k, k+2,
+// k+4, k+6 and `(w >> 4) & 0x0F0F0F0F` those of k+1, k+3, k+5, k+7: the activations are stored in
+// that order (an "even" and an "odd" dword a code word), and each is one vpdpbusd against a broadcast
+// dword. Q6_K has a layout of its own (int8_matvec.py): the low 4 bits of its codes in such words, the
+// high 2 bits of 16 codes in one word arranged so that a shift and an AND put them beside the low bits.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;       // a tile's rows
+constexpr int64_t kSuper = 256;      // weights of a K-quant super-block
+constexpr int64_t kBlock = 32;       // activations sharing one int8 scale
+constexpr int64_t kWorkGrain = 16;   // super-block rows of work a thread takes at least
+
+// One row of activations as int8: per code word of 8 inputs two dwords (inputs 0, 2, 4, 6 and 1, 3,
+// 5, 7), a float scale a block of 32, the block's sum (Q4_K's min term) and the int8 values' sum per 16
+// (Q6_K's code bias). The sums are the quantized values' (llama.cpp's bsums): every term of a product
+// then multiplies the same activations, d * q.
+struct Activations {
+  std::vector<int32_t> dwords;
+  std::vector<float> scale;
+  std::vector<float> sum;
+  std::vector<int32_t> qsum16;
+};
+
+Activations quantize(const float* x, int64_t n) {
+  Activations a;
+  a.dwords.resize(n / 4);
+  a.scale.resize(n / kBlock);
+  a.sum.resize(n / kBlock);
+  a.qsum16.resize(n / 16);
+  auto* bytes = reinterpret_cast<int8_t*>(a.dwords.data());
+  for (int64_t b = 0; b < n / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(xb[i] * id));
+      const int64_t k = b * kBlock + i;
+      // Input k of code word k / 8: the even dword's byte (k % 8) / 2, or the odd dword's.
+      bytes[(k / 8) * 8 + (k % 2) * 4 + (k % 8) / 2] = static_cast<int8_t>(q);
+      a.qsum16[k / 16] += q;
+      sum += q;
+    }
+    a.scale[b] = d;
+    a.sum[b] = d * static_cast<float>(sum);
+  }
+  return a;
+}
+
+inline __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi32(0x0F0F0F0F)); }
+inline __m512i high_nibbles(__m512i v) { return low_nibbles(_mm512_srli_epi32(v, 4)); }
+inline __m512i dot(__m512i acc, __m512i codes, int32_t activations) {
+  return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(activations));
+}
+inline __m512i byte_of(__m512i v, int byte) {
+  return _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32(0xFF));
+}
+
+// Q4_K, a super-block of one tile: words [32, 16] (sub-block j's codes in words 4j..4j+3), fields [4, 16]
+// (scale bytes, then min bytes, sub-block j at byte j % 4 of word j / 4), factors [2, 16] (d, dmin).
+// weight = d * sc_j * q - dmin * m_j, so the dot product is d * sum_j sc_j * (x_j . q_j) - dmin * sum_j
+// m_j * sum(x_j): the first sum from the int8 products, the second from the activations' block sums.
+inline __m512 q4_k_super_block(const int32_t* words, const int32_t* fields, const float* factors,
+                               const int32_t* x, const float* scale, const float* sum, __m512 acc) {
+  __m512 scaled = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
+  for (int j = 0; j < 8; ++j) {
+    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    for (int w = 0; w < 4; ++w) {
+      const __m512i v = _mm512_loadu_si512(words + (4 * j + w) * kLanes);
+      even = dot(even, low_nibbles(v), x[(4 * j + w) * 2]);
+      odd = dot(odd, high_nibbles(v), x[(4 * j + w) * 2 + 1]);
+    }
+    const __m512i sc = byte_of(_mm512_loadu_si512(fields + (j / 4) * kLanes), j % 4);
+    const __m512i m = byte_of(_mm512_loadu_si512(fields + (2 + j / 4) * kLanes), j % 4);
+    const __m512i isum = _mm512_mullo_epi32(_mm512_add_epi32(even, odd), sc);
+    scaled = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(scale[j]), scaled);
+    mins = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(sum[j]), mins);
+  }
+  acc = _mm512_fmadd_ps(_mm512_loadu_ps(factors), scaled, acc);
+  return _mm512_fnmadd_ps(_mm512_loadu_ps(factors + kLanes), mins, acc);
+}
+
+// Q6_K, a super-block of one tile: words [52, 16]: 32 words of low nibbles (sub-block j of 16 codes in
+// words 2j, 2j+1), 16 words of high bits (sub-block j's in word 32 + j: byte b holds, two bits each from
+// the bottom, those of codes 2b, 2b + 1, 8 + 2b, 9 + 2b), 4 words of int8 scales (sub-block j at byte j % 4
+// of word 48 + j / 4); factors [1, 16] (d). Codes are stored unsigned (q + 32): weight = d * sc_j * (q -
+// 32), so x_j . (q_j - 32) = x_j . q_j - 32 * sum(x_j), the latter from the int8 sums.
+inline __m512 q6_k_super_block(const int32_t* words, const float* factors, const int32_t* x,
+                               const float* scale, const int32_t* qsum16, __m512 acc) {
+  const __m512i high_mask = _mm512_set1_epi32(0x30303030);
+  __m512 scaled = _mm512_setzero_ps();
+  for (int j = 0; j < 16; ++j) {
+    const __m512i l0 = _mm512_loadu_si512(words + (2 * j) * kLanes);
+    const __m512i l1 = _mm512_loadu_si512(words + (2 * j + 1) * kLanes);
+    const __m512i h = _mm512_loadu_si512(words + (32 + j) * kLanes);
+    const __m512i c0 = _mm512_or_si512(low_nibbles(l0), _mm512_and_si512(_mm512_slli_epi32(h, 4), high_mask));
+    const __m512i c1 = _mm512_or_si512(high_nibbles(l0), _mm512_and_si512(_mm512_slli_epi32(h, 2), high_mask));
+    const __m512i c2 = _mm512_or_si512(low_nibbles(l1), _mm512_and_si512(h, high_mask));
+    const __m512i c3 = _mm512_or_si512(high_nibbles(l1), _mm512_and_si512(_mm512_srli_epi32(h, 2), high_mask));
+    __m512i even = dot(_mm512_set1_epi32(-32 * qsum16[j]), c0, x[4 * j]);
+    __m512i odd = dot(_mm512_setzero_si512(), c1, x[4 * j + 1]);
+    even = dot(even, c2, x[4 * j + 2]);
+    odd = dot(odd, c3, x[4 * j + 3]);
+    const __m512i sc_word = _mm512_loadu_si512(words + (48 + j / 4) * kLanes);
+    const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(sc_word, 24 - 8 * (j % 4)), 24);
+    const __m512i isum = _mm512_mullo_epi32(_mm512_add_epi32(even, odd), sc);
+    scaled = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(scale[j / 2]), scaled);
+  }
+  return _mm512_fmadd_ps(_mm512_loadu_ps(factors), scaled, acc);
+}
+
+enum class Format { Q4_K, Q6_K };
+
+struct Weights {
+  Format format;
+  const int32_t* words;
+  const int32_t* fields;  // Q4_K only
+  const float* factors;
+  int64_t supers;         // super-blocks a row
+  int64_t words_a_super;  // a tile's words a super-block
+  int64_t fields_a_super;
+  int64_t factors_a_super;
+};
+
+// One output tile for one activation row: 16 dot products over the row's super-blocks.
+inline void tile_product(const Weights& w, int64_t tile, const Activations& a, float* out) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t s = 0; s < w.supers; ++s) {
+    const int64_t block = tile * w.supers + s;
+    const int32_t* words = w.words + block * w.words_a_super * kLanes;
+    const float* factors = w.factors + block * w.factors_a_super * kLanes;
+    const int32_t* x = a.dwords.data() + s * (kSuper / 4);
+    const float* scale = a.scale.data() + s * (kSuper / kBlock);
+    if (w.format == Format::Q4_K) {
+      const int32_t* fields = w.fields + block * w.fields_a_super * kLanes;
+      acc = q4_k_super_block(words, fields, factors, x, scale, a.sum.data() + s * (kSuper / kBlock), acc);
+    } else {
+      acc = q6_k_super_block(words, factors, x, scale, a.qsum16.data() + s * (kSuper / 16), acc);
+    }
+  }
+  _mm512_storeu_ps(out, acc);
+}
+
+const int32_t* word_data(const at::Tensor& t) {
+  TORCH_CHECK(t.is_contiguous() && t.element_size() == 4 && t.device().is_cpu(),
+              "packed words must be contiguous 32-bit CPU tensors");
+  return static_cast<const int32_t*>(t.data_ptr());
+}
+
+Weights weights_of(Format format, const at::Tensor& words, const at::Tensor& fields, const at::Tensor& factors) {
+  TORCH_CHECK(words.dim() == 4 && words.size(3) == kLanes, "words must be [tiles, super-blocks, words, 16]");
+  TORCH_CHECK(factors.scalar_type() == at::kFloat && factors.is_contiguous(), "factors must be contiguous float32");
+  Weights w{format, word_data(words), nullptr, factors.data_ptr<float>(), words.size(1), words.size(2), 0,
+            factors.size(2)};
+  if (format == Format::Q4_K) {
+    w.fields = word_data(fields);
+    w.fields_a_super = fields.size(2);
+  }
+  return w;
+}
+
+std::vector<Activations> quantize_rows(const at::Tensor& x, int64_t in_features) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == in_features,
+              "x must be float32 [rows, in_features]");
+  const at::Tensor xc = x.contiguous();
+  std::vector<Activations> rows;
+  for (int64_t r = 0; r < xc.size(0); ++r) rows.push_back(quantize(xc.data_ptr<float>() + r * in_features, in_features));
+  return rows;
+}
+
+// x [rows, in] times every tile of the weights -> [rows, tiles * 16]; with `experts` [n] (ids into a stack of
+// experts of `expert_rows` rows each), row i of x (or its only row) times expert experts[i] -> [n, expert_rows].
+at::Tensor matvec(Format format, const at::Tensor& x, const at::Tensor& words, const at::Tensor& fields,
+                  const at::Tensor& factors, const std::optional<at::Tensor>& experts, int64_t expert_rows) {
+  const Weights w = weights_of(format, words, fields, factors);
+  const std::vector<Activations> rows = quantize_rows(x, w.supers * kSuper);
+  const int64_t tiles = words.size(0);
+  if (!experts.has_value()) {
+    at::Tensor out = at::empty({x.size(0), tiles * kLanes}, x.options());
+    float* o = out.data_ptr<float>();
+    const int64_t n_rows = x.size(0);
+    const int64_t grain = std::max<int64_t>(1, kWorkGrain / (w.supers * n_rows));
+    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t r = 0; r < n_rows; ++r) tile_product(w, t, rows[r], o + r * tiles * kLanes + t * kLanes);
+    });
+    return out;
+  }
+  TORCH_CHECK(expert_rows > 0 && expert_rows % kLanes == 0 && tiles * kLanes % expert_rows == 0,
+              "expert_rows must be a whole number of tiles dividing the stack");
+  const at::Tensor ids = experts->to(at::kLong).contiguous();
+  const int64_t n = ids.numel(), expert_tiles = expert_rows / kLanes, n_experts = tiles / expert_tiles;
+  TORCH_CHECK(x.size(0) == n || x.size(0) == 1, "x must have a row per expert, or one row");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n_experts, "expert id out of range");
+  at::Tensor out = at::empty({n, expert_rows}, x.options());
+  float* o = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kWorkGrain / w.supers);
+  at::parallel_for(0, n * expert_tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t i = job / expert_tiles, t = job % expert_tiles;
+      tile_product(w, id[i] * expert_tiles + t, rows[rows.size() == 1 ? 0 : i], o + i * expert_rows + t * kLanes);
+    }
+  });
+  return out;
+}
+
+at::Tensor q4_k_matvec(const at::Tensor& x, const at::Tensor& words, const at::Tensor& fields,
+                       const at::Tensor& factors, const std::optional<at::Tensor>& experts, int64_t expert_rows) {
+  return matvec(Format::Q4_K, x, words, fields, factors, experts, expert_rows);
+}
+
+at::Tensor q6_k_matvec(const at::Tensor& x, const at::Tensor& words, const at::Tensor& factors,
+                       const std::optional<at::Tensor>& experts, int64_t expert_rows) {
+  return matvec(Format::Q6_K, x, words, words, factors, experts, expert_rows);
+}
+
+// The Q6_K layout's weights, transposed: [in_features, tiles * 16] float32 or bfloat16 (a prefill's GEMM
+// operand), bit for bit d * sc_j * (q - 32) as the reference dequantizer computes it in float32.
+template <typename T>
+void q6_k_unpack_into(const Weights& w, int64_t tiles, T* out) {
+  const int64_t width = tiles * kLanes;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t s = 0; s < w.supers; ++s) {
+        const int32_t* words = w.words + (t * w.supers + s) * w.words_a_super * kLanes;
+        const float* d = w.factors + (t * w.supers + s) * w.factors_a_super * kLanes;
+        for (int64_t k = 0; k < kSuper; ++k) {
+          const int64_t j = k / 16, i = k % 16, low_word = 2 * j + i / 8, low_shift = 4 * (i % 8);
+          // Code i of sub-block j: its high bits at byte (i % 8) / 2, pair 2 * (i / 8) + i % 2.
+          const int64_t high_shift = 8 * ((i % 8) / 2) + 2 * (2 * (i / 8) + i % 2);
+          T* row = out + (s * kSuper + k) * width + t * kLanes;
+          for (int64_t lane = 0; lane < kLanes; ++lane) {
+            const int32_t low = (words[low_word * kLanes + lane] >> low_shift) & 0xF;
+            const int32_t high = (words[(32 + j) * kLanes + lane] >> high_shift) & 0x3;
+            const int32_t sc = static_cast<int8_t>(words[(48 + j / 4) * kLanes + lane] >> (8 * (j % 4)));
+            row[lane] = static_cast<T>(d[lane] * static_cast<float>(sc) * static_cast<float>((low | high << 4) - 32));
+          }
+        }
+      }
+  });
+}
+
+at::Tensor q6_k_unpack(const at::Tensor& words, const at::Tensor& factors, at::ScalarType dtype) {
+  const Weights w = weights_of(Format::Q6_K, words, words, factors);
+  const int64_t tiles = words.size(0);
+  at::Tensor out = at::empty({w.supers * kSuper, tiles * kLanes}, factors.options().dtype(dtype));
+  if (dtype == at::kFloat)
+    q6_k_unpack_into(w, tiles, out.data_ptr<float>());
+  else if (dtype == at::kBFloat16)
+    q6_k_unpack_into(w, tiles, out.data_ptr<at::BFloat16>());
+  else
+    TORCH_CHECK(false, "q6_k_unpack writes float32 or bfloat16");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(bubo_int8, m) {
+  m.def("q4_k_matvec(Tensor x, Tensor words, Tensor fields, Tensor factors, Tensor? experts, int expert_rows) -> Tensor");
+  m.def("q6_k_matvec(Tensor x, Tensor words, Tensor factors, Tensor? experts, int expert_rows) -> Tensor");
+  m.def("q6_k_unpack(Tensor words, Tensor factors, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(bubo_int8, CPU, m) {
+  m.impl("q4_k_matvec", &q4_k_matvec);
+  m.impl("q6_k_matvec", &q6_k_matvec);
+  m.impl("q6_k_unpack", &q6_k_unpack);
+}

@@ -1,0 +1,239 @@
+"""Q4_K and Q6_K matvecs with int8 activations on AVX512-VNNI: the C++ kernels of csrc/int8_matvec.cpp.
+
+Inductor emits float code only: per 16 weights an AND, a conversion and an FMA on the expanded codes.
+llama.cpp's CPU kernels instead quantize the activations to int8 and multiply bytes by bytes with
+integer dot products (`vpdpbusd`: 64 byte products a lane-wise sum per instruction), which on this
+project's Xeon ran the packed Q4_K words 1.8-4.6x faster (benchmarks/probe_int8_matvec.py). These
+kernels do that: the activations are quantized per block of 32 (a float scale, values rounded to
+-127..127, the same error llama.cpp's Q8 activations make) once a call, the products run on the codes
+in their packed words, and each sub-block's integer sum is scaled in float32.
+
+Q4_K keeps super_block_matvec.py's layout (`PackedSuperBlocks`), whose words suit the instruction as they
+are. Q6_K gets a layout of its own, `PackedQ6KInt8` (6.625 bits a weight, the other layout's 7.125): its
+6-bit codes straddle the 32-bit words there, and a sub-block's 16 codes must sit in whole bytes for an
+integer sum. Its prefill unpacking is C++ too (`q6_k_unpack`).
+
+The ops (`torch.ops.bubo_int8.*`) are registered from C++, so that a compiled decode step's generated
+code calls them through the dispatcher alone (a Python op costs several microseconds a call), and have
+fake implementations for tracing them into its graphs. The library is compiled on first use with the
+C++ compiler inductor uses, against the running torch, and kept by the hash of its source and flags.
+Off where the CPU lacks AVX512-VNNI, where TILE is not 16, where the build fails (the float matvecs run
+instead), or with --no-int8-matvec.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+
+from bubo.gguf.quants import QK_K, f16_field, q6_k_codes, q6_k_sub_scales
+from bubo.kernels.codes import TILE, expand_tiles, field_words
+from bubo.options import current_options
+
+__all__ = [
+    "PackedQ6KInt8",
+    "int8_matvec_enabled",
+    "matvec_plan",
+    "q4_k_int8_matvec",
+    "q6_k_int8_matvec",
+    "q6_k_int8_rows",
+]
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "int8_matvec.cpp"
+_ISA_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"]
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
+# Q6_K's words a super-block: 32 of low nibbles, 16 of high bits, 4 of scales (see the C++ source).
+Q6_K_WORDS = 52
+
+
+def _cpu_has_vnni() -> bool:
+    """Whether the CPU has the AVX-512 subsets the kernels are compiled for (Linux's /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(_CPU_FLAGS) <= set(line.split())
+    except OSError:
+        pass
+    return False
+
+
+def _compile_command(output: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    torch_lib = library_paths()[0]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        os.environ.get("CXX", "g++"),
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-fopenmp",  # at::parallel_for is OpenMP in torch's CPU builds: the same runtime, torch's libgomp
+        *_ISA_FLAGS,
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{p}" for p in include_paths()),
+        str(_SOURCE),
+        "-o",
+        str(output),
+        f"-L{torch_lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{torch_lib}",
+    ]
+
+
+def _library_path() -> Path:
+    """The compiled library, built into inductor's cache directory unless a build of this source, these
+    flags and this torch is there."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    key = hashlib.sha256()
+    key.update(_SOURCE.read_bytes())
+    key.update(" ".join(_compile_command(Path("out"))).encode())
+    key.update(f"{torch.__version__} {sys.version}".encode())
+    directory = Path(cache_dir()) / "bubo-native"
+    path = directory / f"int8_matvec-{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        # Built under a name of its own and renamed into place: processes building at once never load
+        # a half-written file.
+        with tempfile.TemporaryDirectory(dir=directory) as scratch:
+            built = Path(scratch) / path.name
+            subprocess.run(_compile_command(built), check=True, capture_output=True, text=True)
+            os.replace(built, path)
+    return path
+
+
+@functools.cache
+def _unavailable() -> str:
+    """Why the kernels can't run here, or "" once the library is loaded and its ops' fake implementations
+    registered (once a process)."""
+    if TILE != 16 or not sys.platform.startswith("linux") or not _cpu_has_vnni():
+        return "the CPU lacks AVX512-VNNI"
+    try:
+        torch.ops.load_library(str(_library_path()))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr[-2000:] if isinstance(e, subprocess.CalledProcessError) else str(e)
+        log.warning("the int8 matvec kernels did not build; the float matvecs run instead: %s", detail)
+        return "the int8 kernels did not build"
+    _register_fakes()
+    return ""
+
+
+def _loaded() -> bool:
+    return not _unavailable()
+
+
+def _register_fakes() -> None:
+    def matvec_shape(x: torch.Tensor, words: torch.Tensor, experts: torch.Tensor | None, expert_rows: int):
+        if experts is None:
+            return x.new_empty(x.shape[0], words.shape[0] * TILE)
+        return x.new_empty(experts.shape[0], expert_rows)
+
+    @torch.library.register_fake("bubo_int8::q4_k_matvec")
+    def _q4_k(x, words, fields, factors, experts, expert_rows):  # type: ignore[no-untyped-def]
+        return matvec_shape(x, words, experts, expert_rows)
+
+    @torch.library.register_fake("bubo_int8::q6_k_matvec")
+    def _q6_k(x, words, factors, experts, expert_rows):  # type: ignore[no-untyped-def]
+        return matvec_shape(x, words, experts, expert_rows)
+
+    @torch.library.register_fake("bubo_int8::q6_k_unpack")
+    def _q6_k_unpack(words, factors, dtype):  # type: ignore[no-untyped-def]
+        return factors.new_empty(words.shape[1] * QK_K, words.shape[0] * TILE, dtype=dtype)
+
+
+def int8_matvec_enabled() -> bool:
+    """Whether Q4_K and Q6_K matvecs run the int8 kernels: --no-int8-matvec not given, and the CPU and the
+    build allow them."""
+    return current_options().int8_matvec and _loaded()
+
+
+def matvec_plan() -> str:
+    """Which matvecs Q4_K and Q6_K weights take, and why: a line of the runner's plan."""
+    if not current_options().int8_matvec:
+        return "float activations (--no-int8-matvec)"
+    why_not = _unavailable()
+    return f"float activations ({why_not})" if why_not else "int8 activations for Q4_K/Q6_K (AVX512-VNNI)"
+
+
+def q4_k_int8_matvec(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    fields: torch.Tensor,
+    factors: torch.Tensor,
+    experts: torch.Tensor | None = None,
+    expert_rows: int = 0,
+) -> torch.Tensor:
+    """x [rows, in] times a PackedSuperBlocks Q4_K's tensors -> [rows, tiles * TILE]; with `experts` [n]
+    (ids into a stack of experts of `expert_rows` rows each), row i of x, or its one row, times expert
+    experts[i] -> [n, expert_rows]."""
+    return torch.ops.bubo_int8.q4_k_matvec(x, words, fields, factors, experts, expert_rows)
+
+
+def q6_k_int8_matvec(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    factors: torch.Tensor,
+    experts: torch.Tensor | None = None,
+    expert_rows: int = 0,
+) -> torch.Tensor:
+    """`q4_k_int8_matvec` for a PackedQ6KInt8's tensors."""
+    return torch.ops.bubo_int8.q6_k_matvec(x, words, factors, experts, expert_rows)
+
+
+@dataclass(frozen=True)
+class PackedQ6KInt8:
+    words: torch.Tensor  # int32 [tiles, super-blocks, Q6_K_WORDS, TILE]
+    factors: torch.Tensor  # float32 [tiles, super-blocks, 1, TILE]: d
+    out_features: int
+    ggml_type: GGMLQuantizationType = GGMLQuantizationType.Q6_K
+
+    @property
+    def in_features(self) -> int:
+        return self.words.shape[1] * QK_K
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        out = q6_k_int8_matvec(x.reshape(-1, x.shape[-1]), self.words, self.factors)
+        return out[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
+
+    def unpack(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Weight columns start:stop, transposed: [in_features, stop - start] in `dtype` (a prefill's GEMM)."""
+        return expand_tiles(_q6_k_unpack_kernel(dtype), (self.words, self.factors), start, stop)
+
+
+@functools.cache
+def _q6_k_unpack_kernel(dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    return lambda words, factors: torch.ops.bubo_int8.q6_k_unpack(words, factors, dtype)
+
+
+# Where the 16 two-bit fields of a high-bits word come from: field 4b + p holds code 2b, 2b + 1, 8 + 2b or
+# 9 + 2b of its sub-block (p = 0..3), so that a shift and an AND set a dword's high bits beside the low
+# nibbles of the code word that holds its codes.
+_HIGH_ORDER = [(2 * (f // 4) + f % 4 % 2 + 8 * (f % 4 // 2)) for f in range(16)]
+
+
+def q6_k_int8_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """One run of n rows' Q6_K blocks, uint8 [n_blocks, 210] -> (words [n, super-blocks, Q6_K_WORDS],
+    factors [n, super-blocks, 1]): PackedQ6KInt8's rows, which bubo/kernels/repack.py tiles."""
+    n_blocks = blocks.shape[0]
+    codes = (q6_k_codes(blocks).view(torch.uint8) + 32).view(n_blocks, 16, 16)  # q - 32 -> q, modulo 256
+    low = field_words((codes & 0x0F).view(n_blocks, QK_K), 4)
+    high = field_words((codes >> 4)[:, :, _HIGH_ORDER], 2).view(n_blocks, 16)
+    # A copy: one block's scales are a slice that counts as contiguous while its stride is the block's.
+    scales = field_words(
+        q6_k_sub_scales(blocks).view(torch.uint8).clone(memory_format=torch.contiguous_format), 8
+    )
+    words = torch.cat((low, high, scales), dim=-1)
+    return words.view(n, -1, Q6_K_WORDS), f16_field(blocks, 208).view(n, -1, 1)

@@ -1,0 +1,157 @@
+"""The int8 matvecs (bubo/kernels/int8_matvec.py) against a float64 reference built from gguf's numpy
+dequantizer and activations quantized here, per block of 32, as llama.cpp quantizes them: random Q4_K and
+Q6_K blocks, several rows, a stack of experts read by id, the Q6_K layout's unpacking bit for bit, inside
+a compiled graph, and the switch that turns them off."""
+
+from collections.abc import Callable
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from bubo.kernels import int8_matvec
+from bubo.kernels.codes import TILE, slice_tiled
+from bubo.kernels.compiled import StaticKernel
+from bubo.kernels.int8_matvec import PackedQ6KInt8, q4_k_int8_matvec, q6_k_int8_matvec
+from bubo.kernels.repack import repack
+from bubo.kernels.super_block_matvec import PackedSuperBlocks
+from bubo.model import quantized_linear
+from bubo.model.quantized_linear import QuantizedLinear
+from tests.kernels.k_blocks import random_blocks
+
+Q = gguf.GGMLQuantizationType
+
+pytestmark = pytest.mark.skipif(
+    not int8_matvec._loaded(), reason="the int8 kernels need AVX512-VNNI, 16-lane tiles and a C++ compiler"
+)
+
+
+@pytest.fixture(autouse=True)
+def int8_on(runtime_options: Callable[..., None]) -> None:
+    runtime_options(int8_matvec=True)
+
+
+def _quantized(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] as the kernels multiply it: per 32 values a scale amax / 127 (float32) and the values
+    rounded to the nearest integer multiple of it (ties to even), in float64."""
+    blocks = x.view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse)
+    return (q.double() * d.double()).view_as(x)
+
+
+def _weight(raw: np.ndarray, qtype: Q) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float64))
+
+
+def _product(packed: PackedSuperBlocks | PackedQ6KInt8, x: torch.Tensor, **experts: object) -> torch.Tensor:
+    if isinstance(packed, PackedQ6KInt8):
+        return q6_k_int8_matvec(x, packed.words, packed.factors, **experts)  # type: ignore[arg-type]
+    return q4_k_int8_matvec(x, packed.words, packed.fields, packed.factors, **experts)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+def test_matches_the_reference_on_quantized_activations(qtype: Q) -> None:
+    raw = random_blocks(qtype, 2 * TILE + 3, 1024, seed=1)
+    packed = repack(torch.from_numpy(raw), qtype)
+    assert isinstance(packed, PackedQ6KInt8 if qtype == Q.Q6_K else PackedSuperBlocks)
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(2))
+    x[1, :32] = 0  # a block of zeros: scale 0, no division by it
+    weight = _weight(raw, qtype)
+    got = packed.matvec(x)
+    assert got.shape == (3, 2 * TILE + 3)
+    expected = _quantized(x) @ weight.T
+    # float32 sums of 1024 products in another order than float64's.
+    bound = (x.abs().double() @ weight.abs().T).max().item()
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-6 * bound)
+    # What quantizing the activations costs against exact ones: a small fraction of the terms' magnitude.
+    assert (got.double() - x.double() @ weight.T).abs().max().item() < 5e-3 * bound
+    for row, alone in zip(got, (packed.matvec(r) for r in x), strict=True):
+        assert torch.equal(row, alone)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+def test_experts_by_id_are_their_slices_products(qtype: Q) -> None:
+    experts, rows = 5, 2 * TILE
+    packed = repack(torch.from_numpy(random_blocks(qtype, experts * rows, 512, seed=3)), qtype)
+    picked = torch.tensor([4, 0, 4, 2])
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(4))
+    each = _product(packed, x, experts=picked, expert_rows=rows)
+    shared = _product(packed, x[:1], experts=picked, expert_rows=rows)
+    assert each.shape == shared.shape == (4, rows)
+    for i, e in enumerate(picked.tolist()):
+        alone = slice_tiled(packed, e * rows, (e + 1) * rows)
+        assert torch.equal(each[i], _product(alone, x[i : i + 1])[0])
+        assert torch.equal(shared[i], _product(alone, x[:1])[0])
+
+
+def test_rejects_an_expert_out_of_range() -> None:
+    packed = repack(torch.from_numpy(random_blocks(Q.Q4_K, 4 * TILE, 256, seed=5)), Q.Q4_K)
+    with pytest.raises(RuntimeError, match="expert id out of range"):
+        _product(packed, torch.zeros(1, 256), experts=torch.tensor([2]), expert_rows=2 * TILE)
+    with pytest.raises(RuntimeError, match="float32"):
+        _product(packed, torch.zeros(1, 512))
+
+
+def test_q6_k_layout_unpacks_bit_exactly() -> None:
+    raw = random_blocks(Q.Q6_K, 2 * TILE + 3, 512, seed=6)
+    packed = repack(torch.from_numpy(raw), Q.Q6_K)
+    weight = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q6_K))
+    assert torch.equal(packed.unpack(0, packed.out_features).T, weight)
+    assert torch.equal(packed.unpack(3, 2 * TILE, torch.bfloat16).T, weight[3 : 2 * TILE].to(torch.bfloat16))
+    # 6.625 bits a weight: a word of codes' low nibbles per 8 weights, of high bits per 16, scales, d.
+    held = sum(t.numel() * t.element_size() for t in (packed.words, packed.factors))
+    assert held * 8 / (packed.words.shape[0] * TILE * 512) == 6.625
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("rows", [1, 17])  # int8 matvecs; unpacked column chunks for a GEMM, exact
+def test_a_quantized_linear_runs_them(monkeypatch: pytest.MonkeyPatch, qtype: Q, rows: int) -> None:
+    monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    monkeypatch.setattr(quantized_linear, "CHUNK_VALUES", 256 * 24)  # 16 or 24 columns a chunk, of 40
+    raw = random_blocks(qtype, 40, 256, seed=13)
+    weight = _weight(raw, qtype)
+    layer = QuantizedLinear(torch.from_numpy(raw), qtype, 256)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(14))
+    with torch.inference_mode():
+        got = layer(x)
+    bound = (x.abs().double() @ weight.abs().T).max().item()
+    expected = (_quantized(x) if rows <= quantized_linear.MATVEC_ROWS else x.double()) @ weight.T
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-6 * bound)
+
+
+def test_runs_inside_a_compiled_graph() -> None:
+    packed = repack(torch.from_numpy(random_blocks(Q.Q4_K, 256, 256, seed=7)), Q.Q4_K)
+    q6 = repack(torch.from_numpy(random_blocks(Q.Q6_K, 2 * TILE, 256, seed=8)), Q.Q6_K)
+
+    def two_products(
+        x: torch.Tensor,
+        words: torch.Tensor,
+        fields: torch.Tensor,
+        factors: torch.Tensor,
+        q6_words: torch.Tensor,
+        q6_factors: torch.Tensor,
+    ) -> torch.Tensor:
+        # Exact elementwise work around the ops (inductor's and aten's SiLU differ in the last bits).
+        h = torch.relu(q4_k_int8_matvec(x * 2, words, fields, factors))
+        return q6_k_int8_matvec(h, q6_words, q6_factors) - 1
+
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(9))
+    tensors = (packed.words, packed.fields, packed.factors, q6.words, q6.factors)
+    compiled = StaticKernel(two_products, fused=True)(x, *tensors)
+    assert torch.equal(compiled, two_products(x, *tensors))
+
+
+def test_off_switch_keeps_the_float_layouts(runtime_options: Callable[..., None]) -> None:
+    runtime_options(int8_matvec=False)
+    raw = random_blocks(Q.Q6_K, TILE, 256, seed=10)
+    assert isinstance(repack(torch.from_numpy(raw), Q.Q6_K), PackedSuperBlocks)
+    raw = random_blocks(Q.Q4_K, TILE, 256, seed=11)
+    packed = repack(torch.from_numpy(raw), Q.Q4_K)
+    x = torch.randn(256, generator=torch.Generator().manual_seed(12))
+    # The float matvec: exact activations, float32 rounding alone.
+    torch.testing.assert_close(
+        packed.matvec(x).double(), _weight(raw, Q.Q4_K) @ x.double(), rtol=1e-5, atol=1e-4
+    )
