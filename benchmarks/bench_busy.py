@@ -66,7 +66,9 @@ def start_servers(model: Path, threads: int, engines: list[str]) -> dict[str, tu
                 command.append("--no-adaptive-threads")
             ready = f"http://127.0.0.1:{port}/ready"
         else:
-            command = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port)]
+            # llama-cpp-python's server with its model calls on one thread (see that script for why).
+            server = str(Path(__file__).with_name("llama_cpp_server.py"))
+            command = [sys.executable, server, "--model", str(model), "--port", str(port)]
             command += ["--n_threads", str(threads), "--n_ctx", "2048"]
             ready = f"http://127.0.0.1:{port}/v1/models"
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -38,32 +38,30 @@ struct Activations {
   std::vector<int32_t> qsum16;
 };
 
-Activations quantize(const float* x, int64_t n) {
-  Activations a;
+// Quantizes x [n] into `a` (its buffers reused from call to call): a block of 32 at a time in two vectors.
+void quantize(const float* x, int64_t n, Activations& a) {
   a.dwords.resize(n / 4);
   a.scale.resize(n / kBlock);
   a.sum.resize(n / kBlock);
   a.qsum16.resize(n / 16);
-  auto* bytes = reinterpret_cast<int8_t*>(a.dwords.data());
+  // Within each 8 inputs: the even ones' bytes, then the odd ones'.
+  const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t b = 0; b < n / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const __m512 x0 = _mm512_loadu_ps(x + b * kBlock), x1 = _mm512_loadu_ps(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
     const float d = amax / 127.f;
-    const float id = d > 0.f ? 1.f / d : 0.f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < kBlock; ++i) {
-      const int32_t q = static_cast<int32_t>(std::nearbyint(xb[i] * id));
-      const int64_t k = b * kBlock + i;
-      // Input k of code word k / 8: the even dword's byte (k % 8) / 2, or the odd dword's.
-      bytes[(k / 8) * 8 + (k % 2) * 4 + (k % 8) / 2] = static_cast<int8_t>(q);
-      a.qsum16[k / 16] += q;
-      sum += q;
-    }
+    const __m512 id = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    // cvtps rounds to nearest, ties to even (the default MXCSR mode), as std::nearbyint does.
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.dwords.data() + b * 8), _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q0), order));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.dwords.data() + b * 8 + 4), _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q1), order));
+    const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+    a.qsum16[2 * b] = s0;
+    a.qsum16[2 * b + 1] = s1;
     a.scale[b] = d;
-    a.sum[b] = d * static_cast<float>(sum);
+    a.sum[b] = d * static_cast<float>(s0 + s1);
   }
-  return a;
 }
 
 inline __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi32(0x0F0F0F0F)); }
@@ -108,22 +106,27 @@ inline __m512 q6_k_super_block(const int32_t* words, const float* factors, const
                                const float* scale, const int32_t* qsum16, __m512 acc) {
   const __m512i high_mask = _mm512_set1_epi32(0x30303030);
   __m512 scaled = _mm512_setzero_ps();
-  for (int j = 0; j < 16; ++j) {
-    const __m512i l0 = _mm512_loadu_si512(words + (2 * j) * kLanes);
-    const __m512i l1 = _mm512_loadu_si512(words + (2 * j + 1) * kLanes);
-    const __m512i h = _mm512_loadu_si512(words + (32 + j) * kLanes);
-    const __m512i c0 = _mm512_or_si512(low_nibbles(l0), _mm512_and_si512(_mm512_slli_epi32(h, 4), high_mask));
-    const __m512i c1 = _mm512_or_si512(high_nibbles(l0), _mm512_and_si512(_mm512_slli_epi32(h, 2), high_mask));
-    const __m512i c2 = _mm512_or_si512(low_nibbles(l1), _mm512_and_si512(h, high_mask));
-    const __m512i c3 = _mm512_or_si512(high_nibbles(l1), _mm512_and_si512(_mm512_srli_epi32(h, 2), high_mask));
-    __m512i even = dot(_mm512_set1_epi32(-32 * qsum16[j]), c0, x[4 * j]);
-    __m512i odd = dot(_mm512_setzero_si512(), c1, x[4 * j + 1]);
-    even = dot(even, c2, x[4 * j + 2]);
-    odd = dot(odd, c3, x[4 * j + 3]);
-    const __m512i sc_word = _mm512_loadu_si512(words + (48 + j / 4) * kLanes);
-    const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(sc_word, 24 - 8 * (j % 4)), 24);
-    const __m512i isum = _mm512_mullo_epi32(_mm512_add_epi32(even, odd), sc);
-    scaled = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(scale[j / 2]), scaled);
+  for (int pair = 0; pair < 8; ++pair) {
+    // Sub-blocks 2 * pair and 2 * pair + 1 share an activation block (one scale): their integer sums times
+    // their scales add up before one conversion.
+    __m512i isum = _mm512_setzero_si512();
+    for (int j = 2 * pair; j < 2 * pair + 2; ++j) {
+      const __m512i l0 = _mm512_loadu_si512(words + (2 * j) * kLanes);
+      const __m512i l1 = _mm512_loadu_si512(words + (2 * j + 1) * kLanes);
+      const __m512i h = _mm512_loadu_si512(words + (32 + j) * kLanes);
+      const __m512i c0 = _mm512_or_si512(low_nibbles(l0), _mm512_and_si512(_mm512_slli_epi32(h, 4), high_mask));
+      const __m512i c1 = _mm512_or_si512(high_nibbles(l0), _mm512_and_si512(_mm512_slli_epi32(h, 2), high_mask));
+      const __m512i c2 = _mm512_or_si512(low_nibbles(l1), _mm512_and_si512(h, high_mask));
+      const __m512i c3 = _mm512_or_si512(high_nibbles(l1), _mm512_and_si512(_mm512_srli_epi32(h, 2), high_mask));
+      __m512i even = dot(_mm512_set1_epi32(-32 * qsum16[j]), c0, x[4 * j]);
+      __m512i odd = dot(_mm512_setzero_si512(), c1, x[4 * j + 1]);
+      even = dot(even, c2, x[4 * j + 2]);
+      odd = dot(odd, c3, x[4 * j + 3]);
+      const __m512i sc_word = _mm512_loadu_si512(words + (48 + j / 4) * kLanes);
+      const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(sc_word, 24 - 8 * (j % 4)), 24);
+      isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_add_epi32(even, odd), sc));
+    }
+    scaled = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(scale[pair]), scaled);
   }
   return _mm512_fmadd_ps(_mm512_loadu_ps(factors), scaled, acc);
 }
@@ -178,12 +181,14 @@ Weights weights_of(Format format, const at::Tensor& words, const at::Tensor& fie
   return w;
 }
 
-std::vector<Activations> quantize_rows(const at::Tensor& x, int64_t in_features) {
+// The rows of x quantized, in buffers this thread keeps for its next call.
+const std::vector<Activations>& quantize_rows(const at::Tensor& x, int64_t in_features) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == in_features,
               "x must be float32 [rows, in_features]");
   const at::Tensor xc = x.contiguous();
-  std::vector<Activations> rows;
-  for (int64_t r = 0; r < xc.size(0); ++r) rows.push_back(quantize(xc.data_ptr<float>() + r * in_features, in_features));
+  static thread_local std::vector<Activations> rows;
+  rows.resize(xc.size(0));
+  for (int64_t r = 0; r < xc.size(0); ++r) quantize(xc.data_ptr<float>() + r * in_features, in_features, rows[r]);
   return rows;
 }
 
@@ -192,7 +197,7 @@ std::vector<Activations> quantize_rows(const at::Tensor& x, int64_t in_features)
 at::Tensor matvec(Format format, const at::Tensor& x, const at::Tensor& words, const at::Tensor& fields,
                   const at::Tensor& factors, const std::optional<at::Tensor>& experts, int64_t expert_rows) {
   const Weights w = weights_of(format, words, fields, factors);
-  const std::vector<Activations> rows = quantize_rows(x, w.supers * kSuper);
+  const std::vector<Activations>& rows = quantize_rows(x, w.supers * kSuper);
   const int64_t tiles = words.size(0);
   if (!experts.has_value()) {
     at::Tensor out = at::empty({x.size(0), tiles * kLanes}, x.options());
