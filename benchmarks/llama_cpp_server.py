@@ -69,7 +69,9 @@ def serve(llm: llama_cpp.Llama, port: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--n_threads", type=int, default=2)

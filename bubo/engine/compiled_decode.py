@@ -46,6 +46,7 @@ from bubo.model.decoder_layer import DecoderLayer, DeltaNetMixer, HyperConnected
 from bubo.model.moe import SparseMoE
 from bubo.model.state import CacheBatch, DeltaNetState, KVCache, PLEState
 from bubo.model.step_ops import layer_in_compiled_step, step_ops
+from bubo.options import current_options
 
 __all__ = ["CompiledDecodeStep", "CompiledState", "UnsupportedModelError"]
 
@@ -324,6 +325,7 @@ class CompiledDecodeStep:
     def _kernel(self, key: tuple, graph: StaticKernel, args: tuple[torch.Tensor, ...]) -> Callable[..., Any]:
         """`graph`'s compiled kernel for `args`, found by `key` (what sets a step's layouts) after the
         first time."""
+        key = (current_options(), *key)  # options change what is traced (kernels/compiled.py)
         kernel = self._kernels.get(key)
         if kernel is None:
             kernel = self._kernels[key] = graph.kernel_for(*args)

@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from bubo.kernels.index_strides import fast_index_strides
 from bubo.kernels.kernel_store import kernel_store
+from bubo.options import current_options
 
 __all__ = ["DynamicKernel", "StaticKernel"]
 
@@ -85,7 +86,8 @@ class _Kernel:
     def kernel_for(self, *args: torch.Tensor) -> Callable[..., torch.Tensor]:
         """The compiled kernel for arguments laid out as `args` (compiled now if it is new): a caller that
         passes the same layouts every time can keep it and skip the lookup."""
-        key = self._key(args)
+        # The options in force are part of what is traced (which matvecs a graph calls: --no-int8-matvec).
+        key = (current_options(), *self._key(args))
         kernel = self._compiled.get(key)
         if kernel is None:
             kernel = self._compiled[key] = self._compile(args)

@@ -1,4 +1,5 @@
-"""Q4_K and Q6_K matvecs with int8 activations on AVX512-VNNI: the C++ kernels of csrc/int8_matvec.cpp.
+"""Matvecs with int8 activations on AVX512-VNNI (Q4_K, Q6_K, Q4_0/Q4_1, Q8_0 and the types repacked as it):
+the C++ kernels of csrc/int8_matvec.cpp.
 
 Inductor emits float code only: per 16 weights an AND, a conversion and an FMA on the expanded codes.
 llama.cpp's CPU kernels instead quantize the activations to int8 and multiply bytes by bytes with
@@ -9,7 +10,8 @@ kernels do that: the activations are quantized per block of 32 (a float scale, v
 in their packed words, and each sub-block's integer sum is scaled in float32.
 
 Q4_K keeps super_block_matvec.py's layout (`PackedSuperBlocks`), whose words suit the instruction as they
-are. Q6_K gets a layout of its own, `PackedQ6KInt8` (6.625 bits a weight, the other layout's 7.125): its
+are, and so do Q4_0/Q4_1's (`PackedQ4`, the same nibble words a block of 32) and Q8_0's (`PackedQ8`, a
+code byte each, stored plus 128). Q6_K gets a layout of its own, `PackedQ6KInt8` (6.625 bits a weight, the other layout's 7.125): its
 6-bit codes straddle the 32-bit words there, and a sub-block's 16 codes must sit in whole bytes for an
 integer sum. Its prefill unpacking is C++ too (`q6_k_unpack`).
 
@@ -42,9 +44,11 @@ __all__ = [
     "PackedQ6KInt8",
     "int8_matvec_enabled",
     "matvec_plan",
+    "q4_int8_matvec",
     "q4_k_int8_matvec",
     "q6_k_int8_matvec",
     "q6_k_int8_rows",
+    "q8_int8_matvec",
 ]
 
 log = logging.getLogger(__name__)
@@ -149,6 +153,14 @@ def _register_fakes() -> None:
     def _q6_k(x, words, factors, experts, expert_rows):  # type: ignore[no-untyped-def]
         return matvec_shape(x, words, experts, expert_rows)
 
+    @torch.library.register_fake("bubo_int8::q4_matvec")
+    def _q4(x, words, scale_offset, experts, expert_rows):  # type: ignore[no-untyped-def]
+        return matvec_shape(x, words, experts, expert_rows)
+
+    @torch.library.register_fake("bubo_int8::q8_matvec")
+    def _q8(x, words, experts, expert_rows):  # type: ignore[no-untyped-def]
+        return matvec_shape(x, words, experts, expert_rows)
+
     @torch.library.register_fake("bubo_int8::q6_k_unpack")
     def _q6_k_unpack(words, factors, dtype):  # type: ignore[no-untyped-def]
         return factors.new_empty(words.shape[1] * QK_K, words.shape[0] * TILE, dtype=dtype)
@@ -180,6 +192,24 @@ def q4_k_int8_matvec(
     (ids into a stack of experts of `expert_rows` rows each), row i of x, or its one row, times expert
     experts[i] -> [n, expert_rows]."""
     return torch.ops.bubo_int8.q4_k_matvec(x, words, fields, factors, experts, expert_rows)
+
+
+def q4_int8_matvec(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scale_offset: torch.Tensor,
+    experts: torch.Tensor | None = None,
+    expert_rows: int = 0,
+) -> torch.Tensor:
+    """`q4_k_int8_matvec` for a PackedQ4's tensors (Q4_0, Q4_1)."""
+    return torch.ops.bubo_int8.q4_matvec(x, words, scale_offset, experts, expert_rows)
+
+
+def q8_int8_matvec(
+    x: torch.Tensor, words: torch.Tensor, experts: torch.Tensor | None = None, expert_rows: int = 0
+) -> torch.Tensor:
+    """`q4_k_int8_matvec` for a PackedQ8's words (Q8_0, and Q5_0 and IQ4_NL repacked as it)."""
+    return torch.ops.bubo_int8.q8_matvec(x, words, experts, expert_rows)
 
 
 def q6_k_int8_matvec(

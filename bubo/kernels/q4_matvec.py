@@ -35,6 +35,7 @@ from bubo.kernels.codes import (
     word_bits,
 )
 from bubo.kernels.compiled import StaticKernel
+from bubo.kernels.int8_matvec import int8_matvec_enabled, q4_int8_matvec
 
 __all__ = [
     "PACKABLE_Q4",
@@ -134,7 +135,11 @@ def q4_matvec_bits(
     x: torch.Tensor, bits: torch.Tensor, scale_offset: torch.Tensor, out_features: int
 ) -> torch.Tensor:
     """`q4_matvec` on the packed tensors, the words as their float32 bits (`word_bits`): the form in
-    which a compiled graph that contains the matvec takes them as inputs."""
+    which a compiled graph that contains the matvec takes them as inputs. The int8 kernel where it is on
+    (bubo/kernels/int8_matvec.py)."""
+    if int8_matvec_enabled():
+        out = q4_int8_matvec(x.reshape(-1, x.shape[-1]), bits, scale_offset).view(*x.shape[:-1], -1)
+        return out[..., :out_features]
     out = _compiled_matvec(x, bits, scale_offset)
     return out if out.shape[-1] == out_features else out[..., :out_features]
 

@@ -34,6 +34,7 @@ from bubo.kernels.codes import (
     word_bits,
 )
 from bubo.kernels.compiled import StaticKernel
+from bubo.kernels.int8_matvec import int8_matvec_enabled, q8_int8_matvec
 
 __all__ = [
     "CODE_BIAS",
@@ -174,7 +175,11 @@ def q8_matvec(x: torch.Tensor, packed: PackedQ8) -> torch.Tensor:
 
 
 def q8_matvec_bits(x: torch.Tensor, bits: torch.Tensor, out_features: int) -> torch.Tensor:
-    """`q8_matvec` on the packed words as their float32 bits (see q4_matvec_bits)."""
+    """`q8_matvec` on the packed words as their float32 bits (see q4_matvec_bits); the int8 kernel where it
+    is on (bubo/kernels/int8_matvec.py)."""
+    if int8_matvec_enabled():
+        out = q8_int8_matvec(x.reshape(-1, x.shape[-1]), bits).view(*x.shape[:-1], -1)
+        return out[..., :out_features]
     out = _compiled_matvec(x, bits)
     return out if out.shape[-1] == out_features else out[..., :out_features]
 

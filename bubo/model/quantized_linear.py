@@ -31,7 +31,14 @@ from torch._inductor.inductor_prims import force_stride_order
 from bubo.gguf.quants import block_size, dequantize, type_size
 from bubo.kernels.codes import TILE, concat_tiled, slice_tiled, word_bits
 from bubo.kernels.compiled import StaticKernel
-from bubo.kernels.int8_matvec import PackedQ6KInt8, int8_matvec_enabled, q4_k_int8_matvec, q6_k_int8_matvec
+from bubo.kernels.int8_matvec import (
+    PackedQ6KInt8,
+    int8_matvec_enabled,
+    q4_int8_matvec,
+    q4_k_int8_matvec,
+    q6_k_int8_matvec,
+    q8_int8_matvec,
+)
 from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4, q4_matvec_bits
 from bubo.kernels.q8_matvec import PackedQ8Offset, pack_q8, q8_matvec_bits, q8_offset_matvec_bits
 from bubo.kernels.repack import REPACKABLE, Packed, repack
@@ -335,8 +342,14 @@ def packed_graph_expert_matvec(
     an int8 kernel reads the stack by expert id (bubo/kernels/int8_matvec.py); else None."""
     if kind == "Q6_K_int8":
         return q6_k_int8_matvec(x, *tensors, experts, expert_rows)
-    if kind == "Q4_K" and int8_matvec_enabled():
+    if not int8_matvec_enabled():
+        return None
+    if kind == "Q4_K":
         return q4_k_int8_matvec(x, *tensors, experts, expert_rows)
+    if kind == "q4":
+        return q4_int8_matvec(x, *tensors, experts, expert_rows)
+    if kind == "q8":
+        return q8_int8_matvec(x, *tensors, experts, expert_rows)
     return None
 
 

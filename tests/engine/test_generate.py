@@ -356,7 +356,12 @@ def test_real_model_same_seed_same_text(smollm2: Any) -> None:
     assert first.token_ids == again.token_ids and first.text == again.text and first.seed == 1234
 
 
-def test_real_model_chunked_prefill_matches_one_pass(smollm2: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_real_model_chunked_prefill_matches_one_pass(
+    smollm2: Any, monkeypatch: pytest.MonkeyPatch, runtime_options
+) -> None:
+    # The float matvecs: a ragged last chunk of a few rows runs matvecs, which with int8 activations would
+    # differ from the one pass's GEMM by their rounding.
+    runtime_options(int8_matvec=False)
     prompt = smollm2.tokenizer.encode(" and".join(["The capital of France is Paris"] * 6))
     params = dataclasses.replace(GREEDY, max_tokens=1)
 

@@ -1,7 +1,8 @@
 """The int8 matvecs (bubo/kernels/int8_matvec.py) against a float64 reference built from gguf's numpy
-dequantizer and activations quantized here, per block of 32, as llama.cpp quantizes them: random Q4_K and
-Q6_K blocks, several rows, a stack of experts read by id, the Q6_K layout's unpacking bit for bit, inside
-a compiled graph, and the switch that turns them off."""
+dequantizer and activations quantized here, per block of 32, as llama.cpp quantizes them: random blocks of
+every type they run (Q4_K, Q6_K, Q4_0, Q4_1, Q8_0, and Q5_0 and IQ4_NL repacked as Q8_0), several rows, a
+stack of experts read by id, the Q6_K layout's unpacking bit for bit, inside a compiled graph, and the
+switch that turns them off."""
 
 from collections.abc import Callable
 
@@ -13,8 +14,16 @@ import torch
 from bubo.kernels import int8_matvec
 from bubo.kernels.codes import TILE, slice_tiled
 from bubo.kernels.compiled import StaticKernel
-from bubo.kernels.int8_matvec import PackedQ6KInt8, q4_k_int8_matvec, q6_k_int8_matvec
-from bubo.kernels.repack import repack
+from bubo.kernels.int8_matvec import (
+    PackedQ6KInt8,
+    q4_int8_matvec,
+    q4_k_int8_matvec,
+    q6_k_int8_matvec,
+    q8_int8_matvec,
+)
+from bubo.kernels.q4_matvec import PackedQ4, pack_q4
+from bubo.kernels.q8_matvec import PackedQ8, pack_q8
+from bubo.kernels.repack import Packed, repack
 from bubo.kernels.super_block_matvec import PackedSuperBlocks
 from bubo.model import quantized_linear
 from bubo.model.quantized_linear import QuantizedLinear
@@ -46,17 +55,48 @@ def _weight(raw: np.ndarray, qtype: Q) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float64))
 
 
-def _product(packed: PackedSuperBlocks | PackedQ6KInt8, x: torch.Tensor, **experts: object) -> torch.Tensor:
+# The types the int8 kernels run, and the layout each is packed in.
+LAYOUTS = {
+    Q.Q4_K: PackedSuperBlocks,
+    Q.Q6_K: PackedQ6KInt8,
+    Q.Q4_0: PackedQ4,
+    Q.Q4_1: PackedQ4,
+    Q.Q8_0: PackedQ8,
+    Q.Q5_0: PackedQ8,
+    Q.IQ4_NL: PackedQ8,
+}
+
+
+def _blocks(qtype: Q, rows: int, in_features: int, seed: int) -> np.ndarray:
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):  # gguf's numpy code quantizes these (random bytes would do too)
+        weight = np.random.default_rng(seed).standard_normal((rows, in_features), dtype=np.float32)
+        return gguf.quants.quantize(weight, qtype)
+    return random_blocks(qtype, rows, in_features, seed)
+
+
+def _pack(raw: np.ndarray, qtype: Q) -> Packed:
+    blocks = torch.from_numpy(raw)
+    if qtype in (Q.Q4_0, Q.Q4_1):
+        return pack_q4(blocks, qtype)
+    return pack_q8(blocks) if qtype == Q.Q8_0 else repack(blocks, qtype)
+
+
+def _product(packed: Packed, x: torch.Tensor, **experts: object) -> torch.Tensor:
     if isinstance(packed, PackedQ6KInt8):
         return q6_k_int8_matvec(x, packed.words, packed.factors, **experts)  # type: ignore[arg-type]
+    if isinstance(packed, PackedQ4):
+        return q4_int8_matvec(x, packed.words, packed.scale_offset, **experts)  # type: ignore[arg-type]
+    if isinstance(packed, PackedQ8):
+        return q8_int8_matvec(x, packed.words, **experts)  # type: ignore[arg-type]
+    assert isinstance(packed, PackedSuperBlocks)
     return q4_k_int8_matvec(x, packed.words, packed.fields, packed.factors, **experts)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", list(LAYOUTS))
 def test_matches_the_reference_on_quantized_activations(qtype: Q) -> None:
-    raw = random_blocks(qtype, 2 * TILE + 3, 1024, seed=1)
-    packed = repack(torch.from_numpy(raw), qtype)
-    assert isinstance(packed, PackedQ6KInt8 if qtype == Q.Q6_K else PackedSuperBlocks)
+    raw = _blocks(qtype, 2 * TILE + 3, 1024, seed=1)
+    packed = _pack(raw, qtype)
+    assert isinstance(packed, LAYOUTS[qtype])
     x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(2))
     x[1, :32] = 0  # a block of zeros: scale 0, no division by it
     weight = _weight(raw, qtype)
@@ -72,10 +112,10 @@ def test_matches_the_reference_on_quantized_activations(qtype: Q) -> None:
         assert torch.equal(row, alone)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q8_0])
 def test_experts_by_id_are_their_slices_products(qtype: Q) -> None:
     experts, rows = 5, 2 * TILE
-    packed = repack(torch.from_numpy(random_blocks(qtype, experts * rows, 512, seed=3)), qtype)
+    packed = _pack(_blocks(qtype, experts * rows, 512, seed=3), qtype)
     picked = torch.tensor([4, 0, 4, 2])
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(4))
     each = _product(packed, x, experts=picked, expert_rows=rows)
@@ -106,12 +146,12 @@ def test_q6_k_layout_unpacks_bit_exactly() -> None:
     assert held * 8 / (packed.words.shape[0] * TILE * 512) == 6.625
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q5_0])
 @pytest.mark.parametrize("rows", [1, 17])  # int8 matvecs; unpacked column chunks for a GEMM, exact
 def test_a_quantized_linear_runs_them(monkeypatch: pytest.MonkeyPatch, qtype: Q, rows: int) -> None:
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     monkeypatch.setattr(quantized_linear, "CHUNK_VALUES", 256 * 24)  # 16 or 24 columns a chunk, of 40
-    raw = random_blocks(qtype, 40, 256, seed=13)
+    raw = _blocks(qtype, 40, 256, seed=13)
     weight = _weight(raw, qtype)
     layer = QuantizedLinear(torch.from_numpy(raw), qtype, 256)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(14))
@@ -155,3 +195,12 @@ def test_off_switch_keeps_the_float_layouts(runtime_options: Callable[..., None]
     torch.testing.assert_close(
         packed.matvec(x).double(), _weight(raw, Q.Q4_K) @ x.double(), rtol=1e-5, atol=1e-4
     )
+
+
+def test_q4_scales_in_float16_or_float32_give_the_same_products() -> None:
+    # PackedQ4 keeps its scales and offsets in float16 where exact, else float32 (codes.half_if_exact).
+    packed = pack_q4(torch.from_numpy(_blocks(Q.Q4_1, 2 * TILE, 256, seed=15)), Q.Q4_1)
+    assert packed.scale_offset.dtype == torch.float16
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(16))
+    wide = q4_int8_matvec(x, packed.words, packed.scale_offset.float())
+    assert torch.equal(q4_int8_matvec(x, packed.words, packed.scale_offset), wide)

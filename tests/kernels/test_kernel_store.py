@@ -37,15 +37,18 @@ def _no_tracing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiled, "_trace", refuse)
 
 
-# Compiles a Q4_1 matvec kernel (the module's own, as a model's load does) and prints its result's bytes
-# and how many graphs were traced. The store and inductor's caches are the environment's.
+# Compiles a Q4_1 matvec kernel (the module's own, as a model's load does; the float one, which inductor
+# compiles) and prints its result's bytes and how many graphs were traced. The store and inductor's caches
+# are the environment's.
 _SCRIPT = textwrap.dedent(
     """
     import sys
     import gguf, numpy as np, torch
     from bubo.kernels import compiled
     from bubo.kernels.q4_matvec import pack_q4, q4_matvec
+    from bubo.options import current_options, use_options
 
+    use_options(current_options().changed(int8_matvec=False))
     traced = []
     trace = compiled._trace
     compiled._trace = lambda *args: traced.append(1) or trace(*args)

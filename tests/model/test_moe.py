@@ -22,12 +22,21 @@ import bubo.model.quantized_linear
 from bubo.gguf.config import MlpKind, config_from_gguf
 from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.kernels.codes import TILE
+from bubo.kernels.int8_matvec import int8_matvec_enabled
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
 from bubo.model.moe import ExpertMatrices, QuantizedExpertMatrices, SparseMoE, merge_gate_up
 from tests.fixtures.compare import prefill_and_decode_deltas
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.kernels.k_blocks import random_blocks
+
+
+@pytest.fixture(autouse=True)
+def float_matvecs(runtime_options: Callable[..., None]) -> None:
+    """The float matvecs, exact activations: this module checks the model's math (the int8 matvecs:
+    tests/kernels/test_int8_matvec.py, and their bounds against transformers below or there)."""
+    runtime_options(int8_matvec=False)
+
 
 TOLERANCE = 1e-3  # fp32 Bubo vs fp32 transformers (TESTING.md)
 PREFILL, DECODE, BATCH = 64, 32, 2
@@ -236,6 +245,30 @@ def test_packed_experts_match_transformers(tmp_path: Path, monkeypatch: pytest.M
     assert d_decode <= TOLERANCE
     # Every decoded token, in each of 3 layers: one graph for its top 2 experts.
     assert len(graphs) == DECODE * 3
+
+
+# The same model and steps with the int8 matvecs (activations rounded to int8 per block of 32, as llama.cpp
+# multiplies): measured max |Δlogit| 8.8e-3 over the prompt and 1.9e-3 over the decoded steps (2e-2 for a batch
+# of two), against the float matvecs' 2e-6; these random logits are ~1 in size. The bound keeps ~2.5x headroom.
+INT8_TOLERANCE = 5e-2
+
+
+def test_packed_experts_with_int8_matvecs_stay_near_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime_options: Callable[..., None]
+) -> None:
+    runtime_options(int8_matvec=True)
+    if not int8_matvec_enabled():
+        pytest.skip("the int8 matvecs need AVX512-VNNI and a C++ compiler")
+    monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    reference = _reference()
+    _, model = _load(write_gguf(reference, tmp_path / "moe-q.gguf", quantize=PACKED_EXPERTS_Q))
+    assert all(layer.mlp.packed_experts for layer in model.layers)
+    tokens = _tokens(reference.config.vocab_size)[:1]
+    d_prefill, d_decode = prefill_and_decode_deltas(reference, model, tokens, PREFILL)
+    print(f"qwen3moe packed experts, int8: max|Δlogit| prefill {d_prefill:.2e}, decode {d_decode:.2e}")
+    assert d_decode > 1e-4  # the int8 kernels ran (the float ones stay within ~2e-6)
+    assert d_prefill <= INT8_TOLERANCE
+    assert d_decode <= INT8_TOLERANCE
 
 
 def test_experts_are_packed_only_in_whole_tiles(monkeypatch: pytest.MonkeyPatch, runtime_options) -> None:

@@ -33,6 +33,7 @@ constexpr int64_t kWorkGrain = 16;   // super-block rows of work a thread takes 
 // then multiplies the same activations, d * q.
 struct Activations {
   std::vector<int32_t> dwords;
+  std::vector<int32_t> natural;  // the same bytes in input order (PackedQ8's byte codes)
   std::vector<float> scale;
   std::vector<float> sum;
   std::vector<int32_t> qsum16;
@@ -41,6 +42,7 @@ struct Activations {
 // Quantizes x [n] into `a` (its buffers reused from call to call): a block of 32 at a time in two vectors.
 void quantize(const float* x, int64_t n, Activations& a) {
   a.dwords.resize(n / 4);
+  a.natural.resize(n / 4);
   a.scale.resize(n / kBlock);
   a.sum.resize(n / kBlock);
   a.qsum16.resize(n / 16);
@@ -54,8 +56,11 @@ void quantize(const float* x, int64_t n, Activations& a) {
     const __m512 id = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
     // cvtps rounds to nearest, ties to even (the default MXCSR mode), as std::nearbyint does.
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.dwords.data() + b * 8), _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q0), order));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.dwords.data() + b * 8 + 4), _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q1), order));
+    const __m128i b0 = _mm512_cvtepi32_epi8(q0), b1 = _mm512_cvtepi32_epi8(q1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.natural.data() + b * 8), b0);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.natural.data() + b * 8 + 4), b1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.dwords.data() + b * 8), _mm_shuffle_epi8(b0, order));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.dwords.data() + b * 8 + 4), _mm_shuffle_epi8(b1, order));
     const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
     a.qsum16[2 * b] = s0;
     a.qsum16[2 * b + 1] = s1;
@@ -131,33 +136,79 @@ inline __m512 q6_k_super_block(const int32_t* words, const float* factors, const
   return _mm512_fmadd_ps(_mm512_loadu_ps(factors), scaled, acc);
 }
 
-enum class Format { Q4_K, Q6_K };
+// Q4_0 / Q4_1 (bubo/kernels/q4_matvec.py's PackedQ4), a block of 32 weights of one tile: words [4, 16] as
+// a Q4_K sub-block's, scale and offset [2, 16] (float16 or float32): weight = code * scale + offset, so the
+// dot product is scale * (x . codes) + offset * sum(x).
+inline __m512 q4_block(const int32_t* words, __m512 scale, __m512 offset, const int32_t* x, float x_scale,
+                       float x_sum, __m512 acc) {
+  __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+  for (int w = 0; w < 4; ++w) {
+    const __m512i v = _mm512_loadu_si512(words + w * kLanes);
+    even = dot(even, low_nibbles(v), x[2 * w]);
+    odd = dot(odd, high_nibbles(v), x[2 * w + 1]);
+  }
+  const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+  acc = _mm512_fmadd_ps(dots, _mm512_mul_ps(scale, _mm512_set1_ps(x_scale)), acc);
+  return _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sum), acc);
+}
+
+// Q8_0, Q5_0 and IQ4_NL (bubo/kernels/q8_matvec.py's PackedQ8), a block of 32 weights of one tile: words
+// [9, 16], byte s of word w the code of weight 4w + s stored as code + 128, then the scale's float32 bits.
+// x . codes = x . (stored - 128) = x . stored - 128 * sum(x), the latter from the int8 sums.
+inline __m512 q8_block(const int32_t* words, const int32_t* x, float x_scale, int32_t x_qsum, __m512 acc) {
+  __m512i isum = _mm512_set1_epi32(-128 * x_qsum);
+  for (int w = 0; w < 8; ++w) isum = dot(isum, _mm512_loadu_si512(words + w * kLanes), x[w]);
+  const __m512 scale = _mm512_castsi512_ps(_mm512_loadu_si512(words + 8 * kLanes));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, _mm512_set1_ps(x_scale)), acc);
+}
+
+enum class Format { Q4_K, Q6_K, Q4, Q8 };
 
 struct Weights {
   Format format;
   const int32_t* words;
   const int32_t* fields;  // Q4_K only
-  const float* factors;
-  int64_t supers;         // super-blocks a row
-  int64_t words_a_super;  // a tile's words a super-block
+  const float* factors;   // Q4's scale and offset where float32
+  const at::Half* half_factors;  // Q4's where float16
+  int64_t supers;         // blocks a row: super-blocks of 256 weights, or (Q4, Q8) blocks of 32
+  int64_t words_a_super;  // a tile's words a block
   int64_t fields_a_super;
   int64_t factors_a_super;
+
+  int64_t block_inputs() const { return format == Format::Q4_K || format == Format::Q6_K ? kSuper : kBlock; }
 };
 
-// One output tile for one activation row: 16 dot products over the row's super-blocks.
+inline __m512 load_factor(const Weights& w, int64_t offset) {
+  if (w.half_factors != nullptr)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.half_factors + offset)));
+  return _mm512_loadu_ps(w.factors + offset);
+}
+
+// One output tile for one activation row: 16 dot products over the row's blocks.
 inline void tile_product(const Weights& w, int64_t tile, const Activations& a, float* out) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t s = 0; s < w.supers; ++s) {
     const int64_t block = tile * w.supers + s;
     const int32_t* words = w.words + block * w.words_a_super * kLanes;
-    const float* factors = w.factors + block * w.factors_a_super * kLanes;
-    const int32_t* x = a.dwords.data() + s * (kSuper / 4);
-    const float* scale = a.scale.data() + s * (kSuper / kBlock);
-    if (w.format == Format::Q4_K) {
-      const int32_t* fields = w.fields + block * w.fields_a_super * kLanes;
-      acc = q4_k_super_block(words, fields, factors, x, scale, a.sum.data() + s * (kSuper / kBlock), acc);
-    } else {
-      acc = q6_k_super_block(words, factors, x, scale, a.qsum16.data() + s * (kSuper / 16), acc);
+    const int64_t factors = block * w.factors_a_super * kLanes;
+    switch (w.format) {
+      case Format::Q4_K:
+        acc = q4_k_super_block(words, w.fields + block * w.fields_a_super * kLanes, w.factors + factors,
+                               a.dwords.data() + s * (kSuper / 4), a.scale.data() + s * (kSuper / kBlock),
+                               a.sum.data() + s * (kSuper / kBlock), acc);
+        break;
+      case Format::Q6_K:
+        acc = q6_k_super_block(words, w.factors + factors, a.dwords.data() + s * (kSuper / 4),
+                               a.scale.data() + s * (kSuper / kBlock), a.qsum16.data() + s * (kSuper / 16), acc);
+        break;
+      case Format::Q4:
+        acc = q4_block(words, load_factor(w, factors), load_factor(w, factors + kLanes),
+                       a.dwords.data() + s * (kBlock / 4), a.scale[s], a.sum[s], acc);
+        break;
+      case Format::Q8:
+        acc = q8_block(words, a.natural.data() + s * (kBlock / 4), a.scale[s], a.qsum16[2 * s] + a.qsum16[2 * s + 1],
+                       acc);
+        break;
     }
   }
   _mm512_storeu_ps(out, acc);
@@ -169,11 +220,21 @@ const int32_t* word_data(const at::Tensor& t) {
   return static_cast<const int32_t*>(t.data_ptr());
 }
 
+// The weights' tensors as the format stores them: words [tiles, blocks, words, 16], with Q4_K's fields and
+// factors, Q6_K's factors, or Q4's scale and offset (float16 or float32) as `factors`.
 Weights weights_of(Format format, const at::Tensor& words, const at::Tensor& fields, const at::Tensor& factors) {
-  TORCH_CHECK(words.dim() == 4 && words.size(3) == kLanes, "words must be [tiles, super-blocks, words, 16]");
-  TORCH_CHECK(factors.scalar_type() == at::kFloat && factors.is_contiguous(), "factors must be contiguous float32");
-  Weights w{format, word_data(words), nullptr, factors.data_ptr<float>(), words.size(1), words.size(2), 0,
-            factors.size(2)};
+  TORCH_CHECK(words.dim() == 4 && words.size(3) == kLanes, "words must be [tiles, blocks, words, 16]");
+  Weights w{format, word_data(words), nullptr, nullptr, nullptr, words.size(1), words.size(2), 0, 0};
+  if (format == Format::Q8) return w;
+  TORCH_CHECK(factors.is_contiguous() && factors.size(0) == words.size(0) && factors.size(1) == words.size(1),
+              "factors must be contiguous [tiles, blocks, n, 16]");
+  w.factors_a_super = factors.size(2);
+  if (format == Format::Q4 && factors.scalar_type() == at::kHalf) {
+    w.half_factors = factors.data_ptr<at::Half>();
+  } else {
+    TORCH_CHECK(factors.scalar_type() == at::kFloat, "factors must be float32 (or Q4's float16)");
+    w.factors = factors.data_ptr<float>();
+  }
   if (format == Format::Q4_K) {
     w.fields = word_data(fields);
     w.fields_a_super = fields.size(2);
@@ -197,13 +258,14 @@ const std::vector<Activations>& quantize_rows(const at::Tensor& x, int64_t in_fe
 at::Tensor matvec(Format format, const at::Tensor& x, const at::Tensor& words, const at::Tensor& fields,
                   const at::Tensor& factors, const std::optional<at::Tensor>& experts, int64_t expert_rows) {
   const Weights w = weights_of(format, words, fields, factors);
-  const std::vector<Activations>& rows = quantize_rows(x, w.supers * kSuper);
+  const std::vector<Activations>& rows = quantize_rows(x, w.supers * w.block_inputs());
   const int64_t tiles = words.size(0);
   if (!experts.has_value()) {
     at::Tensor out = at::empty({x.size(0), tiles * kLanes}, x.options());
     float* o = out.data_ptr<float>();
     const int64_t n_rows = x.size(0);
-    const int64_t grain = std::max<int64_t>(1, kWorkGrain / (w.supers * n_rows));
+    const int64_t work = w.supers * w.block_inputs() / kSuper;  // super-blocks' worth a tile
+    const int64_t grain = std::max<int64_t>(1, kWorkGrain / std::max<int64_t>(1, work * n_rows));
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
         for (int64_t r = 0; r < n_rows; ++r) tile_product(w, t, rows[r], o + r * tiles * kLanes + t * kLanes);
@@ -219,7 +281,7 @@ at::Tensor matvec(Format format, const at::Tensor& x, const at::Tensor& words, c
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n_experts, "expert id out of range");
   at::Tensor out = at::empty({n, expert_rows}, x.options());
   float* o = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, kWorkGrain / w.supers);
+  const int64_t grain = std::max<int64_t>(1, kWorkGrain / std::max<int64_t>(1, w.supers * w.block_inputs() / kSuper));
   at::parallel_for(0, n * expert_tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / expert_tiles, t = job % expert_tiles;
@@ -237,6 +299,16 @@ at::Tensor q4_k_matvec(const at::Tensor& x, const at::Tensor& words, const at::T
 at::Tensor q6_k_matvec(const at::Tensor& x, const at::Tensor& words, const at::Tensor& factors,
                        const std::optional<at::Tensor>& experts, int64_t expert_rows) {
   return matvec(Format::Q6_K, x, words, words, factors, experts, expert_rows);
+}
+
+at::Tensor q4_matvec(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scale_offset,
+                     const std::optional<at::Tensor>& experts, int64_t expert_rows) {
+  return matvec(Format::Q4, x, words, words, scale_offset, experts, expert_rows);
+}
+
+at::Tensor q8_matvec(const at::Tensor& x, const at::Tensor& words, const std::optional<at::Tensor>& experts,
+                     int64_t expert_rows) {
+  return matvec(Format::Q8, x, words, words, words, experts, expert_rows);
 }
 
 // The Q6_K layout's weights, transposed: [in_features, tiles * 16] float32 or bfloat16 (a prefill's GEMM
@@ -284,10 +356,14 @@ TORCH_LIBRARY(bubo_int8, m) {
   m.def("q4_k_matvec(Tensor x, Tensor words, Tensor fields, Tensor factors, Tensor? experts, int expert_rows) -> Tensor");
   m.def("q6_k_matvec(Tensor x, Tensor words, Tensor factors, Tensor? experts, int expert_rows) -> Tensor");
   m.def("q6_k_unpack(Tensor words, Tensor factors, ScalarType dtype) -> Tensor");
+  m.def("q4_matvec(Tensor x, Tensor words, Tensor scale_offset, Tensor? experts, int expert_rows) -> Tensor");
+  m.def("q8_matvec(Tensor x, Tensor words, Tensor? experts, int expert_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(bubo_int8, CPU, m) {
   m.impl("q4_k_matvec", &q4_k_matvec);
   m.impl("q6_k_matvec", &q6_k_matvec);
   m.impl("q6_k_unpack", &q6_k_unpack);
+  m.impl("q4_matvec", &q4_matvec);
+  m.impl("q8_matvec", &q8_matvec);
 }
