@@ -293,7 +293,7 @@ def _add_runtime_args(parser: argparse.ArgumentParser) -> None:
         ),
         (
             "--no-int8-matvec",
-            "multiply Q4_K/Q6_K weights with float activations instead of int8-quantized ones "
+            "multiply quantized weights with float activations instead of int8-quantized ones "
             "(exact activations, slower; the int8 path needs AVX512-VNNI)",
         ),
     ):

@@ -4,7 +4,7 @@ the C++ kernels of csrc/int8_matvec.cpp.
 Inductor emits float code only: per 16 weights an AND, a conversion and an FMA on the expanded codes.
 llama.cpp's CPU kernels instead quantize the activations to int8 and multiply bytes by bytes with
 integer dot products (`vpdpbusd`: 64 byte products a lane-wise sum per instruction), which on this
-project's Xeon ran the packed Q4_K words 1.8-4.6x faster (benchmarks/probe_int8_matvec.py). These
+project's Xeon ran 1.4-2.8x faster than the float matvecs (benchmarks/bench_int8_matvec.py). These
 kernels do that: the activations are quantized per block of 32 (a float scale, values rounded to
 -127..127, the same error llama.cpp's Q8 activations make) once a call, the products run on the codes
 in their packed words, and each sub-block's integer sum is scaled in float32.
@@ -167,17 +167,19 @@ def _register_fakes() -> None:
 
 
 def int8_matvec_enabled() -> bool:
-    """Whether Q4_K and Q6_K matvecs run the int8 kernels: --no-int8-matvec not given, and the CPU and the
+    """Whether the quantized matvecs run the int8 kernels: --no-int8-matvec not given, and the CPU and the
     build allow them."""
     return current_options().int8_matvec and _loaded()
 
 
 def matvec_plan() -> str:
-    """Which matvecs Q4_K and Q6_K weights take, and why: a line of the runner's plan."""
+    """Which matvecs quantized weights take, and why: a line of the runner's plan."""
     if not current_options().int8_matvec:
         return "float activations (--no-int8-matvec)"
     why_not = _unavailable()
-    return f"float activations ({why_not})" if why_not else "int8 activations for Q4_K/Q6_K (AVX512-VNNI)"
+    if why_not:
+        return f"float activations ({why_not})"
+    return "int8 activations for Q4_K, Q6_K, Q4_0/Q4_1, Q8_0 (AVX512-VNNI)"
 
 
 def q4_k_int8_matvec(
