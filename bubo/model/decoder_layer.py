@@ -326,10 +326,11 @@ def _sparse_moe(config: ModelConfig, i: int, weights: WeightSource) -> SparseMoE
     shared: dict[str, nn.Module] = {}
     if config.mlp_kind == MlpKind.SPARSE_MOE_SHARED:
         width = config.shared_expert_intermediate_size
+        gate = weights.linear(p + "ffn_gate_shexp.weight", (width, hidden))
+        up = weights.linear(p + "ffn_up_shexp.weight", (width, hidden))
+        group_rows(gate, up)  # one matvec for both, as a dense MLP's
         shared["shared_expert"] = MLP(
-            gate=weights.linear(p + "ffn_gate_shexp.weight", (width, hidden)),
-            up=weights.linear(p + "ffn_up_shexp.weight", (width, hidden)),
-            down=weights.linear(p + "ffn_down_shexp.weight", (hidden, width)),
+            gate=gate, up=up, down=weights.linear(p + "ffn_down_shexp.weight", (hidden, width))
         )
         # Files through llama-quantize hold this [1, H] gate 1-D; GGUFWeights.linear accepts both.
         shared["shared_expert_gate"] = weights.linear(p + "ffn_gate_inp_shexp.weight", (1, hidden))
