@@ -4,16 +4,16 @@ the C++ kernels of csrc/int8_matvec.cpp.
 Inductor emits float code only: per 16 weights an AND, a conversion and an FMA on the expanded codes.
 llama.cpp's CPU kernels instead quantize the activations to int8 and multiply bytes by bytes with
 integer dot products (`vpdpbusd`: 64 byte products a lane-wise sum per instruction), which on this
-project's Xeon ran 1.4-2.8x faster than the float matvecs (benchmarks/bench_int8_matvec.py). These
+project's Xeon ran 1.25-2.1x as fast as the float matvecs (benchmarks/bench_int8_matvec.py). These
 kernels do that: the activations are quantized per block of 32 (a float scale, values rounded to
 -127..127, the same error llama.cpp's Q8 activations make) once a call, the products run on the codes
 in their packed words, and each sub-block's integer sum is scaled in float32.
 
 Q4_K keeps super_block_matvec.py's layout (`PackedSuperBlocks`), whose words suit the instruction as they
 are, and so do Q4_0/Q4_1's (`PackedQ4`, the same nibble words a block of 32) and Q8_0's (`PackedQ8`, a
-code byte each, stored plus 128). Q6_K gets a layout of its own, `PackedQ6KInt8` (6.625 bits a weight, the other layout's 7.125): its
-6-bit codes straddle the 32-bit words there, and a sub-block's 16 codes must sit in whole bytes for an
-integer sum. Its prefill unpacking is C++ too (`q6_k_unpack`).
+code byte each, stored plus 128). Q6_K gets a layout of its own, `PackedQ6KInt8` (6.625 bits a weight,
+the other layout's 7.125): its 6-bit codes straddle the 32-bit words there, and a sub-block's 16 codes
+must sit in whole bytes for an integer sum. Its prefill unpacking is C++ too (`q6_k_unpack`).
 
 The ops (`torch.ops.bubo_int8.*`) are registered from C++, so that a compiled decode step's generated
 code calls them through the dispatcher alone (a Python op costs several microseconds a call), and have
@@ -73,12 +73,13 @@ def _cpu_has_vnni() -> bool:
 
 
 def _compile_command(output: Path) -> list[str]:
+    from torch._inductor.cpp_builder import get_cpp_compiler
     from torch.utils.cpp_extension import include_paths, library_paths
 
     torch_lib = library_paths()[0]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
-        os.environ.get("CXX", "g++"),
+        get_cpp_compiler(),
         "-O3",
         "-std=c++17",
         "-shared",
