@@ -17,11 +17,12 @@ answers in the OpenAI completion shape, streamed as server-sent events when aske
 import argparse
 import json
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
 
-import llama_cpp
 
+def serve(llm: Any, port: int) -> None:
+    """Answer the benchmarks' requests with `llm` (a `llama_cpp.Llama`) until killed."""
 
-def serve(llm: llama_cpp.Llama, port: int) -> None:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"  # a streamed answer ends when the connection closes
 
@@ -77,6 +78,8 @@ def main() -> None:
     parser.add_argument("--n_threads", type=int, default=2)
     parser.add_argument("--n_ctx", type=int, default=2048)
     args = parser.parse_args()
+    import llama_cpp  # here: `--help` works without llama-cpp-python (CI installs no llama.cpp)
+
     llm = llama_cpp.Llama(args.model, n_threads=args.n_threads, n_ctx=args.n_ctx, verbose=False)
     serve(llm, args.port)
 
