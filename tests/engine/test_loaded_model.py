@@ -50,4 +50,5 @@ def test_a_narrower_cache_compiles_its_attention_at_load(tiny_llama_path: Path) 
     config, pool = loaded.config, loaded.model.new_cache(max_len=4).pool
     assert pool.keys[0].dtype == pool.values[0].dtype == torch.float16
     wanted = ((1, config.num_kv_heads, -1, config.head_dim), 1, torch.float16)
-    assert any(key[1] == key[2] == wanted for key in decode_attention._kernel._compiled)
+    # A kernel's key: the options in force, then each argument's layout (q, keys, values).
+    assert any(key[2] == key[3] == wanted for key in decode_attention._kernel._compiled)
