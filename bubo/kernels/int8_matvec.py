@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,10 +121,22 @@ def _library_path() -> Path:
     return path
 
 
-@functools.cache
+_loading = threading.Lock()
+_why_unavailable: str | None = None  # set once, by the first `_unavailable`
+
+
 def _unavailable() -> str:
     """Why the kernels can't run here, or "" once the library is loaded and its ops' fake implementations
-    registered (once a process)."""
+    registered (once a process: the lock keeps two threads' first calls from registering them twice)."""
+    global _why_unavailable
+    if _why_unavailable is None:
+        with _loading:
+            if _why_unavailable is None:
+                _why_unavailable = _load()
+    return _why_unavailable
+
+
+def _load() -> str:
     if TILE != 16 or not sys.platform.startswith("linux") or not _cpu_has_vnni():
         return "the CPU lacks AVX512-VNNI"
     try:
