@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from bubo.options import current_options
 __all__ = [
     "PackedQ6KInt8",
     "int8_matvec_enabled",
+    "int8_rows",
     "matvec_plan",
     "q4_int8_matvec",
     "q4_k_int8_matvec",
@@ -239,6 +241,15 @@ def q6_k_int8_matvec(
     return torch.ops.bubo_int8.q6_k_matvec(x, words, factors, experts, expert_rows)
 
 
+def int8_rows(
+    matvec: Callable[..., torch.Tensor], x: torch.Tensor, *tensors: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """x [..., in] (a row or a few) through one of the int8 matvecs above on a packed matrix's `tensors` ->
+    [..., out_features]: the ops take [rows, in] and give whole tiles, the last one's padding rows cut off."""
+    out = matvec(x.reshape(-1, x.shape[-1]), *tensors)
+    return out.view(*x.shape[:-1], -1)[..., :out_features]
+
+
 @dataclass(frozen=True)
 class PackedQ6KInt8:
     words: torch.Tensor  # int32 [tiles, super-blocks, Q6_K_WORDS, TILE]
@@ -251,8 +262,7 @@ class PackedQ6KInt8:
         return self.words.shape[1] * QK_K
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
-        out = q6_k_int8_matvec(x.reshape(-1, x.shape[-1]), self.words, self.factors)
-        return out[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
+        return int8_rows(q6_k_int8_matvec, x, self.words, self.factors, out_features=self.out_features)
 
     def unpack(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Weight columns start:stop, transposed: [in_features, stop - start] in `dtype` (a prefill's GEMM)."""

@@ -35,7 +35,7 @@ from bubo.kernels.codes import (
     word_bits,
 )
 from bubo.kernels.compiled import StaticKernel
-from bubo.kernels.int8_matvec import int8_matvec_enabled, q4_int8_matvec
+from bubo.kernels.int8_matvec import int8_matvec_enabled, int8_rows, q4_int8_matvec
 
 __all__ = [
     "PACKABLE_Q4",
@@ -138,8 +138,7 @@ def q4_matvec_bits(
     which a compiled graph that contains the matvec takes them as inputs. The int8 kernel where it is on
     (bubo/kernels/int8_matvec.py)."""
     if int8_matvec_enabled():
-        out = q4_int8_matvec(x.reshape(-1, x.shape[-1]), bits, scale_offset).view(*x.shape[:-1], -1)
-        return out[..., :out_features]
+        return int8_rows(q4_int8_matvec, x, bits, scale_offset, out_features=out_features)
     out = _compiled_matvec(x, bits, scale_offset)
     return out if out.shape[-1] == out_features else out[..., :out_features]
 

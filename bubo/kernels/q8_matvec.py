@@ -34,7 +34,7 @@ from bubo.kernels.codes import (
     word_bits,
 )
 from bubo.kernels.compiled import StaticKernel
-from bubo.kernels.int8_matvec import int8_matvec_enabled, q8_int8_matvec
+from bubo.kernels.int8_matvec import int8_matvec_enabled, int8_rows, q8_int8_matvec
 
 __all__ = [
     "CODE_BIAS",
@@ -178,8 +178,7 @@ def q8_matvec_bits(x: torch.Tensor, bits: torch.Tensor, out_features: int) -> to
     """`q8_matvec` on the packed words as their float32 bits (see q4_matvec_bits); the int8 kernel where it
     is on (bubo/kernels/int8_matvec.py)."""
     if int8_matvec_enabled():
-        out = q8_int8_matvec(x.reshape(-1, x.shape[-1]), bits).view(*x.shape[:-1], -1)
-        return out[..., :out_features]
+        return int8_rows(q8_int8_matvec, x, bits, out_features=out_features)
     out = _compiled_matvec(x, bits)
     return out if out.shape[-1] == out_features else out[..., :out_features]
 

@@ -72,7 +72,7 @@ from bubo.kernels.codes import (
     word_bits,
 )
 from bubo.kernels.compiled import StaticKernel
-from bubo.kernels.int8_matvec import int8_matvec_enabled, q4_k_int8_matvec
+from bubo.kernels.int8_matvec import int8_matvec_enabled, int8_rows, q4_k_int8_matvec
 
 __all__ = [
     "SUPER_BLOCK_FORMATS",
@@ -364,8 +364,7 @@ def super_block_matvec_bits(
     which a compiled graph that contains the matvec takes them as inputs. Q4_K runs the int8 kernel where
     it is on (bubo/kernels/int8_matvec.py)."""
     if ggml_type == Q.Q4_K and int8_matvec_enabled():
-        out = q4_k_int8_matvec(x.reshape(-1, x.shape[-1]), bits, field_bits, factors).view(*x.shape[:-1], -1)
-        return out[..., :out_features]
+        return int8_rows(q4_k_int8_matvec, x, bits, field_bits, factors, out_features=out_features)
     out = _matvec_kernel(SUPER_BLOCK_FORMATS[ggml_type])(x, bits, field_bits, factors)
     return out if out.shape[-1] == out_features else out[..., :out_features]
 

@@ -34,6 +34,7 @@ from bubo.kernels.compiled import StaticKernel
 from bubo.kernels.int8_matvec import (
     PackedQ6KInt8,
     int8_matvec_enabled,
+    int8_rows,
     q4_int8_matvec,
     q4_k_int8_matvec,
     q6_k_int8_matvec,
@@ -329,8 +330,7 @@ def packed_graph_matvec(
     if kind == "q8":
         return q8_matvec_bits(x, *tensors, out_features)
     if kind == "Q6_K_int8":
-        out = q6_k_int8_matvec(x.reshape(-1, x.shape[-1]), *tensors).view(*x.shape[:-1], -1)
-        return out[..., :out_features]
+        return int8_rows(q6_k_int8_matvec, x, *tensors, out_features=out_features)
     return super_block_matvec_bits(x, *tensors, out_features, Q[kind])
 
 

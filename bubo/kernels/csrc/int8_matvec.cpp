@@ -1,6 +1,7 @@
-// Matrix-vector products of K-quant weights with int8 activations on AVX512-VNNI (vpdpbusd), the way
-// llama.cpp's CPU kernels multiply: the activations are quantized to int8 once a call, and each code
-// byte multiplies an activation byte in integer arithmetic, four to a 32-bit lane per instruction.
+// Matrix-vector products of quantized weights (Q4_K, Q6_K, Q4_0/Q4_1, Q8_0) with int8 activations on
+// AVX512-VNNI (vpdpbusd), the way llama.cpp's CPU kernels multiply: the activations are quantized to int8
+// once a call, and each code byte multiplies an activation byte in integer arithmetic, four to a 32-bit
+// lane per instruction.
 // bubo/kernels/int8_matvec.py builds this file, registers the ops and describes the layouts.
 //
 // The weights are tiled as bubo/kernels/codes.py says: 16 output rows a tile, one per 32-bit lane, a
@@ -260,12 +261,12 @@ at::Tensor matvec(Format format, const at::Tensor& x, const at::Tensor& words, c
   const Weights w = weights_of(format, words, fields, factors);
   const std::vector<Activations>& rows = quantize_rows(x, w.supers * w.block_inputs());
   const int64_t tiles = words.size(0);
+  const int64_t work = std::max<int64_t>(1, w.supers * w.block_inputs() / kSuper);  // super-blocks a tile
   if (!experts.has_value()) {
     at::Tensor out = at::empty({x.size(0), tiles * kLanes}, x.options());
     float* o = out.data_ptr<float>();
     const int64_t n_rows = x.size(0);
-    const int64_t work = w.supers * w.block_inputs() / kSuper;  // super-blocks' worth a tile
-    const int64_t grain = std::max<int64_t>(1, kWorkGrain / std::max<int64_t>(1, work * n_rows));
+    const int64_t grain = std::max<int64_t>(1, kWorkGrain / (work * n_rows));
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
         for (int64_t r = 0; r < n_rows; ++r) tile_product(w, t, rows[r], o + r * tiles * kLanes + t * kLanes);
@@ -281,8 +282,7 @@ at::Tensor matvec(Format format, const at::Tensor& x, const at::Tensor& words, c
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n_experts, "expert id out of range");
   at::Tensor out = at::empty({n, expert_rows}, x.options());
   float* o = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, kWorkGrain / std::max<int64_t>(1, w.supers * w.block_inputs() / kSuper));
-  at::parallel_for(0, n * expert_tiles, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n * expert_tiles, std::max<int64_t>(1, kWorkGrain / work), [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / expert_tiles, t = job % expert_tiles;
       tile_product(w, id[i] * expert_tiles + t, rows[rows.size() == 1 ? 0 : i], o + i * expert_rows + t * kLanes);
