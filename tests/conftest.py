@@ -168,3 +168,10 @@ def runtime_options() -> Iterator[Callable[..., None]]:
     before = current_options()
     yield lambda **fields: use_options(current_options().changed(**fields))
     use_options(before)
+
+
+@pytest.fixture
+def float_matvecs(runtime_options: Callable[..., None]) -> None:
+    """The float matvecs (`--no-int8-matvec`): exact activations, for the tests of the model's math and of
+    the float layouts (`pytestmark = pytest.mark.usefixtures("float_matvecs")`)."""
+    runtime_options(int8_matvec=False)

@@ -1,7 +1,5 @@
 """The compiled Q4_0 / Q4_1 matvec and its unpacking against gguf's numpy dequantizer + a float64 matvec."""
 
-from collections.abc import Callable
-
 import gguf
 import numpy as np
 import pytest
@@ -13,10 +11,8 @@ from bubo.kernels.q4_matvec import pack_q4, q4_matvec, q4_matvec_reference
 Q = gguf.GGMLQuantizationType
 
 
-@pytest.fixture(autouse=True)
-def float_matvecs(runtime_options: Callable[..., None]) -> None:
-    """The float matvecs, exact activations (the int8 ones: tests/kernels/test_int8_matvec.py)."""
-    runtime_options(int8_matvec=False)
+# The float matvecs, exact activations (tests/conftest.py); the int8 ones: tests/kernels/test_int8_matvec.py.
+pytestmark = pytest.mark.usefixtures("float_matvecs")
 
 
 def _blocks(qtype: Q, out_features: int, in_features: int, seed: int) -> np.ndarray:

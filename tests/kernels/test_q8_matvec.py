@@ -1,7 +1,5 @@
 """The compiled Q8_0 matvec and its unpacking against gguf's numpy dequantizer + a float64 matvec."""
 
-from collections.abc import Callable
-
 import gguf
 import numpy as np
 import pytest
@@ -13,10 +11,8 @@ from bubo.kernels.q8_matvec import pack_q8, q8_matvec, q8_matvec_reference
 Q = gguf.GGMLQuantizationType
 
 
-@pytest.fixture(autouse=True)
-def float_matvecs(runtime_options: Callable[..., None]) -> None:
-    """The float matvecs, exact activations (the int8 ones: tests/kernels/test_int8_matvec.py)."""
-    runtime_options(int8_matvec=False)
+# The float matvecs, exact activations (tests/conftest.py); the int8 ones: tests/kernels/test_int8_matvec.py.
+pytestmark = pytest.mark.usefixtures("float_matvecs")
 
 
 # 60 rows: not a whole number of tiles (8 or 16 rows), so the last tile is padding.

@@ -3,7 +3,6 @@ matvecs (the K-quants and IQ4_XS as super-blocks), against gguf's numpy dequanti
 float64 matvec on it: random blocks, and the real tensors of Gemma 3 270M Q4_K_M. The float matvecs, with
 the int8 ones off (those are tests/kernels/test_int8_matvec.py's)."""
 
-from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -21,9 +20,8 @@ from tests.kernels.k_blocks import random_blocks
 Q = gguf.GGMLQuantizationType
 
 
-@pytest.fixture(autouse=True)
-def float_matvecs(runtime_options: Callable[..., None]) -> None:
-    runtime_options(int8_matvec=False)
+# The float matvecs, exact activations (tests/conftest.py); the int8 ones: tests/kernels/test_int8_matvec.py.
+pytestmark = pytest.mark.usefixtures("float_matvecs")
 
 
 LAYOUT = {

@@ -30,12 +30,8 @@ from tests.fixtures.compare import prefill_and_decode_deltas
 from tests.fixtures.gguf_writer import randomize_, write_gguf
 from tests.kernels.k_blocks import random_blocks
 
-
-@pytest.fixture(autouse=True)
-def float_matvecs(runtime_options: Callable[..., None]) -> None:
-    """The float matvecs, exact activations: this module checks the model's math (the int8 matvecs:
-    tests/kernels/test_int8_matvec.py, and their bounds against transformers below or there)."""
-    runtime_options(int8_matvec=False)
+# The float matvecs, exact activations (tests/conftest.py); the int8 ones: tests/kernels/test_int8_matvec.py.
+pytestmark = pytest.mark.usefixtures("float_matvecs")
 
 
 TOLERANCE = 1e-3  # fp32 Bubo vs fp32 transformers (TESTING.md)

@@ -3,8 +3,6 @@
 The products are checked in float32 (prefill_bf16 off, set for every test here) against float64
 references; `test_bf16_gemms_round_operands_once` checks the bfloat16 prefill GEMMs on their own."""
 
-from collections.abc import Callable
-
 import gguf
 import numpy as np
 import pytest
@@ -15,12 +13,8 @@ from bubo.model import quantized_linear
 from bubo.model.quantized_linear import QuantizedEmbedding, QuantizedLinear, group_rows, project_rows
 from tests.kernels.k_blocks import random_blocks
 
-
-@pytest.fixture(autouse=True)
-def float_matvecs(runtime_options: Callable[..., None]) -> None:
-    """The float matvecs, exact activations: this module checks the model's math (the int8 matvecs:
-    tests/kernels/test_int8_matvec.py, and their bounds against transformers below or there)."""
-    runtime_options(int8_matvec=False)
+# The float matvecs, exact activations (tests/conftest.py); the int8 ones: tests/kernels/test_int8_matvec.py.
+pytestmark = pytest.mark.usefixtures("float_matvecs")
 
 
 Q = gguf.GGMLQuantizationType

@@ -37,9 +37,8 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def float_matvecs(runtime_options: Callable[..., None]) -> None:
-    runtime_options(int8_matvec=False)
+# The float matvecs, exact activations (tests/conftest.py); the int8 ones: tests/kernels/test_int8_matvec.py.
+pytestmark = pytest.mark.usefixtures("float_matvecs")
 
 
 @pytest.fixture(scope="module")
