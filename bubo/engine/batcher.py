@@ -181,7 +181,7 @@ class DecodeBatcher:
         that the first batches of a first burst of requests don't wait for them. On the compute thread,
         as every pass: torch's CPU work on another thread would leave it an OpenMP team of its own."""
 
-        self._compute.submit(runner_for(self.model).prepare_passes, min(rows, MATVEC_ROWS)).result()
+        self._compute.submit(runner_for(self.model).prepare_batches, min(rows, MATVEC_ROWS)).result()
 
     def _run_steps(self, steps: dict[_Call, CompiledDecodeStep]) -> None:
         """The single-token calls through the model's compiled step: one call alone, several as the rows

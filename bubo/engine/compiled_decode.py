@@ -363,6 +363,12 @@ class CompiledDecodeStep:
         cache = self.model.new_cache(max_len=tokens + 1)
         self(torch.zeros(() if tokens == 1 else (tokens,), dtype=torch.long), cache)
 
+    def warm_up_batch(self, rows: int) -> None:
+        """Compile every graph for `batch` passes of `rows` sequences now, on scratch caches: a batch's
+        layer inputs are [rows, 1, ...], not a verify pass's [1, rows, ...], so they are other kernels."""
+        caches = [self.model.new_cache(max_len=2) for _ in range(rows)]
+        self.batch(torch.zeros(rows, dtype=torch.long), caches)
+
 
 class CompiledState:
     """The cache a compiled step hands the model's forward: the step's KVCache or CacheBatch, whose layers

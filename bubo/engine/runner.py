@@ -175,15 +175,25 @@ class Runner:
             with torch.inference_mode():
                 model(torch.zeros(1, 1, dtype=torch.long, device=model.device), model.new_cache(max_len=2))
 
-    def prepare_passes(self, rows: int) -> None:
-        """`prepare`, with the compiled step's passes of 2 .. `rows` tokens compiled too (a verify pass's
-        tokens, a batch's sequences), where the model has one. Run it on the thread that will run the
-        passes (bubo/engine/compute_threads.py)."""
+    def prepare_passes(self, tokens: int) -> None:
+        """`prepare`, with the compiled step's passes of 2 .. `tokens` tokens of one sequence compiled too
+        (a verify pass), where the model has one. Run it on the thread that will run the passes
+        (bubo/engine/compute_threads.py)."""
         compiled = self._compiled()
         if compiled is not None:
             compiled.warm_up()
-            for count in range(2, rows + 1):
+            for count in range(2, tokens + 1):
                 compiled.warm_up(count)
+
+    def prepare_batches(self, rows: int) -> None:
+        """`prepare`, with the compiled step's batched passes of 2 .. `rows` sequences compiled too, where
+        the model has one that batches; on the thread that will run them, as `prepare_passes`."""
+        compiled = self._compiled()
+        if compiled is not None:
+            compiled.warm_up()
+            if compiled.model.supports_cache_batch:
+                for count in range(2, rows + 1):
+                    compiled.warm_up_batch(count)
 
     # Choosing
 

@@ -207,8 +207,8 @@ def q4_k_int8_matvec(
     expert_rows: int = 0,
 ) -> torch.Tensor:
     """x [rows, in] times a PackedSuperBlocks Q4_K's tensors -> [rows, tiles * TILE]; with `experts` [n]
-    (ids into a stack of experts of `expert_rows` rows each), row i of x, or its one row, times expert
-    experts[i] -> [n, expert_rows]."""
+    (ids into a stack of experts of `expert_rows` rows each, n a multiple of rows), expert experts[i] times
+    row i // (n // rows) of x -> [n, expert_rows]."""
     return torch.ops.bubo_int8.q4_k_matvec(x, words, fields, factors, experts, expert_rows)
 
 

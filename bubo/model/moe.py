@@ -306,8 +306,9 @@ def _gathered_experts_kernel(gate_up_kind: str, down_kind: str, experts: int) ->
     The down products add up as one matvec too: the tiles hold output rows and the blocks run along the
     input, so the chosen experts' blocks laid side by side are the matrix [hidden, top_k x ffn] whose
     product with the weighted SwiGLU outputs, concatenated, is the weighted sum. Where the int8 kernels run
-    a stack's type (bubo/kernels/int8_matvec.py), they take the whole stack and the picked ids instead and
-    read those experts' tiles in place; the down products are then summed over the experts."""
+    a stack's type (bubo/kernels/int8_matvec.py), they take the whole stack and every row's picked ids
+    instead, one call for all the rows, and read those experts' tiles in place; the down products are then
+    summed over each row's experts."""
     gate_up_tensors = packed_graph_tensors(gate_up_kind)
 
     def gathered_experts(
@@ -315,21 +316,32 @@ def _gathered_experts_kernel(gate_up_kind: str, down_kind: str, experts: int) ->
     ) -> torch.Tensor:
         gate_up, down = tensors[:gate_up_tensors], tensors[gate_up_tensors:]
         gate_up_rows, hidden = gate_up[0].shape[0] // experts * TILE, down[0].shape[0] // experts * TILE
+        rows, top_k = chosen.shape
+        # An int8 kernel reads every row's picked experts out of the stack by id, in one call.
+        ids = chosen.flatten()
+        h = packed_graph_expert_matvec(gate_up_kind, x, gate_up, ids, gate_up_rows)
+        if h is not None:
+            h = h.view(rows * top_k, 2, -1)
+            h = F.silu(h[:, 0]) * h[:, 1] * weights.reshape(-1, 1)
+            h = force_stride_order(h, h.stride())
+            out = packed_graph_expert_matvec(down_kind, h, down, ids, hidden)
+            if out is not None:
+                return out.view(rows, top_k, hidden).sum(1)
         sums = []
         for r, (row, picked) in enumerate(zip(x.unbind(0), chosen.unbind(0), strict=True)):
-            top_k = picked.shape[0]
-            # An int8 kernel reads the picked experts out of the stack by id; the float matvecs read them
-            # through the gathered views below, which inductor folds into their loads.
-            h = packed_graph_expert_matvec(gate_up_kind, row[None], gate_up, picked, gate_up_rows)
+            # The float matvecs read the picked experts through the gathered views below, which inductor
+            # folds into their loads.
             if h is None:
                 # [experts x tiles, ...] -> the picked experts' tiles, one after the other.
-                rows = tuple(t.view(experts, -1, *t.shape[1:])[picked].flatten(0, 1) for t in gate_up)
-                h = packed_graph_matvec(gate_up_kind, row, rows, rows[0].shape[0] * TILE)
-            h = h.view(top_k, 2, -1)
-            h = F.silu(h[:, 0]) * h[:, 1] * weights[r, :, None]
-            # Stored once: left as an expression, inductor would recompute SiLU in the down matvec's loop.
-            h = force_stride_order(h, h.stride())
-            out = packed_graph_expert_matvec(down_kind, h, down, picked, hidden)
+                gathered = tuple(t.view(experts, -1, *t.shape[1:])[picked].flatten(0, 1) for t in gate_up)
+                hr = packed_graph_matvec(gate_up_kind, row, gathered, gathered[0].shape[0] * TILE)
+                hr = hr.view(top_k, 2, -1)
+                hr = F.silu(hr[:, 0]) * hr[:, 1] * weights[r, :, None]
+                # Stored once: left as an expression, inductor would recompute SiLU in the down matvec's loop.
+                hr = force_stride_order(hr, hr.stride())
+            else:
+                hr = h[r * top_k : (r + 1) * top_k]
+            out = packed_graph_expert_matvec(down_kind, hr, down, picked, hidden)
             if out is not None:
                 sums.append(out.sum(0))
                 continue
@@ -338,7 +350,7 @@ def _gathered_experts_kernel(gate_up_kind: str, down_kind: str, experts: int) ->
                 t.view(experts, -1, *t.shape[1:])[picked].transpose(0, 1).contiguous().flatten(1, 2)
                 for t in down
             )
-            sums.append(packed_graph_matvec(down_kind, h.reshape(-1), blocks, blocks[0].shape[0] * TILE))
+            sums.append(packed_graph_matvec(down_kind, hr.reshape(-1), blocks, blocks[0].shape[0] * TILE))
         return torch.stack(sums)
 
     return StaticKernel(gathered_experts, fused=True)  # type: ignore[arg-type]

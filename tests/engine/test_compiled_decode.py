@@ -25,6 +25,7 @@ from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot_pool import SlotPool
 from bubo.gguf.config import config_from_gguf
 from bubo.gguf.reader import GGUFFile
+from bubo.kernels.compiled import _Kernel
 from bubo.model import quantized_linear
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
@@ -411,6 +412,30 @@ def test_parallel_slots_decode_through_the_compiled_step(
     batched, pool = asyncio.run(serve(2, prompts))
     assert pool.batcher is not None and pool.batcher.steps > 0
     assert [ids[:4] for ids in batched] == [ids[:4] for ids in alone]
+
+
+def test_a_slot_pool_compiles_its_batched_passes_up_front(
+    smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`SlotPool(parallel=N)` compiles the step's passes of 2 .. N sequences (rows [n, 1], other kernels
+    than a verify pass's [1, n]) before any request: the first burst of requests doesn't wait for inductor."""
+    SlotPool(smollm2.model, smollm2.tokenizer, 64, parallel=3)
+    compiled: list[object] = []
+    compile_kernel = _Kernel._compile
+
+    def counted(self: _Kernel, args: tuple[torch.Tensor, ...]) -> object:
+        compiled.append(self)
+        return compile_kernel(self, args)
+
+    monkeypatch.setattr(_Kernel, "_compile", counted)
+    model = smollm2.model
+    with torch.inference_mode():
+        for rows in (2, 3):
+            caches = [model.new_cache(max_len=8) for _ in range(rows)]
+            step = runner_for(model).batch_steps(caches)
+            assert step is not None
+            step.batch(torch.arange(rows), caches)
+    assert compiled == []
 
 
 def _moe_model(path: Path) -> Decoder:

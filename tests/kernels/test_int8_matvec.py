@@ -97,11 +97,12 @@ def test_matches_the_reference_on_quantized_activations(qtype: Q) -> None:
     raw = _blocks(qtype, 2 * TILE + 3, 1024, seed=1)
     packed = _pack(raw, qtype)
     assert isinstance(packed, LAYOUTS[qtype])
-    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(2))
+    # Six rows: the kernels take four at a time (the codes unpacked once for them), then the other two.
+    x = torch.randn(6, 1024, generator=torch.Generator().manual_seed(2))
     x[1, :32] = 0  # a block of zeros: scale 0, no division by it
     weight = _weight(raw, qtype)
     got = packed.matvec(x)
-    assert got.shape == (3, 2 * TILE + 3)
+    assert got.shape == (6, 2 * TILE + 3)
     expected = _quantized(x) @ weight.T
     # float32 sums of 1024 products in another order than float64's.
     bound = (x.abs().double() @ weight.abs().T).max().item()
@@ -120,17 +121,22 @@ def test_experts_by_id_are_their_slices_products(qtype: Q) -> None:
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(4))
     each = _product(packed, x, experts=picked, expert_rows=rows)
     shared = _product(packed, x[:1], experts=picked, expert_rows=rows)
-    assert each.shape == shared.shape == (4, rows)
+    # Two rows with two experts each (a batched step's rows, their top-k ids one after the other).
+    pairs = _product(packed, x[:2], experts=picked, expert_rows=rows)
+    assert each.shape == shared.shape == pairs.shape == (4, rows)
     for i, e in enumerate(picked.tolist()):
         alone = slice_tiled(packed, e * rows, (e + 1) * rows)
         assert torch.equal(each[i], _product(alone, x[i : i + 1])[0])
         assert torch.equal(shared[i], _product(alone, x[:1])[0])
+        assert torch.equal(pairs[i], _product(alone, x[i // 2 : i // 2 + 1])[0])
 
 
 def test_rejects_an_expert_out_of_range() -> None:
     packed = repack(torch.from_numpy(random_blocks(Q.Q4_K, 4 * TILE, 256, seed=5)), Q.Q4_K)
     with pytest.raises(RuntimeError, match="expert id out of range"):
         _product(packed, torch.zeros(1, 256), experts=torch.tensor([2]), expert_rows=2 * TILE)
+    with pytest.raises(RuntimeError, match="whole number of ids"):
+        _product(packed, torch.zeros(2, 256), experts=torch.tensor([0, 1, 0]), expert_rows=2 * TILE)
     with pytest.raises(RuntimeError, match="float32"):
         _product(packed, torch.zeros(1, 512))
 

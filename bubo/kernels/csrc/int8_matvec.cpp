@@ -17,6 +17,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -79,43 +80,59 @@ inline __m512i byte_of(__m512i v, int byte) {
   return _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32(0xFF));
 }
 
-// Q4_K, a super-block of one tile: words [32, 16] (sub-block j's codes in words 4j..4j+3), fields [4, 16]
-// (scale bytes, then min bytes, sub-block j at byte j % 4 of word j / 4), factors [2, 16] (d, dmin).
+// Q4_K, a super-block of one tile against R activation rows at once (the rows of a batched step share the
+// codes, unpacked once): words [32, 16] (sub-block j's codes in words 4j..4j+3), fields [4, 16] (scale
+// bytes, then min bytes, sub-block j at byte j % 4 of word j / 4), factors [2, 16] (d, dmin).
 // weight = d * sc_j * q - dmin * m_j, so the dot product is d * sum_j sc_j * (x_j . q_j) - dmin * sum_j
 // m_j * sum(x_j): the first sum from the int8 products, the second from the activations' block sums.
-inline __m512 q4_k_super_block(const int32_t* words, const int32_t* fields, const float* factors,
-                               const int32_t* x, const float* scale, const float* sum, __m512 acc) {
-  __m512 scaled = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
+// Row r's activations are a[r]'s from super-block s on.
+template <int R>
+inline void q4_k_super_block(const int32_t* words, const int32_t* fields, const float* factors,
+                             const Activations* const* a, int64_t s, __m512* acc) {
+  __m512 scaled[R], mins[R];
+  for (int r = 0; r < R; ++r) scaled[r] = mins[r] = _mm512_setzero_ps();
   for (int j = 0; j < 8; ++j) {
-    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    __m512i even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_si512();
     for (int w = 0; w < 4; ++w) {
       const __m512i v = _mm512_loadu_si512(words + (4 * j + w) * kLanes);
-      even = dot(even, low_nibbles(v), x[(4 * j + w) * 2]);
-      odd = dot(odd, high_nibbles(v), x[(4 * j + w) * 2 + 1]);
+      const __m512i low = low_nibbles(v), high = high_nibbles(v);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* x = a[r]->dwords.data() + s * (kSuper / 4) + (4 * j + w) * 2;
+        even[r] = dot(even[r], low, x[0]);
+        odd[r] = dot(odd[r], high, x[1]);
+      }
     }
     const __m512i sc = byte_of(_mm512_loadu_si512(fields + (j / 4) * kLanes), j % 4);
-    const __m512i m = byte_of(_mm512_loadu_si512(fields + (2 + j / 4) * kLanes), j % 4);
-    const __m512i isum = _mm512_mullo_epi32(_mm512_add_epi32(even, odd), sc);
-    scaled = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(scale[j]), scaled);
-    mins = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(sum[j]), mins);
+    const __m512 m = _mm512_cvtepi32_ps(byte_of(_mm512_loadu_si512(fields + (2 + j / 4) * kLanes), j % 4));
+    for (int r = 0; r < R; ++r) {
+      const int64_t block = s * (kSuper / kBlock) + j;
+      const __m512i isum = _mm512_mullo_epi32(_mm512_add_epi32(even[r], odd[r]), sc);
+      scaled[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(a[r]->scale[block]), scaled[r]);
+      mins[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[r]->sum[block]), mins[r]);
+    }
   }
-  acc = _mm512_fmadd_ps(_mm512_loadu_ps(factors), scaled, acc);
-  return _mm512_fnmadd_ps(_mm512_loadu_ps(factors + kLanes), mins, acc);
+  const __m512 d = _mm512_loadu_ps(factors), dmin = _mm512_loadu_ps(factors + kLanes);
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_fnmadd_ps(dmin, mins[r], _mm512_fmadd_ps(d, scaled[r], acc[r]));
 }
 
-// Q6_K, a super-block of one tile: words [52, 16]: 32 words of low nibbles (sub-block j of 16 codes in
-// words 2j, 2j+1), 16 words of high bits (sub-block j's in word 32 + j: byte b holds, two bits each from
-// the bottom, those of codes 2b, 2b + 1, 8 + 2b, 9 + 2b), 4 words of int8 scales (sub-block j at byte j % 4
-// of word 48 + j / 4); factors [1, 16] (d). Codes are stored unsigned (q + 32): weight = d * sc_j * (q -
-// 32), so x_j . (q_j - 32) = x_j . q_j - 32 * sum(x_j), the latter from the int8 sums.
-inline __m512 q6_k_super_block(const int32_t* words, const float* factors, const int32_t* x,
-                               const float* scale, const int32_t* qsum16, __m512 acc) {
+// Q6_K, a super-block of one tile against R rows, as Q4_K's: words [52, 16]: 32 words of low nibbles
+// (sub-block j of 16 codes in words 2j, 2j+1), 16 words of high bits (sub-block j's in word 32 + j: byte b
+// holds, two bits each from the bottom, those of codes 2b, 2b + 1, 8 + 2b, 9 + 2b), 4 words of int8 scales
+// (sub-block j at byte j % 4 of word 48 + j / 4); factors [1, 16] (d). Codes are stored unsigned (q + 32):
+// weight = d * sc_j * (q - 32), so x_j . (q_j - 32) = x_j . q_j - 32 * sum(x_j), the latter from the int8
+// sums.
+template <int R>
+inline void q6_k_super_block(const int32_t* words, const float* factors, const Activations* const* a, int64_t s,
+                             __m512* acc) {
   const __m512i high_mask = _mm512_set1_epi32(0x30303030);
-  __m512 scaled = _mm512_setzero_ps();
+  __m512 scaled[R];
+  for (int r = 0; r < R; ++r) scaled[r] = _mm512_setzero_ps();
   for (int pair = 0; pair < 8; ++pair) {
     // Sub-blocks 2 * pair and 2 * pair + 1 share an activation block (one scale): their integer sums times
     // their scales add up before one conversion.
-    __m512i isum = _mm512_setzero_si512();
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int j = 2 * pair; j < 2 * pair + 2; ++j) {
       const __m512i l0 = _mm512_loadu_si512(words + (2 * j) * kLanes);
       const __m512i l1 = _mm512_loadu_si512(words + (2 * j + 1) * kLanes);
@@ -124,17 +141,23 @@ inline __m512 q6_k_super_block(const int32_t* words, const float* factors, const
       const __m512i c1 = _mm512_or_si512(high_nibbles(l0), _mm512_and_si512(_mm512_slli_epi32(h, 2), high_mask));
       const __m512i c2 = _mm512_or_si512(low_nibbles(l1), _mm512_and_si512(h, high_mask));
       const __m512i c3 = _mm512_or_si512(high_nibbles(l1), _mm512_and_si512(_mm512_srli_epi32(h, 2), high_mask));
-      __m512i even = dot(_mm512_set1_epi32(-32 * qsum16[j]), c0, x[4 * j]);
-      __m512i odd = dot(_mm512_setzero_si512(), c1, x[4 * j + 1]);
-      even = dot(even, c2, x[4 * j + 2]);
-      odd = dot(odd, c3, x[4 * j + 3]);
       const __m512i sc_word = _mm512_loadu_si512(words + (48 + j / 4) * kLanes);
       const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(sc_word, 24 - 8 * (j % 4)), 24);
-      isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_add_epi32(even, odd), sc));
+      for (int r = 0; r < R; ++r) {
+        const int32_t* x = a[r]->dwords.data() + s * (kSuper / 4) + 4 * j;
+        __m512i even = dot(_mm512_set1_epi32(-32 * a[r]->qsum16[s * (kSuper / 16) + j]), c0, x[0]);
+        __m512i odd = dot(_mm512_setzero_si512(), c1, x[1]);
+        even = dot(even, c2, x[2]);
+        odd = dot(odd, c3, x[3]);
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(even, odd), sc));
+      }
     }
-    scaled = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(scale[pair]), scaled);
+    for (int r = 0; r < R; ++r)
+      scaled[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
+                                  _mm512_set1_ps(a[r]->scale[s * (kSuper / kBlock) + pair]), scaled[r]);
   }
-  return _mm512_fmadd_ps(_mm512_loadu_ps(factors), scaled, acc);
+  const __m512 d = _mm512_loadu_ps(factors);
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(d, scaled[r], acc[r]);
 }
 
 // Q4_0 / Q4_1 (bubo/kernels/q4_matvec.py's PackedQ4), a block of 32 weights of one tile: words [4, 16] as
@@ -185,34 +208,58 @@ inline __m512 load_factor(const Weights& w, int64_t offset) {
   return _mm512_loadu_ps(w.factors + offset);
 }
 
-// One output tile for one activation row: 16 dot products over the row's blocks.
-inline void tile_product(const Weights& w, int64_t tile, const Activations& a, float* out) {
-  __m512 acc = _mm512_setzero_ps();
+// One output tile for R activation rows: 16 dot products a row over its blocks, into out[r]. The K-quants
+// unpack each block's codes once for the R rows; Q4 and Q8, whose codes take an instruction or none to
+// unpack, run the rows one after the other.
+template <int R>
+inline void tile_product(const Weights& w, int64_t tile, const Activations* const* a, float* const* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < w.supers; ++s) {
     const int64_t block = tile * w.supers + s;
     const int32_t* words = w.words + block * w.words_a_super * kLanes;
     const int64_t factors = block * w.factors_a_super * kLanes;
     switch (w.format) {
       case Format::Q4_K:
-        acc = q4_k_super_block(words, w.fields + block * w.fields_a_super * kLanes, w.factors + factors,
-                               a.dwords.data() + s * (kSuper / 4), a.scale.data() + s * (kSuper / kBlock),
-                               a.sum.data() + s * (kSuper / kBlock), acc);
+        q4_k_super_block<R>(words, w.fields + block * w.fields_a_super * kLanes, w.factors + factors, a, s, acc);
         break;
       case Format::Q6_K:
-        acc = q6_k_super_block(words, w.factors + factors, a.dwords.data() + s * (kSuper / 4),
-                               a.scale.data() + s * (kSuper / kBlock), a.qsum16.data() + s * (kSuper / 16), acc);
+        q6_k_super_block<R>(words, w.factors + factors, a, s, acc);
         break;
       case Format::Q4:
-        acc = q4_block(words, load_factor(w, factors), load_factor(w, factors + kLanes),
-                       a.dwords.data() + s * (kBlock / 4), a.scale[s], a.sum[s], acc);
+        for (int r = 0; r < R; ++r)
+          acc[r] = q4_block(words, load_factor(w, factors), load_factor(w, factors + kLanes),
+                            a[r]->dwords.data() + s * (kBlock / 4), a[r]->scale[s], a[r]->sum[s], acc[r]);
         break;
       case Format::Q8:
-        acc = q8_block(words, a.natural.data() + s * (kBlock / 4), a.scale[s], a.qsum16[2 * s] + a.qsum16[2 * s + 1],
-                       acc);
+        for (int r = 0; r < R; ++r)
+          acc[r] = q8_block(words, a[r]->natural.data() + s * (kBlock / 4), a[r]->scale[s],
+                            a[r]->qsum16[2 * s] + a[r]->qsum16[2 * s + 1], acc[r]);
         break;
     }
   }
-  _mm512_storeu_ps(out, acc);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+// Tile `tile` for every row of `rows`, up to four at a time: row r's 16 results at out + r * stride.
+inline void tile_products(const Weights& w, int64_t tile, const std::vector<Activations>& rows, float* out,
+                          int64_t stride) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  for (int64_t first = 0; first < n; first += 4) {
+    const Activations* a[4];
+    float* o[4];
+    const int64_t count = std::min<int64_t>(4, n - first);
+    for (int64_t r = 0; r < count; ++r) {
+      a[r] = &rows[first + r];
+      o[r] = out + (first + r) * stride;
+    }
+    switch (count) {
+      case 4: tile_product<4>(w, tile, a, o); break;
+      case 3: tile_product<3>(w, tile, a, o); break;
+      case 2: tile_product<2>(w, tile, a, o); break;
+      default: tile_product<1>(w, tile, a, o); break;
+    }
+  }
 }
 
 const int32_t* word_data(const at::Tensor& t) {
@@ -255,7 +302,8 @@ const std::vector<Activations>& quantize_rows(const at::Tensor& x, int64_t in_fe
 }
 
 // x [rows, in] times every tile of the weights -> [rows, tiles * 16]; with `experts` [n] (ids into a stack of
-// experts of `expert_rows` rows each), row i of x (or its only row) times expert experts[i] -> [n, expert_rows].
+// experts of `expert_rows` rows each, n a multiple of x's rows) -> [n, expert_rows]: expert experts[i] times
+// row i / (n / rows) of x, so that a row's k picked experts (k ids in a row) share it.
 at::Tensor matvec(Format format, const at::Tensor& x, const at::Tensor& words, const at::Tensor& fields,
                   const at::Tensor& factors, const std::optional<at::Tensor>& experts, int64_t expert_rows) {
   const Weights w = weights_of(format, words, fields, factors);
@@ -268,8 +316,7 @@ at::Tensor matvec(Format format, const at::Tensor& x, const at::Tensor& words, c
     const int64_t n_rows = x.size(0);
     const int64_t grain = std::max<int64_t>(1, kWorkGrain / (work * n_rows));
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        for (int64_t r = 0; r < n_rows; ++r) tile_product(w, t, rows[r], o + r * tiles * kLanes + t * kLanes);
+      for (int64_t t = begin; t < end; ++t) tile_products(w, t, rows, o + t * kLanes, tiles * kLanes);
     });
     return out;
   }
@@ -277,7 +324,8 @@ at::Tensor matvec(Format format, const at::Tensor& x, const at::Tensor& words, c
               "expert_rows must be a whole number of tiles dividing the stack");
   const at::Tensor ids = experts->to(at::kLong).contiguous();
   const int64_t n = ids.numel(), expert_tiles = expert_rows / kLanes, n_experts = tiles / expert_tiles;
-  TORCH_CHECK(x.size(0) == n || x.size(0) == 1, "x must have a row per expert, or one row");
+  TORCH_CHECK(x.size(0) > 0 && n % x.size(0) == 0, "experts must be a whole number of ids for each row of x");
+  const int64_t ids_a_row = n / x.size(0);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n_experts, "expert id out of range");
   at::Tensor out = at::empty({n, expert_rows}, x.options());
@@ -285,7 +333,9 @@ at::Tensor matvec(Format format, const at::Tensor& x, const at::Tensor& words, c
   at::parallel_for(0, n * expert_tiles, std::max<int64_t>(1, kWorkGrain / work), [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / expert_tiles, t = job % expert_tiles;
-      tile_product(w, id[i] * expert_tiles + t, rows[rows.size() == 1 ? 0 : i], o + i * expert_rows + t * kLanes);
+      const Activations* row = &rows[i / ids_a_row];
+      float* out_tile = o + i * expert_rows + t * kLanes;
+      tile_product<1>(w, id[i] * expert_tiles + t, &row, &out_tile);
     }
   });
   return out;
