@@ -41,7 +41,7 @@ from bubo.kernels.int8_matvec import (
     q8_int8_matvec,
 )
 from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4, q4_matvec_bits
-from bubo.kernels.q8_matvec import PackedQ8Offset, pack_q8, q8_matvec_bits, q8_offset_matvec_bits
+from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset, pack_q8, q8_matvec_bits, q8_offset_matvec_bits
 from bubo.kernels.repack import REPACKABLE, Packed, repack
 from bubo.kernels.super_block_matvec import PackedSuperBlocks, super_block_matvec_bits
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
@@ -285,6 +285,9 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
             return packed.matvec(force_stride_order(flat, flat.stride()))
         if flat.shape[0] == 1:
             return packed.matvec(flat.view(-1))[None]
+        if _int8_layout(packed):
+            return packed.matvec(flat)  # one C++ call for any count of rows: nothing to compile
+        # A compiled matvec is one kernel per count of rows: the rows one by one share the one-row kernel.
         return torch.stack([packed.matvec(row) for row in flat])
     operand = gemm_operand(flat)
     # Whole tiles of the packed layout per chunk: an unaligned chunk would unpack its edge tiles twice.
@@ -296,6 +299,17 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
         stop = min(start + columns, packed.out_features)
         out[:, start:stop] = operand @ packed.unpack(start, stop, operand.dtype)
     return out
+
+
+def _int8_layout(packed: Packed) -> bool:
+    """Whether `packed`'s matvec runs one of the int8 kernels (bubo/kernels/int8_matvec.py)."""
+    if isinstance(packed, PackedQ6KInt8):
+        return True
+    if not int8_matvec_enabled():
+        return False
+    if isinstance(packed, PackedSuperBlocks):
+        return packed.ggml_type == GGMLQuantizationType.Q4_K
+    return isinstance(packed, PackedQ4 | PackedQ8)
 
 
 def packed_graph_inputs(packed: Packed) -> tuple[str, tuple[torch.Tensor, ...]]:

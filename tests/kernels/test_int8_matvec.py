@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bubo.kernels import int8_matvec
 from bubo.kernels.codes import TILE, slice_tiled
@@ -152,8 +153,21 @@ def test_q6_k_layout_unpacks_bit_exactly() -> None:
     assert held * 8 / (packed.words.shape[0] * TILE * 512) == 6.625
 
 
+class _OpCalls(TorchDispatchMode):
+    """Records the ops that run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[torch._ops.OpOverload] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q5_0])
-@pytest.mark.parametrize("rows", [1, 17])  # int8 matvecs; unpacked column chunks for a GEMM, exact
+# One row, a few (one call for all of them), and a prefill's (unpacked column chunks for a GEMM, exact).
+@pytest.mark.parametrize("rows", [1, 5, 17])
 def test_a_quantized_linear_runs_them(monkeypatch: pytest.MonkeyPatch, qtype: Q, rows: int) -> None:
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     monkeypatch.setattr(quantized_linear, "CHUNK_VALUES", 256 * 24)  # 16 or 24 columns a chunk, of 40
@@ -161,8 +175,10 @@ def test_a_quantized_linear_runs_them(monkeypatch: pytest.MonkeyPatch, qtype: Q,
     weight = _weight(raw, qtype)
     layer = QuantizedLinear(torch.from_numpy(raw), qtype, 256)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(14))
-    with torch.inference_mode():
+    with torch.inference_mode(), _OpCalls() as ops:
         got = layer(x)
+    matvecs = [op for op in ops.calls if op.namespace == "bubo_int8" and op.name().endswith("_matvec")]
+    assert len(matvecs) == (1 if rows <= quantized_linear.MATVEC_ROWS else 0)
     bound = (x.abs().double() @ weight.abs().T).max().item()
     expected = (_quantized(x) if rows <= quantized_linear.MATVEC_ROWS else x.double()) @ weight.T
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-6 * bound)
