@@ -118,7 +118,7 @@ def test_matches_the_reference_on_quantized_activations(qtype: Q) -> None:
 def test_experts_by_id_are_their_slices_products(qtype: Q) -> None:
     experts, rows = 5, 2 * TILE
     packed = _pack(_blocks(qtype, experts * rows, 512, seed=3), qtype)
-    picked = torch.tensor([4, 0, 4, 2])
+    picked = torch.tensor([4, 0, 4, 2])  # expert 4 twice: its two pairs share one pass over its tiles
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(4))
     each = _product(packed, x, experts=picked, expert_rows=rows)
     shared = _product(packed, x[:1], experts=picked, expert_rows=rows)

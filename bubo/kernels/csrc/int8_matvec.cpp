@@ -241,6 +241,17 @@ inline void tile_product(const Weights& w, int64_t tile, const Activations* cons
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
 }
 
+// tile_product for `count` (1 to 4) rows.
+inline void tile_product_n(const Weights& w, int64_t tile, const Activations* const* a, float* const* out,
+                           int64_t count) {
+  switch (count) {
+    case 4: tile_product<4>(w, tile, a, out); break;
+    case 3: tile_product<3>(w, tile, a, out); break;
+    case 2: tile_product<2>(w, tile, a, out); break;
+    default: tile_product<1>(w, tile, a, out); break;
+  }
+}
+
 // Tile `tile` for every row of `rows`, up to four at a time: row r's 16 results at out + r * stride.
 inline void tile_products(const Weights& w, int64_t tile, const std::vector<Activations>& rows, float* out,
                           int64_t stride) {
@@ -253,12 +264,7 @@ inline void tile_products(const Weights& w, int64_t tile, const std::vector<Acti
       a[r] = &rows[first + r];
       o[r] = out + (first + r) * stride;
     }
-    switch (count) {
-      case 4: tile_product<4>(w, tile, a, o); break;
-      case 3: tile_product<3>(w, tile, a, o); break;
-      case 2: tile_product<2>(w, tile, a, o); break;
-      default: tile_product<1>(w, tile, a, o); break;
-    }
+    tile_product_n(w, tile, a, o, count);
   }
 }
 
@@ -330,12 +336,31 @@ at::Tensor matvec(Format format, const at::Tensor& x, const at::Tensor& words, c
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n_experts, "expert id out of range");
   at::Tensor out = at::empty({n, expert_rows}, x.options());
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, n * expert_tiles, std::max<int64_t>(1, kWorkGrain / work), [&](int64_t begin, int64_t end) {
+  // The pairs grouped by expert: an expert that several rows picked (a batch's sequences, a verify pass's
+  // tokens) is read once for all of them, its codes unpacked once for up to four rows.
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return id[a] < id[b]; });
+  std::vector<int64_t> group_start;  // where each expert's pairs begin in `order`, and the end
+  for (int64_t k = 0; k < n; ++k)
+    if (k == 0 || id[order[k]] != id[order[k - 1]]) group_start.push_back(k);
+  const int64_t groups = static_cast<int64_t>(group_start.size());
+  group_start.push_back(n);
+  at::parallel_for(0, groups * expert_tiles, std::max<int64_t>(1, kWorkGrain / work), [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t i = job / expert_tiles, t = job % expert_tiles;
-      const Activations* row = &rows[i / ids_a_row];
-      float* out_tile = o + i * expert_rows + t * kLanes;
-      tile_product<1>(w, id[i] * expert_tiles + t, &row, &out_tile);
+      const int64_t g = job / expert_tiles, t = job % expert_tiles;
+      const int64_t tile = id[order[group_start[g]]] * expert_tiles + t;
+      for (int64_t first = group_start[g]; first < group_start[g + 1]; first += 4) {
+        const Activations* a[4];
+        float* outs[4];
+        const int64_t count = std::min<int64_t>(4, group_start[g + 1] - first);
+        for (int64_t k = 0; k < count; ++k) {
+          const int64_t i = order[first + k];
+          a[k] = &rows[i / ids_a_row];
+          outs[k] = o + i * expert_rows + t * kLanes;
+        }
+        tile_product_n(w, tile, a, outs, count);
+      }
     }
   });
   return out;
