@@ -1,10 +1,12 @@
 """The int8 matvecs (bubo/kernels/int8_matvec.py) beside the float ones on the same packed weights: one
 activation row, random blocks of each type, shapes of the hybrid test models and of a 2048-wide model,
 medians of 5 runs of N calls, microseconds a call. The weights stay in cache between calls, so this is the
-kernels' compute; inside a decode step they stream from memory.
+kernels' compute; inside a decode step they stream from memory. `--rows` adds the int8 kernels on several
+rows at once (a batched step's, a verify pass's), against that many one-row calls.
 
     python benchmarks/bench_int8_matvec.py                  # one thread, then two
     python benchmarks/bench_int8_matvec.py --threads 1 --calls 5000
+    python benchmarks/bench_int8_matvec.py --rows 2,4,8
 
 Needs AVX512-VNNI (and a C++ compiler for the first build).
 """
@@ -68,6 +70,7 @@ def main() -> int:
     )
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rows", default="", help="row counts for the int8 kernels, comma-separated")
     args = parser.parse_args()
     if not int8_matvec_enabled():
         print("the int8 matvecs don't run here (no AVX512-VNNI, or no compiler)", file=sys.stderr)
@@ -89,7 +92,30 @@ def main() -> int:
             print(
                 f"| {qtype.name} | {rows} x {columns} | {threads} | {slow:.1f} | {fast:.1f} | {slow / fast:.2f}x |"
             )
+    if args.rows:
+        _several_rows(args, [int(r) for r in args.rows.split(",")])
     return 0
+
+
+def _several_rows(args: argparse.Namespace, counts: list[int]) -> None:
+    """The int8 kernels on `counts` rows in one call against one row a call, on the same weights."""
+    print()
+    print("| type | rows x columns | threads | activation rows | one call µs | a call a row µs | ratio |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    use_options(current_options().changed(int8_matvec=True))
+    for qtype, rows, columns in SHAPES:
+        packed = _packed(qtype, rows, columns)
+        for threads in (int(t) for t in args.threads.split(",")):
+            torch.set_num_threads(threads)
+            row = torch.randn(1, columns)
+            one = _median_us(lambda packed=packed, row=row: packed.matvec(row), args.calls)
+            for count in counts:
+                x = torch.randn(count, columns)
+                together = _median_us(lambda packed=packed, x=x: packed.matvec(x), args.calls)
+                print(
+                    f"| {qtype.name} | {rows} x {columns} | {threads} | {count} | {together:.1f} | "
+                    f"{count * one:.1f} | {count * one / together:.2f}x |"
+                )
 
 
 if __name__ == "__main__":
