@@ -36,7 +36,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
-from bubo.gguf.config import (  # noqa: E402
+from bubo.gguf.model_config import (  # noqa: E402
     DeltaNetSizes,
     IndexerSizes,
     MlpKind,

@@ -36,7 +36,7 @@ from bubo.engine.runner import Plan, runner_for
 from bubo.engine.sampler import SamplingParams
 from bubo.engine.slot import SessionSlot
 from bubo.engine.speculative import Drafter
-from bubo.gguf.config import ModelConfig
+from bubo.gguf.model_config import ModelConfig
 from bubo.model.decoder import Decoder
 from bubo.model.mtp_weights import load_mtp_weights
 from bubo.model.state import KVCache

@@ -6,12 +6,11 @@ from typing import Any
 
 from bubo.gguf.config import (
     SUPPORTED_ARCHITECTURES,
-    MlpKind,
-    ModelConfig,
     UnsupportedArchitectureError,
     check_block_count,
     config_from_gguf,
 )
+from bubo.gguf.model_config import MlpKind, ModelConfig
 from bubo.gguf.reader import GGUFError, GGUFFile
 
 __all__ = ["print_listing"]

@@ -10,7 +10,8 @@ import torch
 
 from bubo.engine.runner import runner_for
 from bubo.engine.tensor_parallel_steps import StepLeader, load_shard
-from bubo.gguf.config import ModelConfig, config_from_gguf
+from bubo.gguf.config import config_from_gguf
+from bubo.gguf.model_config import ModelConfig
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
 from bubo.model.load_progress import LoadProgress

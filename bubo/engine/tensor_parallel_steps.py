@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from bubo.engine.slot import DeviceLostError
-from bubo.gguf.config import ModelConfig, config_from_gguf
+from bubo.gguf.config import config_from_gguf
+from bubo.gguf.model_config import ModelConfig
 from bubo.gguf.reader import GGUFFile
 from bubo.model.decoder import Decoder
 from bubo.model.load_progress import LoadProgress

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bubo.gguf.config import ModelConfig
+from bubo.gguf.model_config import ModelConfig
 from bubo.kernels.decode_attention import decode_attention
 from bubo.kernels.triton_support import triton_enabled
 from bubo.model.layers import RMSNorm, apply_rotary

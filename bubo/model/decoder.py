@@ -11,7 +11,7 @@ streams and a StreamMixer takes the place of the final norm.
 import torch
 from torch import nn
 
-from bubo.gguf.config import ModelConfig
+from bubo.gguf.model_config import ModelConfig
 from bubo.model.attention import Attention
 from bubo.model.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from bubo.model.decoder_layer import (

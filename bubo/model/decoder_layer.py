@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from bubo.gguf.config import MlpKind, ModelConfig
+from bubo.gguf.model_config import MlpKind, ModelConfig
 from bubo.model.attention import Attention
 from bubo.model.deltanet import GatedDeltaNet
 from bubo.model.hyper_connected_mtp import HyperConnectedMTP

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bubo.gguf.config import ModelConfig, RopeStyle
+from bubo.gguf.model_config import ModelConfig, RopeStyle
 from bubo.kernels.triton_support import triton_enabled
 from bubo.model.attention import Attention
 from bubo.model.layers import RMSNorm, apply_rotary

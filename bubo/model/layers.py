@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bubo.gguf.config import ModelConfig, RopeScalingType, RopeStyle
+from bubo.gguf.model_config import ModelConfig, RopeScalingType, RopeStyle
 from bubo.model.quantized_linear import project_rows
 
 __all__ = [

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 from tqdm import tqdm
 
-from bubo.gguf.config import ModelConfig
+from bubo.gguf.model_config import ModelConfig
 from bubo.gguf.quants import SUPPORTED_TYPES
 from bubo.gguf.reader import GGUFError, GGUFFile, GGUFTensor
 from bubo.model.decoder import Decoder

@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from bubo.gguf.config import ModelConfig
+from bubo.gguf.model_config import ModelConfig
 from bubo.model.decoder import Decoder
 from bubo.model.decoder_layer import build_mtp
 from bubo.model.moe import ExpertMatrices

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from bubo.gguf.config import ModelConfig
+from bubo.gguf.model_config import ModelConfig
 from bubo.gguf.quants import block_size, type_size
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder

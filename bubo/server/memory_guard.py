@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from bubo.gguf.config import ModelConfig
+from bubo.gguf.model_config import ModelConfig
 from bubo.process_memory import meminfo as process_meminfo
 from bubo.server.errors import ApiError
 

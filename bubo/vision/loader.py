@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from bubo.gguf.config import ModelConfig
+from bubo.gguf.model_config import ModelConfig
 from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.vision.config import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VisionConfig
 from bubo.vision.tower import VisionTower

@@ -25,16 +25,14 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
-from bubo.gguf.config import (
-    SUPPORTED_ARCHITECTURES,
+from bubo.gguf.config import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, config_from_gguf
+from bubo.gguf.model_config import (
     MlpKind,
     ModelConfig,
     RopeScaling,
     RopeScalingType,
     RopeStyle,
-    UnsupportedArchitectureError,
     ValueHeadOrder,
-    config_from_gguf,
 )
 from bubo.gguf.reader import GGUFError, GGUFFile
 from tests.fixtures.gguf_writer import write_gguf

@@ -24,7 +24,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from bubo.gguf.config import RopeStyle, config_from_gguf
+from bubo.gguf.config import config_from_gguf
+from bubo.gguf.model_config import RopeStyle
 from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.model import loader
 from bubo.model.decoder import Decoder

@@ -21,7 +21,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention, Qwen3NextRotaryEmbedding
 
-from bubo.gguf.config import ModelConfig, RopeStyle
+from bubo.gguf.model_config import ModelConfig, RopeStyle
 from bubo.model.attention import Attention
 from bubo.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, mrope_axes
 from bubo.model.state import KVCache

@@ -24,7 +24,8 @@ from transformers import (
 from bubo.engine.generate import GenerationResult, generate
 from bubo.engine.loaded_model import load_model
 from bubo.engine.sampler import SamplingParams
-from bubo.gguf.config import MlpKind, ValueHeadOrder, config_from_gguf
+from bubo.gguf.config import config_from_gguf
+from bubo.gguf.model_config import MlpKind, ValueHeadOrder
 from bubo.gguf.reader import GGUFFile
 from bubo.model.attention import Attention
 from bubo.model.decoder import Decoder

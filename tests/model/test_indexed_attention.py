@@ -18,7 +18,7 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import (
     Qwen4ExpTextRotaryEmbedding,
 )
 
-from bubo.gguf.config import ModelConfig, RopeStyle
+from bubo.gguf.model_config import ModelConfig, RopeStyle
 from bubo.model.indexed_attention import IndexedAttention, QSAIndexer
 from bubo.model.layers import RMSNorm, RotaryEmbedding
 from bubo.model.state import IndexerState, KVCache

@@ -19,7 +19,8 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import bubo.model.moe
 import bubo.model.quantized_linear
-from bubo.gguf.config import MlpKind, config_from_gguf
+from bubo.gguf.config import config_from_gguf
+from bubo.gguf.model_config import MlpKind
 from bubo.gguf.reader import GGUFError, GGUFFile
 from bubo.kernels.codes import TILE
 from bubo.kernels.int8_matvec import int8_matvec_enabled
