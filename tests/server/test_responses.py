@@ -23,7 +23,7 @@ from bubo.engine.chat_request import ChatRequest
 from bubo.engine.loaded_model import LoadedModel
 from bubo.engine.output_format import strict_schema
 from bubo.engine.sampler import SamplingParams
-from bubo.server.responses import function_tools, input_messages
+from bubo.server.responses_input import function_tools, input_messages
 from tests.server.live_server import LiveServer, scripted, serve_loaded
 
 ANSWER = "Hello from Bubo."
