@@ -46,6 +46,7 @@ from bubo.model import quantized_linear
 from bubo.model.quantized_linear import (
     Packed,
     gemm_operand,
+    int8_layout,
     pack_for_cpu,
     packed_graph_expert_matvec,
     packed_graph_inputs,
@@ -58,6 +59,13 @@ from bubo.model.quantized_linear import (
 )
 from bubo.model.step_ops import in_compiled_step
 from bubo.options import current_options
+
+# A prompt of up to this many tokens runs its routed experts through the int8 kernels' (row, expert) pairs,
+# one call a stack, rather than a loop over its experts (a GEMM on each one's unpacked weights): on a small
+# hybrid MoE 2-3x faster at 16 to 128 tokens, and faster still at 512 (benchmarks/RESULTS.md,
+# "INT8_EXPERT_ROWS"). The dense projections of such a prompt keep their float GEMMs: int8 activations
+# there change the default model's greedy answer to a question (as they change llama.cpp's).
+INT8_EXPERT_ROWS = 128
 
 __all__ = [
     "ExpertMatrices",
@@ -219,6 +227,20 @@ class SparseMoE(nn.Module):
         """Whether the rows x run as one graph that gathers their experts from the stacks (`routed`)."""
         return x.shape[0] <= quantized_linear.MATVEC_ROWS and x.dtype == torch.float32 and self.packed_experts
 
+    def _int8_rows(self, x: torch.Tensor) -> bool:
+        """Whether rows x run through the int8 kernels' expert products (`_int8_experts`): up to
+        INT8_EXPERT_ROWS float32 rows, merged gate|up and packed down stacks of types they run."""
+        return (
+            x.shape[0] <= INT8_EXPERT_ROWS
+            and x.dtype == torch.float32
+            and self.packed_experts
+            and self.gate_up is not None
+            and int8_layout(self.gate_up)
+            and isinstance(self.down, QuantizedExpertMatrices)
+            and self.down.packed is not None
+            and int8_layout(self.down.packed)
+        )
+
     def routed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for rows x [rows, hidden] with the router's top-k `weights` and
         `chosen` experts [rows, top_k]."""
@@ -232,6 +254,20 @@ class SparseMoE(nn.Module):
             down_kind, down = packed_graph_inputs(self.down.packed)
             kernel = _gathered_experts_kernel(gate_up_kind, down_kind, self.down.raw.shape[0])
             return kernel(x, weights, chosen, *gate_up, *down)
+        if self._int8_rows(x):
+            # A short prompt's rows: the int8 kernels take every (row, expert) pair in one call, each
+            # expert read once for the rows that picked it; nothing to compile for the count of rows.
+            assert self.gate_up is not None and isinstance(self.down, QuantizedExpertMatrices)
+            assert self.down.packed is not None
+            gate_up_kind, gate_up = packed_graph_inputs(self.gate_up)
+            down_kind, down = packed_graph_inputs(self.down.packed)
+            experts = self.down.raw.shape[0]
+            gate_up_rows, hidden = gate_up[0].shape[0] // experts * TILE, down[0].shape[0] // experts * TILE
+            _, out = _int8_experts(
+                x, weights, chosen, gate_up_kind, gate_up, down_kind, down, gate_up_rows, hidden
+            )
+            assert out is not None  # both stacks' types run int8 (`_int8_rows`)
+            return out
         out = torch.zeros_like(x)
         # Tokens grouped by expert, so each active expert's weights are used (and, quantized,
         # dequantized) once for all its tokens. unique() is sorted: experts are summed in the
@@ -295,6 +331,34 @@ def merge_gate_up(gate: Experts, up: Experts) -> Packed | None:
     return merged
 
 
+def _int8_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    chosen: torch.Tensor,
+    gate_up_kind: str,
+    gate_up: tuple[torch.Tensor, ...],
+    down_kind: str,
+    down: tuple[torch.Tensor, ...],
+    gate_up_rows: int,
+    hidden: int,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The routed experts' weighted sum for rows x [rows, hidden] through the int8 kernels, which read every
+    row's picked experts out of the stacks by id, one call for all the rows (gate|up, then down): (the
+    weighted SwiGLU outputs [rows x top_k, ffn], the sum [rows, hidden]). Where the kernels don't run the
+    gate|up stack's type: (None, None); the down stack's: (the SwiGLU outputs, None)."""
+    rows, top_k = chosen.shape
+    ids = chosen.flatten()
+    h = packed_graph_expert_matvec(gate_up_kind, x, gate_up, ids, gate_up_rows)
+    if h is None:
+        return None, None
+    h = h.view(rows * top_k, 2, -1)
+    h = F.silu(h[:, 0]) * h[:, 1] * weights.reshape(-1, 1)
+    # Stored once: left as an expression, inductor would recompute SiLU in the down matvec's loop.
+    h = force_stride_order(h, h.stride())
+    out = packed_graph_expert_matvec(down_kind, h, down, ids, hidden)
+    return h, None if out is None else out.view(rows, top_k, hidden).sum(1)
+
+
 @functools.cache
 def _gathered_experts_kernel(gate_up_kind: str, down_kind: str, experts: int) -> StaticKernel:
     """sum_j weight_j * down_ej(silu(gate_ej(x)) * up_ej(x)) over each row's chosen experts e_j, for a few
@@ -316,17 +380,12 @@ def _gathered_experts_kernel(gate_up_kind: str, down_kind: str, experts: int) ->
     ) -> torch.Tensor:
         gate_up, down = tensors[:gate_up_tensors], tensors[gate_up_tensors:]
         gate_up_rows, hidden = gate_up[0].shape[0] // experts * TILE, down[0].shape[0] // experts * TILE
-        rows, top_k = chosen.shape
-        # An int8 kernel reads every row's picked experts out of the stack by id, in one call.
-        ids = chosen.flatten()
-        h = packed_graph_expert_matvec(gate_up_kind, x, gate_up, ids, gate_up_rows)
-        if h is not None:
-            h = h.view(rows * top_k, 2, -1)
-            h = F.silu(h[:, 0]) * h[:, 1] * weights.reshape(-1, 1)
-            h = force_stride_order(h, h.stride())
-            out = packed_graph_expert_matvec(down_kind, h, down, ids, hidden)
-            if out is not None:
-                return out.view(rows, top_k, hidden).sum(1)
+        top_k = chosen.shape[1]
+        h, out = _int8_experts(
+            x, weights, chosen, gate_up_kind, gate_up, down_kind, down, gate_up_rows, hidden
+        )
+        if out is not None:
+            return out
         sums = []
         for r, (row, picked) in enumerate(zip(x.unbind(0), chosen.unbind(0), strict=True)):
             # The float matvecs read the picked experts through the gathered views below, which inductor

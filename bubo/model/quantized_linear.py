@@ -57,6 +57,7 @@ __all__ = [
     "gemm_operand",
     "group_rows",
     "has_packed_weights",
+    "int8_layout",
     "native_bf16",
     "pack_for_cpu",
     "packed_graph_expert_matvec",
@@ -274,8 +275,8 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
     """flat [rows, in_features] times the packed weight, transposed -> [rows, out_features] in flat's dtype.
 
     Up to MATVEC_ROWS float32 rows (a decode step, the steps of a few slots batched, a short prompt) run
-    a compiled matvec per row, which costs far less than unpacking the weight for a GEMM; more rows (a
-    prefill) multiply column chunks unpacked in the GEMM operand's dtype, so the unpacking is paid once
+    a compiled matvec per row (one int8 call for all of them where the layout has one), which costs far
+    less than unpacking the weight for a GEMM; more rows (a prefill) multiply column chunks unpacked in the GEMM operand's dtype, so the unpacking is paid once
     for all the rows, and a chunk stays in the cache between its unpacking and its product."""
     if flat.shape[0] <= MATVEC_ROWS and flat.dtype == torch.float32:
         if in_compiled_step():
@@ -285,7 +286,7 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
             return packed.matvec(force_stride_order(flat, flat.stride()))
         if flat.shape[0] == 1:
             return packed.matvec(flat.view(-1))[None]
-        if _int8_layout(packed):
+        if int8_layout(packed):
             return packed.matvec(flat)  # one C++ call for any count of rows: nothing to compile
         # A compiled matvec is one kernel per count of rows: the rows one by one share the one-row kernel.
         return torch.stack([packed.matvec(row) for row in flat])
@@ -301,7 +302,7 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
     return out
 
 
-def _int8_layout(packed: Packed) -> bool:
+def int8_layout(packed: Packed) -> bool:
     """Whether `packed`'s matvec runs one of the int8 kernels (bubo/kernels/int8_matvec.py)."""
     if isinstance(packed, PackedQ6KInt8):
         return True

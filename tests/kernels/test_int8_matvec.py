@@ -10,7 +10,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from bubo.kernels import int8_matvec
 from bubo.kernels.codes import TILE, slice_tiled
@@ -28,6 +27,7 @@ from bubo.kernels.repack import Packed, repack
 from bubo.kernels.super_block_matvec import PackedSuperBlocks
 from bubo.model import quantized_linear
 from bubo.model.quantized_linear import QuantizedLinear
+from tests.fixtures.op_calls import OpCalls
 from tests.kernels.k_blocks import random_blocks
 
 Q = gguf.GGMLQuantizationType
@@ -153,18 +153,6 @@ def test_q6_k_layout_unpacks_bit_exactly() -> None:
     assert held * 8 / (packed.words.shape[0] * TILE * 512) == 6.625
 
 
-class _OpCalls(TorchDispatchMode):
-    """Records the ops that run inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[torch._ops.OpOverload] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.calls.append(func)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q5_0])
 # One row, a few (one call for all of them), and a prefill's (unpacked column chunks for a GEMM, exact).
 @pytest.mark.parametrize("rows", [1, 5, 17])
@@ -175,7 +163,7 @@ def test_a_quantized_linear_runs_them(monkeypatch: pytest.MonkeyPatch, qtype: Q,
     weight = _weight(raw, qtype)
     layer = QuantizedLinear(torch.from_numpy(raw), qtype, 256)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(14))
-    with torch.inference_mode(), _OpCalls() as ops:
+    with torch.inference_mode(), OpCalls() as ops:
         got = layer(x)
     matvecs = [op for op in ops.calls if op.namespace == "bubo_int8" and op.name().endswith("_matvec")]
     assert len(matvecs) == (1 if rows <= quantized_linear.MATVEC_ROWS else 0)

@@ -26,9 +26,10 @@ from bubo.kernels.codes import TILE
 from bubo.kernels.int8_matvec import int8_matvec_enabled
 from bubo.model.decoder import Decoder
 from bubo.model.loader import load_decoder
-from bubo.model.moe import ExpertMatrices, QuantizedExpertMatrices, SparseMoE, merge_gate_up
+from bubo.model.moe import ExpertMatrices, QuantizedExpertMatrices, SparseMoE, merge_gate_up, top_k_routing
 from tests.fixtures.compare import prefill_and_decode_deltas
 from tests.fixtures.gguf_writer import randomize_, write_gguf
+from tests.fixtures.op_calls import OpCalls
 from tests.kernels.k_blocks import random_blocks
 
 # The float matvecs, exact activations (tests/conftest.py); the int8 ones: tests/kernels/test_int8_matvec.py.
@@ -266,6 +267,36 @@ def test_packed_experts_with_int8_matvecs_stay_near_transformers(
     assert d_decode > 1e-4  # the int8 kernels ran (the float ones stay within ~2e-6)
     assert d_prefill <= INT8_TOLERANCE
     assert d_decode <= INT8_TOLERANCE
+
+
+def test_a_short_prompts_experts_run_as_one_int8_call_per_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime_options: Callable[..., None]
+) -> None:
+    """More rows than the compiled gathered graph takes (a short prompt's) run through the int8 kernels'
+    (row, expert) pairs eagerly, one call for the gate|up stack and one for down, and give what each row
+    gives alone (the same kernels; the SwiGLU between them eager rather than fused by inductor)."""
+    runtime_options(int8_matvec=True)
+    if not int8_matvec_enabled():
+        pytest.skip("the int8 matvecs need AVX512-VNNI and a C++ compiler")
+    monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 0)
+    reference = _reference()
+    _, model = _load(write_gguf(reference, tmp_path / "moe-q.gguf", quantize=PACKED_EXPERTS_Q))
+    moe = model.layers[0].mlp
+    rows = bubo.model.quantized_linear.MATVEC_ROWS + 9
+    x = torch.randn(rows, reference.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    weights, chosen = top_k_routing(moe.router(x), moe.top_k, moe.norm_topk_prob)
+    assert moe._int8_rows(x) and not moe._gathered(x)
+    with torch.inference_mode(), OpCalls() as ops:
+        together = moe.routed(x, weights, chosen)
+    assert [op.name() for op in ops.calls if op.namespace == "bubo_int8"] == [
+        "bubo_int8::q4_matvec",
+        "bubo_int8::q8_matvec",
+    ]
+    with torch.inference_mode():
+        alone = torch.cat(
+            [moe.routed(x[r : r + 1], weights[r : r + 1], chosen[r : r + 1]) for r in range(rows)]
+        )
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
 
 
 def test_experts_are_packed_only_in_whole_tiles(monkeypatch: pytest.MonkeyPatch, runtime_options) -> None:
