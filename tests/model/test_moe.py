@@ -251,15 +251,23 @@ def test_packed_experts_match_transformers(tmp_path: Path, monkeypatch: pytest.M
 INT8_TOLERANCE = 5e-2
 
 
-def test_packed_experts_with_int8_matvecs_stay_near_transformers(
+def _int8_packed_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime_options: Callable[..., None]
-) -> None:
+) -> tuple[Qwen3MoeForCausalLM, Decoder]:
+    """The reference and its file with packed experts, loaded with the int8 matvecs on (skips without them)."""
     runtime_options(int8_matvec=True)
     if not int8_matvec_enabled():
         pytest.skip("the int8 matvecs need AVX512-VNNI and a C++ compiler")
     monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     reference = _reference()
     _, model = _load(write_gguf(reference, tmp_path / "moe-q.gguf", quantize=PACKED_EXPERTS_Q))
+    return reference, model
+
+
+def test_packed_experts_with_int8_matvecs_stay_near_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime_options: Callable[..., None]
+) -> None:
+    reference, model = _int8_packed_model(tmp_path, monkeypatch, runtime_options)
     assert all(layer.mlp.packed_experts for layer in model.layers)
     tokens = _tokens(reference.config.vocab_size)[:1]
     d_prefill, d_decode = prefill_and_decode_deltas(reference, model, tokens, PREFILL)
@@ -275,12 +283,7 @@ def test_a_short_prompts_experts_run_as_one_int8_call_per_stack(
     """More rows than the compiled gathered graph takes (a short prompt's) run through the int8 kernels'
     (row, expert) pairs eagerly, one call for the gate|up stack and one for down, and give what each row
     gives alone (the same kernels; the SwiGLU between them eager rather than fused by inductor)."""
-    runtime_options(int8_matvec=True)
-    if not int8_matvec_enabled():
-        pytest.skip("the int8 matvecs need AVX512-VNNI and a C++ compiler")
-    monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 0)
-    reference = _reference()
-    _, model = _load(write_gguf(reference, tmp_path / "moe-q.gguf", quantize=PACKED_EXPERTS_Q))
+    reference, model = _int8_packed_model(tmp_path, monkeypatch, runtime_options)
     moe = model.layers[0].mlp
     rows = bubo.model.quantized_linear.MATVEC_ROWS + 9
     x = torch.randn(rows, reference.config.hidden_size, generator=torch.Generator().manual_seed(3))
