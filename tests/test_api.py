@@ -217,6 +217,11 @@ WEATHER = {
 ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
+# Exact activations: with the int8 matvecs a repeated prompt's last position, rerun from the prompt cache
+# through the decode step, gets other logits than the fresh prompt's float GEMM gave it, and this small
+# model's greedy answer to this question changes with them ("L'Étoile, la Marseillaise", as llama.cpp's
+# int8 activations answer "L'Étoile, la Cit"), so the two calls below would disagree.
+@pytest.mark.usefixtures("float_matvecs")
 def test_chat_answers_as_the_default_model_does(smollm2: LoadedModel) -> None:
     model = Model(smollm2, ctx_size=256)
     question = [{"role": "user", "content": "What is the capital of France?"}]
