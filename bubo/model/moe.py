@@ -244,28 +244,22 @@ class SparseMoE(nn.Module):
     def routed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for rows x [rows, hidden] with the router's top-k `weights` and
         `chosen` experts [rows, top_k]."""
-        if self._gathered(x):
-            # A decode step's token, or a few (batched slots, a verify pass): one compiled graph reads each
-            # row's chosen experts straight out of the stacks, where the grouped loop below pays a dozen
-            # eager ops per expert. Inside a compiled step it traces into the layer's own graph.
-            assert self.gate_up is not None and isinstance(self.down, QuantizedExpertMatrices)
-            assert self.down.packed is not None
-            gate_up_kind, gate_up = packed_graph_inputs(self.gate_up)
-            down_kind, down = packed_graph_inputs(self.down.packed)
-            kernel = _gathered_experts_kernel(gate_up_kind, down_kind, self.down.raw.shape[0])
-            return kernel(x, weights, chosen, *gate_up, *down)
-        if self._int8_rows(x):
-            # A short prompt's rows: the int8 kernels take every (row, expert) pair in one call, each
-            # expert read once for the rows that picked it; nothing to compile for the count of rows.
+        gathered = self._gathered(x)
+        if gathered or self._int8_rows(x):
             assert self.gate_up is not None and isinstance(self.down, QuantizedExpertMatrices)
             assert self.down.packed is not None
             gate_up_kind, gate_up = packed_graph_inputs(self.gate_up)
             down_kind, down = packed_graph_inputs(self.down.packed)
             experts = self.down.raw.shape[0]
-            gate_up_rows, hidden = gate_up[0].shape[0] // experts * TILE, down[0].shape[0] // experts * TILE
-            _, out = _int8_experts(
-                x, weights, chosen, gate_up_kind, gate_up, down_kind, down, gate_up_rows, hidden
-            )
+            if gathered:
+                # A decode step's token, or a few (batched slots, a verify pass): one compiled graph reads
+                # each row's chosen experts straight out of the stacks, where the grouped loop below pays a
+                # dozen eager ops per expert. Inside a compiled step it traces into the layer's own graph.
+                kernel = _gathered_experts_kernel(gate_up_kind, down_kind, experts)
+                return kernel(x, weights, chosen, *gate_up, *down)
+            # A short prompt's rows: the int8 kernels take every (row, expert) pair in one call, each
+            # expert read once for the rows that picked it; nothing to compile for the count of rows.
+            _, out = _int8_experts(x, weights, chosen, gate_up_kind, gate_up, down_kind, down, experts)
             assert out is not None  # both stacks' types run int8 (`_int8_rows`)
             return out
         out = torch.zeros_like(x)
@@ -339,14 +333,14 @@ def _int8_experts(
     gate_up: tuple[torch.Tensor, ...],
     down_kind: str,
     down: tuple[torch.Tensor, ...],
-    gate_up_rows: int,
-    hidden: int,
+    experts: int,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The routed experts' weighted sum for rows x [rows, hidden] through the int8 kernels, which read every
-    row's picked experts out of the stacks by id, one call for all the rows (gate|up, then down): (the
-    weighted SwiGLU outputs [rows x top_k, ffn], the sum [rows, hidden]). Where the kernels don't run the
-    gate|up stack's type: (None, None); the down stack's: (the SwiGLU outputs, None)."""
+    row's picked experts out of the stacks of `experts` experts by id, one call for all the rows (gate|up,
+    then down): (the weighted SwiGLU outputs [rows x top_k, ffn], the sum [rows, hidden]). Where the kernels
+    don't run the gate|up stack's type: (None, None); the down stack's: (the SwiGLU outputs, None)."""
     rows, top_k = chosen.shape
+    gate_up_rows, hidden = gate_up[0].shape[0] // experts * TILE, down[0].shape[0] // experts * TILE
     ids = chosen.flatten()
     h = packed_graph_expert_matvec(gate_up_kind, x, gate_up, ids, gate_up_rows)
     if h is None:
@@ -379,11 +373,8 @@ def _gathered_experts_kernel(gate_up_kind: str, down_kind: str, experts: int) ->
         x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, *tensors: torch.Tensor
     ) -> torch.Tensor:
         gate_up, down = tensors[:gate_up_tensors], tensors[gate_up_tensors:]
-        gate_up_rows, hidden = gate_up[0].shape[0] // experts * TILE, down[0].shape[0] // experts * TILE
-        top_k = chosen.shape[1]
-        h, out = _int8_experts(
-            x, weights, chosen, gate_up_kind, gate_up, down_kind, down, gate_up_rows, hidden
-        )
+        hidden, top_k = down[0].shape[0] // experts * TILE, chosen.shape[1]
+        h, out = _int8_experts(x, weights, chosen, gate_up_kind, gate_up, down_kind, down, experts)
         if out is not None:
             return out
         sums = []

@@ -18,7 +18,7 @@ bubo/kernels/triton_gemm.py, which read the blocks as stored: no float weight is
 import functools
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -41,7 +41,7 @@ from bubo.kernels.int8_matvec import (
     q8_int8_matvec,
 )
 from bubo.kernels.q4_matvec import PACKABLE_Q4, PackedQ4, pack_q4, q4_matvec_bits
-from bubo.kernels.q8_matvec import PackedQ8, PackedQ8Offset, pack_q8, q8_matvec_bits, q8_offset_matvec_bits
+from bubo.kernels.q8_matvec import PackedQ8Offset, pack_q8, q8_matvec_bits, q8_offset_matvec_bits
 from bubo.kernels.repack import REPACKABLE, Packed, repack
 from bubo.kernels.super_block_matvec import PackedSuperBlocks, super_block_matvec_bits
 from bubo.kernels.triton_support import TRITON_TYPES, triton_enabled
@@ -276,8 +276,9 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
 
     Up to MATVEC_ROWS float32 rows (a decode step, the steps of a few slots batched, a short prompt) run
     a compiled matvec per row (one int8 call for all of them where the layout has one), which costs far
-    less than unpacking the weight for a GEMM; more rows (a prefill) multiply column chunks unpacked in the GEMM operand's dtype, so the unpacking is paid once
-    for all the rows, and a chunk stays in the cache between its unpacking and its product."""
+    less than unpacking the weight for a GEMM; more rows (a prefill) multiply column chunks unpacked in the
+    GEMM operand's dtype, so the unpacking is paid once for all the rows, and a chunk stays in the cache
+    between its unpacking and its product."""
     if flat.shape[0] <= MATVEC_ROWS and flat.dtype == torch.float32:
         if in_compiled_step():
             # Traced into a layer's graph: one matvec expands the codes once for all rows, and its input
@@ -304,13 +305,24 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
 
 def int8_layout(packed: Packed) -> bool:
     """Whether `packed`'s matvec runs one of the int8 kernels (bubo/kernels/int8_matvec.py)."""
-    if isinstance(packed, PackedQ6KInt8):
-        return True
-    if not int8_matvec_enabled():
-        return False
-    if isinstance(packed, PackedSuperBlocks):
-        return packed.ggml_type == GGMLQuantizationType.Q4_K
-    return isinstance(packed, PackedQ4 | PackedQ8)
+    return _int8_matvec(packed_graph_inputs(packed)[0]) is not None
+
+
+# The int8 kernel of each kind of packed matrix (`packed_graph_inputs`) that has one.
+_INT8_MATVECS: dict[str, Callable[..., torch.Tensor]] = {
+    "Q6_K_int8": q6_k_int8_matvec,
+    "Q4_K": q4_k_int8_matvec,
+    "q4": q4_int8_matvec,
+    "q8": q8_int8_matvec,
+}
+
+
+def _int8_matvec(kind: str) -> Callable[..., torch.Tensor] | None:
+    """The int8 kernel a packed matrix of `kind` runs, or None: Q6_K_int8 is packed for it alone; the other
+    kinds run theirs where the int8 matvecs are on."""
+    if kind != "Q6_K_int8" and not int8_matvec_enabled():
+        return None
+    return _INT8_MATVECS.get(kind)
 
 
 def packed_graph_inputs(packed: Packed) -> tuple[str, tuple[torch.Tensor, ...]]:
@@ -352,20 +364,12 @@ def packed_graph_matvec(
 def packed_graph_expert_matvec(
     kind: str, x: torch.Tensor, tensors: tuple[torch.Tensor, ...], experts: torch.Tensor, expert_rows: int
 ) -> torch.Tensor | None:
-    """Rows x [n, in] (or one row for all) times experts `experts` [n] of a stack of experts of
-    `expert_rows` rows each, packed as `packed_graph_inputs` gave (kind, tensors) -> [n, expert_rows], where
-    an int8 kernel reads the stack by expert id (bubo/kernels/int8_matvec.py); else None."""
-    if kind == "Q6_K_int8":
-        return q6_k_int8_matvec(x, *tensors, experts, expert_rows)
-    if not int8_matvec_enabled():
-        return None
-    if kind == "Q4_K":
-        return q4_k_int8_matvec(x, *tensors, experts, expert_rows)
-    if kind == "q4":
-        return q4_int8_matvec(x, *tensors, experts, expert_rows)
-    if kind == "q8":
-        return q8_int8_matvec(x, *tensors, experts, expert_rows)
-    return None
+    """Rows x [rows, in] times experts `experts` [n] (n a multiple of rows: row i // (n // rows) for
+    expert i) of a stack of experts of `expert_rows` rows each, packed as `packed_graph_inputs` gave (kind,
+    tensors) -> [n, expert_rows], where an int8 kernel reads the stack by expert id
+    (bubo/kernels/int8_matvec.py); else None."""
+    matvec = _int8_matvec(kind)
+    return None if matvec is None else matvec(x, *tensors, experts, expert_rows)
 
 
 def warm_up_packed(packed: Packed, dtype: torch.dtype) -> None:

@@ -241,30 +241,24 @@ inline void tile_product(const Weights& w, int64_t tile, const Activations* cons
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
 }
 
-// tile_product for `count` (1 to 4) rows.
-inline void tile_product_n(const Weights& w, int64_t tile, const Activations* const* a, float* const* out,
-                           int64_t count) {
-  switch (count) {
-    case 4: tile_product<4>(w, tile, a, out); break;
-    case 3: tile_product<3>(w, tile, a, out); break;
-    case 2: tile_product<2>(w, tile, a, out); break;
-    default: tile_product<1>(w, tile, a, out); break;
-  }
-}
-
-// Tile `tile` for every row of `rows`, up to four at a time: row r's 16 results at out + r * stride.
-inline void tile_products(const Weights& w, int64_t tile, const std::vector<Activations>& rows, float* out,
-                          int64_t stride) {
-  const int64_t n = static_cast<int64_t>(rows.size());
+// Tile `tile` for `n` rows, up to four at a time: row k's activations are `row(k)`, its 16 results go to
+// `out(k)`.
+template <typename Row, typename Out>
+inline void tile_products(const Weights& w, int64_t tile, int64_t n, Row row, Out out) {
   for (int64_t first = 0; first < n; first += 4) {
     const Activations* a[4];
     float* o[4];
     const int64_t count = std::min<int64_t>(4, n - first);
-    for (int64_t r = 0; r < count; ++r) {
-      a[r] = &rows[first + r];
-      o[r] = out + (first + r) * stride;
+    for (int64_t k = 0; k < count; ++k) {
+      a[k] = row(first + k);
+      o[k] = out(first + k);
     }
-    tile_product_n(w, tile, a, o, count);
+    switch (count) {
+      case 4: tile_product<4>(w, tile, a, o); break;
+      case 3: tile_product<3>(w, tile, a, o); break;
+      case 2: tile_product<2>(w, tile, a, o); break;
+      default: tile_product<1>(w, tile, a, o); break;
+    }
   }
 }
 
@@ -322,7 +316,10 @@ at::Tensor matvec(Format format, const at::Tensor& x, const at::Tensor& words, c
     const int64_t n_rows = x.size(0);
     const int64_t grain = std::max<int64_t>(1, kWorkGrain / (work * n_rows));
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) tile_products(w, t, rows, o + t * kLanes, tiles * kLanes);
+      for (int64_t t = begin; t < end; ++t)
+        tile_products(
+            w, t, n_rows, [&](int64_t r) { return &rows[r]; },
+            [&](int64_t r) { return o + r * tiles * kLanes + t * kLanes; });
     });
     return out;
   }
@@ -349,18 +346,11 @@ at::Tensor matvec(Format format, const at::Tensor& x, const at::Tensor& words, c
   at::parallel_for(0, groups * expert_tiles, std::max<int64_t>(1, kWorkGrain / work), [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
       const int64_t g = job / expert_tiles, t = job % expert_tiles;
-      const int64_t tile = id[order[group_start[g]]] * expert_tiles + t;
-      for (int64_t first = group_start[g]; first < group_start[g + 1]; first += 4) {
-        const Activations* a[4];
-        float* outs[4];
-        const int64_t count = std::min<int64_t>(4, group_start[g + 1] - first);
-        for (int64_t k = 0; k < count; ++k) {
-          const int64_t i = order[first + k];
-          a[k] = &rows[i / ids_a_row];
-          outs[k] = o + i * expert_rows + t * kLanes;
-        }
-        tile_product_n(w, tile, a, outs, count);
-      }
+      const int64_t* pairs = order.data() + group_start[g];  // this expert's, in order
+      tile_products(
+          w, id[pairs[0]] * expert_tiles + t, group_start[g + 1] - group_start[g],
+          [&](int64_t k) { return &rows[pairs[k] / ids_a_row]; },
+          [&](int64_t k) { return o + pairs[k] * expert_rows + t * kLanes; });
     }
   });
   return out;
