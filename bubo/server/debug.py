@@ -107,7 +107,7 @@ async def settings(request: web.Request) -> web.Response:
             "dtype": str(s.dtype).removeprefix("torch."),
             "device": s.device,
             "threads": s.threads,
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": state.model_threads,
             "max_body_mb": s.max_body_mb,
             "api_key_set": s.api_key is not None,
             "debug_hooks": s.debug_hooks,

@@ -50,6 +50,9 @@ class ServedModel:
         self.created = int(time.time())
         self.model_id = settings.served_model_name or model_id_from_path(settings.model_path)
         self.context_length: int | None = None
+        # The most threads the model's steps run on. Not the asking thread's torch.get_num_threads(): the
+        # threads beside the model's keep their torch ops on one (bubo/engine/compute_threads.py).
+        self.model_threads = settings.threads or torch.get_num_threads()
         self.loaded: LoadedModel | None = None
         self.tower: Any = None  # bubo.vision.tower.VisionTower, with --mmproj
         # How image URLs' hosts are resolved (tests give their own).

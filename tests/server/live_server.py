@@ -3,6 +3,7 @@
 
 import asyncio
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Sequence
@@ -63,10 +64,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, timeout: float = 60.0) -> bool:
-    """Poll `url`/ready until it answers 200 (a server process starting up); False at the timeout."""
+def wait_ready(url: str, timeout: float = 60.0, process: subprocess.Popen | None = None) -> bool:
+    """Poll `url`/ready until it answers 200 (a server process starting up); False at the timeout, or as
+    soon as `process` (the server's, where given) has exited."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and (process is None or process.poll() is None):
         try:
             if httpx.get(url + "/ready").status_code == 200:
                 return True

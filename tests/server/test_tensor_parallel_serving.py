@@ -7,6 +7,7 @@ have taken at the same positions as rank 0."""
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -63,16 +64,22 @@ def test_two_ranks_serve_what_one_process_serves(qwen35_path: Path) -> None:
     command = [*BUBO, "serve", "--model", str(qwen35_path), "--port", str(port), "--threads", "1"]
     # A float32 KV cache, as the whole model's above (load_model's default).
     command += ["--cache-type-k", "f32", "--cache-type-v", "f32", "--tensor-parallel", "2"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_ready(url, timeout=120)
-        assert _conversation(url) == expected
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(30) == 0
-    finally:
-        process.kill()
-        stderr = process.stderr.read() if process.stderr else ""
+    # The ranks' stderr to a file, not a pipe: nothing they write can block them.
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, stderr=log, text=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            ready = wait_ready(url, timeout=240, process=process)
+            if ready:
+                assert _conversation(url) == expected
+                process.send_signal(signal.SIGTERM)
+                assert process.wait(30) == 0
+        finally:
+            process.kill()
+            process.wait()
+            log.seek(0)
+            stderr = log.read()
+    assert ready, f"rank 0 exited or was not ready in 240 s; the ranks' stderr:\n{stderr[-4000:]}"
     assert "tensor parallel" in stderr  # the plan says why the split model decodes eagerly
 
 
