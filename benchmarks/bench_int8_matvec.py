@@ -8,7 +8,7 @@ rows at once (a batched step's, a verify pass's), against that many one-row call
     python benchmarks/bench_int8_matvec.py --threads 1 --calls 5000
     python benchmarks/bench_int8_matvec.py --rows 2,4,8
 
-Needs AVX512-VNNI (and a C++ compiler for the first build).
+Needs AVX512-VNNI or AVX2 (and a C++ compiler for the first build).
 """
 
 import argparse
@@ -73,7 +73,9 @@ def main() -> int:
     parser.add_argument("--rows", default="", help="row counts for the int8 kernels, comma-separated")
     args = parser.parse_args()
     if not int8_matvec_enabled():
-        print("the int8 matvecs don't run here (no AVX512-VNNI, or no compiler)", file=sys.stderr)
+        print(
+            "the int8 matvecs don't run here (neither AVX512-VNNI nor AVX2, or no compiler)", file=sys.stderr
+        )
         return 1
     print("| type | rows x columns | threads | float µs | int8 µs | float / int8 |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")

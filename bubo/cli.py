@@ -294,7 +294,7 @@ def _add_runtime_args(parser: argparse.ArgumentParser) -> None:
         (
             "--no-int8-matvec",
             "multiply quantized weights with float activations instead of int8-quantized ones "
-            "(exact activations, slower; the int8 path needs AVX512-VNNI)",
+            "(exact activations, slower; the int8 path needs AVX512-VNNI or AVX2)",
         ),
     ):
         group.add_argument(flag, action="store_true", default=None, help=what)

@@ -49,7 +49,7 @@ class RuntimeOptions:
         default (inside inductor's cache directory), or "off".
     adaptive_threads: CPU decode steps run on all the threads given (--threads) or on one, whichever
         their timings say is faster at the moment (bubo/engine/thread_governor.py); off: always all.
-    int8_matvec: on CPUs with AVX512-VNNI, Q4_K, Q6_K, Q4_0/Q4_1 and Q8_0 (Q5_0, IQ4_NL) matvecs
+    int8_matvec: on CPUs with AVX512-VNNI or AVX2, Q4_K, Q6_K, Q4_0/Q4_1 and Q8_0 (Q5_0, IQ4_NL) matvecs
         multiply int8-quantized activations with the codes in integer arithmetic, as llama.cpp does
         (bubo/kernels/int8_matvec.py); off: the float matvecs, which keep the activations exact.
     """

@@ -1,11 +1,11 @@
-"""Matvecs with int8 activations on AVX512-VNNI (Q4_K, Q6_K, Q4_0/Q4_1, Q8_0 and the types repacked as it):
-the C++ kernels of csrc/int8_matvec.cpp.
+"""Matvecs with int8 activations on AVX512-VNNI or AVX2 (Q4_K, Q6_K, Q4_0/Q4_1, Q8_0 and the types repacked
+as it): the C++ kernels of csrc/int8_matvec.cpp.
 
-Inductor emits float code only: per 16 weights an AND, a conversion and an FMA on the expanded codes.
-llama.cpp's CPU kernels instead quantize the activations to int8 and multiply bytes by bytes with
-integer dot products (`vpdpbusd`: 64 byte products a lane-wise sum per instruction), which on this
-project's Xeon ran 1.25-2.1x as fast as the float matvecs (benchmarks/bench_int8_matvec.py). These
-kernels do that: the activations are quantized per block of 32 (a float scale, values rounded to
+Inductor emits float code only: per vector of weights an AND, a conversion and an FMA on the expanded
+codes. llama.cpp's CPU kernels instead quantize the activations to int8 and multiply bytes by bytes with
+integer dot products (`vpdpbusd` on AVX512-VNNI; `vpmaddubsw` and `vpmaddwd` on AVX2), which ran 1.25-2.1x
+as fast as the float matvecs on this project's Xeon and 1.2-2.9x on its AVX2 EPYC
+(benchmarks/bench_int8_matvec.py). These kernels do that: the activations are quantized per block of 32 (a float scale, values rounded to
 -127..127, the same error llama.cpp's Q8 activations make) once a call, the products run on the codes
 in their packed words, and each sub-block's integer sum is scaled in float32.
 
@@ -18,9 +18,10 @@ must sit in whole bytes for an integer sum. Its prefill unpacking is C++ too (`q
 The ops (`torch.ops.bubo_int8.*`) are registered from C++, so that a compiled decode step's generated
 code calls them through the dispatcher alone (a Python op costs several microseconds a call), and have
 fake implementations for tracing them into its graphs. The library is compiled on first use with the
-C++ compiler inductor uses, against the running torch, and kept by the hash of its source and flags.
-Off where the CPU lacks AVX512-VNNI, where TILE is not 16, where the build fails (the float matvecs run
-instead), or with --no-int8-matvec.
+C++ compiler inductor uses, against the running torch, for the instruction set whose vector lanes are
+codes.py's TILE (16: AVX512-VNNI, 8: AVX2 with FMA and F16C), and kept by the hash of its sources and
+flags. Off where the CPU has neither, where the build fails (the float matvecs run instead), or with
+--no-int8-matvec.
 """
 
 import functools
@@ -56,26 +57,54 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "int8_matvec.cpp"
-_ISA_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"]
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
+_SOURCES = Path(__file__).with_name("csrc")
+_SOURCE = _SOURCES / "int8_matvec.cpp"
+
+
+@dataclass(frozen=True)
+class _InstructionSet:
+    name: str
+    lanes: int  # float lanes of a vector: the TILE the packed layouts must have
+    compiler_flags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]  # as /proc/cpuinfo names them
+
+
+# The first that this CPU has and whose lanes are the packed layouts' TILE (int8_vectors.h).
+_INSTRUCTION_SETS = (
+    _InstructionSet(
+        "AVX512-VNNI",
+        16,
+        ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"),
+        ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"),
+    ),
+    _InstructionSet("AVX2", 8, ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+)
 # Q6_K's words a super-block: 32 of low nibbles, 16 of high bits, 4 of scales (see the C++ source).
 Q6_K_WORDS = 52
 
 
-def _cpu_has_vnni() -> bool:
-    """Whether the CPU has the AVX-512 subsets the kernels are compiled for (Linux's /proc/cpuinfo)."""
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo; none elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(_CPU_FLAGS) <= set(line.split())
+                    return set(line.split())
     except OSError:
         pass
-    return False
+    return set()
 
 
-def _compile_command(output: Path) -> list[str]:
+@functools.cache
+def _instruction_set() -> _InstructionSet | None:
+    flags = _cpu_flags()
+    for isa in _INSTRUCTION_SETS:
+        if isa.lanes == TILE and set(isa.cpu_flags) <= flags:
+            return isa
+    return None
+
+
+def _compile_command(isa: _InstructionSet, output: Path) -> list[str]:
     from torch._inductor.cpp_builder import get_cpp_compiler
     from torch.utils.cpp_extension import include_paths, library_paths
 
@@ -88,7 +117,7 @@ def _compile_command(output: Path) -> list[str]:
         "-shared",
         "-fPIC",
         "-fopenmp",  # at::parallel_for is OpenMP in torch's CPU builds: the same runtime, torch's libgomp
-        *_ISA_FLAGS,
+        *isa.compiler_flags,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in include_paths()),
         str(_SOURCE),
@@ -101,14 +130,15 @@ def _compile_command(output: Path) -> list[str]:
     ]
 
 
-def _library_path() -> Path:
-    """The compiled library, built into inductor's cache directory unless a build of this source, these
+def _library_path(isa: _InstructionSet) -> Path:
+    """The compiled library, built into inductor's cache directory unless a build of these sources, these
     flags and this torch is there."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     key = hashlib.sha256()
-    key.update(_SOURCE.read_bytes())
-    key.update(" ".join(_compile_command(Path("out"))).encode())
+    for source in sorted([*_SOURCES.glob("*.cpp"), *_SOURCES.glob("*.h")]):
+        key.update(source.read_bytes())
+    key.update(" ".join(_compile_command(isa, Path("out"))).encode())
     key.update(f"{torch.__version__} {sys.version}".encode())
     directory = Path(cache_dir()) / "bubo-native"
     path = directory / f"int8_matvec-{key.hexdigest()[:16]}.so"
@@ -118,7 +148,7 @@ def _library_path() -> Path:
         # a half-written file.
         with tempfile.TemporaryDirectory(dir=directory) as scratch:
             built = Path(scratch) / path.name
-            subprocess.run(_compile_command(built), check=True, capture_output=True, text=True)
+            subprocess.run(_compile_command(isa, built), check=True, capture_output=True, text=True)
             os.replace(built, path)
     return path
 
@@ -139,10 +169,11 @@ def _unavailable() -> str:
 
 
 def _load() -> str:
-    if TILE != 16 or not sys.platform.startswith("linux") or not _cpu_has_vnni():
-        return "the CPU lacks AVX512-VNNI"
+    isa = _instruction_set() if sys.platform.startswith("linux") else None
+    if isa is None:
+        return "the CPU has neither AVX512-VNNI nor AVX2 with FMA and F16C"
     try:
-        torch.ops.load_library(str(_library_path()))
+        torch.ops.load_library(str(_library_path(isa)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = e.stderr[-2000:] if isinstance(e, subprocess.CalledProcessError) else str(e)
         log.warning("the int8 matvec kernels did not build; the float matvecs run instead: %s", detail)
@@ -195,7 +226,8 @@ def matvec_plan() -> str:
     why_not = _unavailable()
     if why_not:
         return f"float activations ({why_not})"
-    return "int8 activations for Q4_K, Q6_K, Q4_0/Q4_1, Q8_0 (AVX512-VNNI)"
+    isa = _instruction_set()
+    return f"int8 activations for Q4_K, Q6_K, Q4_0/Q4_1, Q8_0 ({isa.name if isa else ''})"
 
 
 def q4_k_int8_matvec(

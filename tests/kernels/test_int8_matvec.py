@@ -33,7 +33,7 @@ from tests.kernels.k_blocks import random_blocks
 Q = gguf.GGMLQuantizationType
 
 pytestmark = pytest.mark.skipif(
-    not int8_matvec._loaded(), reason="the int8 kernels need AVX512-VNNI, 16-lane tiles and a C++ compiler"
+    not int8_matvec._loaded(), reason="the int8 kernels need AVX512-VNNI or AVX2 and a C++ compiler"
 )
 
 
@@ -130,6 +130,22 @@ def test_experts_by_id_are_their_slices_products(qtype: Q) -> None:
         assert torch.equal(each[i], _product(alone, x[i : i + 1])[0])
         assert torch.equal(shared[i], _product(alone, x[:1])[0])
         assert torch.equal(pairs[i], _product(alone, x[i // 2 : i // 2 + 1])[0])
+
+
+def test_q8_codes_at_both_ends_of_the_byte_range() -> None:
+    """Codes -128 and 127 (gguf's quantizer writes -127..127, another may write -128) against activations
+    of full magnitude: stored plus 128 they are bytes 0 and 255, whose products AVX2's byte instruction
+    would saturate if it summed two of them into int16 as they are."""
+    raw = _blocks(Q.Q8_0, 2 * TILE, 256, seed=4)
+    codes = raw.reshape(2 * TILE, -1, 34)[:, :, 2:].view(np.int8)
+    codes[::2] = 127
+    codes[1::2] = -128
+    packed = _pack(raw, Q.Q8_0)
+    x = torch.ones(2, 256)
+    x[1, ::2] = -1  # products of both signs
+    weight = _weight(raw, Q.Q8_0)
+    bound = (x.abs().double() @ weight.abs().T).max().item()
+    torch.testing.assert_close(packed.matvec(x).double(), _quantized(x) @ weight.T, rtol=0, atol=2e-6 * bound)
 
 
 def test_rejects_an_expert_out_of_range() -> None:

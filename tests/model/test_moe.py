@@ -257,7 +257,7 @@ def _int8_packed_model(
     """The reference and its file with packed experts, loaded with the int8 matvecs on (skips without them)."""
     runtime_options(int8_matvec=True)
     if not int8_matvec_enabled():
-        pytest.skip("the int8 matvecs need AVX512-VNNI and a C++ compiler")
+        pytest.skip("the int8 matvecs need AVX512-VNNI or AVX2 and a C++ compiler")
     monkeypatch.setattr(bubo.model.quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     reference = _reference()
     _, model = _load(write_gguf(reference, tmp_path / "moe-q.gguf", quantize=PACKED_EXPERTS_Q))

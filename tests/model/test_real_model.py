@@ -109,7 +109,7 @@ def test_int8_matvecs_stay_as_near_the_reference_as_llama_cpp(
 ) -> None:
     runtime_options(int8_matvec=True)
     if not int8_matvec_enabled():
-        pytest.skip("the int8 matvecs need AVX512-VNNI and a C++ compiler")
+        pytest.skip("the int8 matvecs need AVX512-VNNI or AVX2 and a C++ compiler")
     reference, tokenizer, model = models
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids

@@ -1,16 +1,17 @@
-// Matrix-vector products of quantized weights (Q4_K, Q6_K, Q4_0/Q4_1, Q8_0) with int8 activations on
-// AVX512-VNNI (vpdpbusd), the way llama.cpp's CPU kernels multiply: the activations are quantized to int8
-// once a call, and each code byte multiplies an activation byte in integer arithmetic, four to a 32-bit
-// lane per instruction.
+// Matrix-vector products of quantized weights (Q4_K, Q6_K, Q4_0/Q4_1, Q8_0) with int8 activations, the
+// way llama.cpp's CPU kernels multiply: the activations are quantized to int8 once a call, and each code
+// byte multiplies an activation byte in integer arithmetic, four to a 32-bit lane (vpdpbusd on
+// AVX512-VNNI, vpmaddubsw and vpmaddwd on AVX2: int8_vectors.h).
 // bubo/kernels/int8_matvec.py builds this file, registers the ops and describes the layouts.
 //
-// The weights are tiled as bubo/kernels/codes.py says: 16 output rows a tile, one per 32-bit lane, a
-// tile's words together. Q4_K keeps bubo/kernels/super_block_matvec.py's layout: a word holds 8
-// consecutive 4-bit codes of its row, so `w & 0x0F0F0F0F` holds, as bytes, the codes of inputs k, k+2,
-// k+4, k+6 and `(w >> 4) & 0x0F0F0F0F` those of k+1, k+3, k+5, k+7: the activations are stored in
-// that order (an "even" and an "odd" dword a code word), and each is one vpdpbusd against a broadcast
-// dword. Q6_K has a layout of its own (int8_matvec.py): the low 4 bits of its codes in such words, the
-// high 2 bits of 16 codes in one word arranged so that a shift and an AND put them beside the low bits.
+// The weights are tiled as bubo/kernels/codes.py says: a tile's output rows one per 32-bit lane (16 with
+// AVX-512, 8 with AVX2), a tile's words together. Q4_K keeps bubo/kernels/super_block_matvec.py's layout:
+// a word holds 8 consecutive 4-bit codes of its row, so `w & 0x0F0F0F0F` holds, as bytes, the codes of
+// inputs k, k+2, k+4, k+6 and `(w >> 4) & 0x0F0F0F0F` those of k+1, k+3, k+5, k+7: the activations are
+// stored in that order (an "even" and an "odd" dword a code word), and each is one dot product against a
+// broadcast dword. Q6_K has a layout of its own (int8_matvec.py): the low 4 bits of its codes in such
+// words, the high 2 bits of 16 codes in one word arranged so that a shift and an AND put them beside the
+// low bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,9 +23,14 @@
 #include <cstdint>
 #include <vector>
 
+#include "int8_vectors.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;       // a tile's rows
+using vec::kLanes;
+using Int = vec::Int;
+using Float = vec::Float;
+
 constexpr int64_t kSuper = 256;      // weights of a K-quant super-block
 constexpr int64_t kBlock = 32;       // activations sharing one int8 scale
 constexpr int64_t kWorkGrain = 16;   // super-block rows of work a thread takes at least
@@ -41,7 +47,7 @@ struct Activations {
   std::vector<int32_t> qsum16;
 };
 
-// Quantizes x [n] into `a` (its buffers reused from call to call): a block of 32 at a time in two vectors.
+// Quantizes x [n] into `a` (its buffers reused from call to call), a block of 32 at a time.
 void quantize(const float* x, int64_t n, Activations& a) {
   a.dwords.resize(n / 4);
   a.natural.resize(n / 4);
@@ -50,140 +56,127 @@ void quantize(const float* x, int64_t n, Activations& a) {
   a.qsum16.resize(n / 16);
   // Within each 8 inputs: the even ones' bytes, then the odd ones'.
   const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-  const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t b = 0; b < n / kBlock; ++b) {
-    const __m512 x0 = _mm512_loadu_ps(x + b * kBlock), x1 = _mm512_loadu_ps(x + b * kBlock + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
-    const float d = amax / 127.f;
-    const __m512 id = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
-    // cvtps rounds to nearest, ties to even (the default MXCSR mode), as std::nearbyint does.
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
-    const __m128i b0 = _mm512_cvtepi32_epi8(q0), b1 = _mm512_cvtepi32_epi8(q1);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.natural.data() + b * 8), b0);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.natural.data() + b * 8 + 4), b1);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.dwords.data() + b * 8), _mm_shuffle_epi8(b0, order));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.dwords.data() + b * 8 + 4), _mm_shuffle_epi8(b1, order));
-    const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
-    a.qsum16[2 * b] = s0;
-    a.qsum16[2 * b + 1] = s1;
+    int32_t* natural = a.natural.data() + b * 8;
+    const float d = vec::quantize_block(x + b * kBlock, reinterpret_cast<int8_t*>(natural), a.qsum16.data() + 2 * b);
+    for (int half = 0; half < 2; ++half) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(natural + 4 * half));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.dwords.data() + b * 8 + 4 * half), _mm_shuffle_epi8(bytes, order));
+    }
     a.scale[b] = d;
-    a.sum[b] = d * static_cast<float>(s0 + s1);
+    a.sum[b] = d * static_cast<float>(a.qsum16[2 * b] + a.qsum16[2 * b + 1]);
   }
 }
 
-inline __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi32(0x0F0F0F0F)); }
-inline __m512i high_nibbles(__m512i v) { return low_nibbles(_mm512_srli_epi32(v, 4)); }
-inline __m512i dot(__m512i acc, __m512i codes, int32_t activations) {
-  return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(activations));
-}
-inline __m512i byte_of(__m512i v, int byte) {
-  return _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32(0xFF));
-}
+inline Int low_nibbles(Int v) { return vec::and_bits(v, vec::splat(0x0F0F0F0F)); }
+inline Int high_nibbles(Int v) { return low_nibbles(vec::shift_right(v, 4)); }
+inline Int byte_of(Int v, int byte) { return vec::and_bits(vec::shift_right(v, 8 * byte), vec::splat(0xFF)); }
 
 // Q4_K, a super-block of one tile against R activation rows at once (the rows of a batched step share the
-// codes, unpacked once): words [32, 16] (sub-block j's codes in words 4j..4j+3), fields [4, 16] (scale
-// bytes, then min bytes, sub-block j at byte j % 4 of word j / 4), factors [2, 16] (d, dmin).
+// codes, unpacked once): words [32, lanes] (sub-block j's codes in words 4j..4j+3), fields [4, lanes]
+// (scale bytes, then min bytes, sub-block j at byte j % 4 of word j / 4), factors [2, lanes] (d, dmin).
 // weight = d * sc_j * q - dmin * m_j, so the dot product is d * sum_j sc_j * (x_j . q_j) - dmin * sum_j
 // m_j * sum(x_j): the first sum from the int8 products, the second from the activations' block sums.
 // Row r's activations are a[r]'s from super-block s on.
 template <int R>
 inline void q4_k_super_block(const int32_t* words, const int32_t* fields, const float* factors,
-                             const Activations* const* a, int64_t s, __m512* acc) {
-  __m512 scaled[R], mins[R];
-  for (int r = 0; r < R; ++r) scaled[r] = mins[r] = _mm512_setzero_ps();
+                             const Activations* const* a, int64_t s, Float* acc) {
+  Float scaled[R], mins[R];
+  for (int r = 0; r < R; ++r) scaled[r] = mins[r] = vec::zero_float();
   for (int j = 0; j < 8; ++j) {
-    __m512i even[R], odd[R];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_si512();
+    vec::Products even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = vec::no_products();
     for (int w = 0; w < 4; ++w) {
-      const __m512i v = _mm512_loadu_si512(words + (4 * j + w) * kLanes);
-      const __m512i low = low_nibbles(v), high = high_nibbles(v);
+      const Int v = vec::load_int(words + (4 * j + w) * kLanes);
+      const Int low = low_nibbles(v), high = high_nibbles(v);
       for (int r = 0; r < R; ++r) {
         const int32_t* x = a[r]->dwords.data() + s * (kSuper / 4) + (4 * j + w) * 2;
-        even[r] = dot(even[r], low, x[0]);
-        odd[r] = dot(odd[r], high, x[1]);
+        even[r] = vec::dot_products(even[r], low, x[0]);
+        odd[r] = vec::dot_products(odd[r], high, x[1]);
       }
     }
-    const __m512i sc = byte_of(_mm512_loadu_si512(fields + (j / 4) * kLanes), j % 4);
-    const __m512 m = _mm512_cvtepi32_ps(byte_of(_mm512_loadu_si512(fields + (2 + j / 4) * kLanes), j % 4));
+    const Int sc = byte_of(vec::load_int(fields + (j / 4) * kLanes), j % 4);
+    const Float m = vec::to_float(byte_of(vec::load_int(fields + (2 + j / 4) * kLanes), j % 4));
     for (int r = 0; r < R; ++r) {
       const int64_t block = s * (kSuper / kBlock) + j;
-      const __m512i isum = _mm512_mullo_epi32(_mm512_add_epi32(even[r], odd[r]), sc);
-      scaled[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(a[r]->scale[block]), scaled[r]);
-      mins[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[r]->sum[block]), mins[r]);
+      const Int isum = vec::scaled_sum(even[r], odd[r], sc);
+      scaled[r] = vec::fmadd(vec::to_float(isum), vec::splat(a[r]->scale[block]), scaled[r]);
+      mins[r] = vec::fmadd(m, vec::splat(a[r]->sum[block]), mins[r]);
     }
   }
-  const __m512 d = _mm512_loadu_ps(factors), dmin = _mm512_loadu_ps(factors + kLanes);
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_fnmadd_ps(dmin, mins[r], _mm512_fmadd_ps(d, scaled[r], acc[r]));
+  const Float d = vec::load_float(factors), dmin = vec::load_float(factors + kLanes);
+  for (int r = 0; r < R; ++r) acc[r] = vec::fnmadd(dmin, mins[r], vec::fmadd(d, scaled[r], acc[r]));
 }
 
-// Q6_K, a super-block of one tile against R rows, as Q4_K's: words [52, 16]: 32 words of low nibbles
+// Q6_K, a super-block of one tile against R rows, as Q4_K's: words [52, lanes]: 32 words of low nibbles
 // (sub-block j of 16 codes in words 2j, 2j+1), 16 words of high bits (sub-block j's in word 32 + j: byte b
 // holds, two bits each from the bottom, those of codes 2b, 2b + 1, 8 + 2b, 9 + 2b), 4 words of int8 scales
-// (sub-block j at byte j % 4 of word 48 + j / 4); factors [1, 16] (d). Codes are stored unsigned (q + 32):
+// (sub-block j at byte j % 4 of word 48 + j / 4); factors [1, lanes] (d). Codes are stored unsigned (q + 32):
 // weight = d * sc_j * (q - 32), so x_j . (q_j - 32) = x_j . q_j - 32 * sum(x_j), the latter from the int8
 // sums.
 template <int R>
 inline void q6_k_super_block(const int32_t* words, const float* factors, const Activations* const* a, int64_t s,
-                             __m512* acc) {
-  const __m512i high_mask = _mm512_set1_epi32(0x30303030);
-  __m512 scaled[R];
-  for (int r = 0; r < R; ++r) scaled[r] = _mm512_setzero_ps();
+                             Float* acc) {
+  const Int high_mask = vec::splat(0x30303030);
+  Float scaled[R];
+  for (int r = 0; r < R; ++r) scaled[r] = vec::zero_float();
   for (int pair = 0; pair < 8; ++pair) {
     // Sub-blocks 2 * pair and 2 * pair + 1 share an activation block (one scale): their integer sums times
     // their scales add up before one conversion.
-    __m512i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    Int isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = vec::zero_int();
     for (int j = 2 * pair; j < 2 * pair + 2; ++j) {
-      const __m512i l0 = _mm512_loadu_si512(words + (2 * j) * kLanes);
-      const __m512i l1 = _mm512_loadu_si512(words + (2 * j + 1) * kLanes);
-      const __m512i h = _mm512_loadu_si512(words + (32 + j) * kLanes);
-      const __m512i c0 = _mm512_or_si512(low_nibbles(l0), _mm512_and_si512(_mm512_slli_epi32(h, 4), high_mask));
-      const __m512i c1 = _mm512_or_si512(high_nibbles(l0), _mm512_and_si512(_mm512_slli_epi32(h, 2), high_mask));
-      const __m512i c2 = _mm512_or_si512(low_nibbles(l1), _mm512_and_si512(h, high_mask));
-      const __m512i c3 = _mm512_or_si512(high_nibbles(l1), _mm512_and_si512(_mm512_srli_epi32(h, 2), high_mask));
-      const __m512i sc_word = _mm512_loadu_si512(words + (48 + j / 4) * kLanes);
-      const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(sc_word, 24 - 8 * (j % 4)), 24);
+      const Int l0 = vec::load_int(words + (2 * j) * kLanes);
+      const Int l1 = vec::load_int(words + (2 * j + 1) * kLanes);
+      const Int h = vec::load_int(words + (32 + j) * kLanes);
+      const Int c0 = vec::or_bits(low_nibbles(l0), vec::and_bits(vec::shift_left(h, 4), high_mask));
+      const Int c1 = vec::or_bits(high_nibbles(l0), vec::and_bits(vec::shift_left(h, 2), high_mask));
+      const Int c2 = vec::or_bits(low_nibbles(l1), vec::and_bits(h, high_mask));
+      const Int c3 = vec::or_bits(high_nibbles(l1), vec::and_bits(vec::shift_right(h, 2), high_mask));
+      const Int sc_word = vec::load_int(words + (48 + j / 4) * kLanes);
+      const Int sc = vec::shift_right_signed(vec::shift_left(sc_word, 24 - 8 * (j % 4)), 24);
+      // 6-bit codes leave no room for int16 sums of more than two dots: these widen to 32 bits at once.
       for (int r = 0; r < R; ++r) {
         const int32_t* x = a[r]->dwords.data() + s * (kSuper / 4) + 4 * j;
-        __m512i even = dot(_mm512_set1_epi32(-32 * a[r]->qsum16[s * (kSuper / 16) + j]), c0, x[0]);
-        __m512i odd = dot(_mm512_setzero_si512(), c1, x[1]);
-        even = dot(even, c2, x[2]);
-        odd = dot(odd, c3, x[3]);
-        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(even, odd), sc));
+        Int even = vec::dot(vec::splat(-32 * a[r]->qsum16[s * (kSuper / 16) + j]), c0, x[0]);
+        Int odd = vec::dot(vec::zero_int(), c1, x[1]);
+        even = vec::dot(even, c2, x[2]);
+        odd = vec::dot(odd, c3, x[3]);
+        isum[r] = vec::add(isum[r], vec::mul(vec::add(even, odd), sc));
       }
     }
     for (int r = 0; r < R; ++r)
-      scaled[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
-                                  _mm512_set1_ps(a[r]->scale[s * (kSuper / kBlock) + pair]), scaled[r]);
+      scaled[r] = vec::fmadd(vec::to_float(isum[r]), vec::splat(a[r]->scale[s * (kSuper / kBlock) + pair]),
+                             scaled[r]);
   }
-  const __m512 d = _mm512_loadu_ps(factors);
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(d, scaled[r], acc[r]);
+  const Float d = vec::load_float(factors);
+  for (int r = 0; r < R; ++r) acc[r] = vec::fmadd(d, scaled[r], acc[r]);
 }
 
-// Q4_0 / Q4_1 (bubo/kernels/q4_matvec.py's PackedQ4), a block of 32 weights of one tile: words [4, 16] as
-// a Q4_K sub-block's, scale and offset [2, 16] (float16 or float32): weight = code * scale + offset, so the
-// dot product is scale * (x . codes) + offset * sum(x).
-inline __m512 q4_block(const int32_t* words, __m512 scale, __m512 offset, const int32_t* x, float x_scale,
-                       float x_sum, __m512 acc) {
-  __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+// Q4_0 / Q4_1 (bubo/kernels/q4_matvec.py's PackedQ4), a block of 32 weights of one tile: words [4, lanes] as
+// a Q4_K sub-block's, scale and offset [2, lanes] (float16 or float32): weight = code * scale + offset, so
+// the dot product is scale * (x . codes) + offset * sum(x).
+inline Float q4_block(const int32_t* words, Float scale, Float offset, const int32_t* x, float x_scale,
+                      float x_sum, Float acc) {
+  vec::Products even = vec::no_products(), odd = vec::no_products();
   for (int w = 0; w < 4; ++w) {
-    const __m512i v = _mm512_loadu_si512(words + w * kLanes);
-    even = dot(even, low_nibbles(v), x[2 * w]);
-    odd = dot(odd, high_nibbles(v), x[2 * w + 1]);
+    const Int v = vec::load_int(words + w * kLanes);
+    even = vec::dot_products(even, low_nibbles(v), x[2 * w]);
+    odd = vec::dot_products(odd, high_nibbles(v), x[2 * w + 1]);
   }
-  const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
-  acc = _mm512_fmadd_ps(dots, _mm512_mul_ps(scale, _mm512_set1_ps(x_scale)), acc);
-  return _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sum), acc);
+  const Float dots = vec::to_float(vec::scaled_sum(even, odd, vec::splat(1)));
+  acc = vec::fmadd(dots, vec::mul(scale, vec::splat(x_scale)), acc);
+  return vec::fmadd(offset, vec::splat(x_sum), acc);
 }
 
 // Q8_0, Q5_0 and IQ4_NL (bubo/kernels/q8_matvec.py's PackedQ8), a block of 32 weights of one tile: words
-// [9, 16], byte s of word w the code of weight 4w + s stored as code + 128, then the scale's float32 bits.
-// x . codes = x . (stored - 128) = x . stored - 128 * sum(x), the latter from the int8 sums.
-inline __m512 q8_block(const int32_t* words, const int32_t* x, float x_scale, int32_t x_qsum, __m512 acc) {
-  __m512i isum = _mm512_set1_epi32(-128 * x_qsum);
-  for (int w = 0; w < 8; ++w) isum = dot(isum, _mm512_loadu_si512(words + w * kLanes), x[w]);
-  const __m512 scale = _mm512_castsi512_ps(_mm512_loadu_si512(words + 8 * kLanes));
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, _mm512_set1_ps(x_scale)), acc);
+// [9, lanes], byte s of word w the code of weight 4w + s stored as code + 128, then the scale's float32
+// bits. x . codes = x . (stored - 128) = x . stored - 128 * sum(x), the latter from the int8 sums.
+inline Float q8_block(const int32_t* words, const int32_t* x, float x_scale, int32_t x_qsum, Float acc) {
+  Int isum = vec::splat(-128 * x_qsum);
+  for (int w = 0; w < 8; ++w) isum = vec::dot_bytes(isum, vec::load_int(words + w * kLanes), x[w]);
+  const Float scale = vec::as_float(vec::load_int(words + 8 * kLanes));
+  return vec::fmadd(vec::to_float(isum), vec::mul(scale, vec::splat(x_scale)), acc);
 }
 
 enum class Format { Q4_K, Q6_K, Q4, Q8 };
@@ -202,19 +195,18 @@ struct Weights {
   int64_t block_inputs() const { return format == Format::Q4_K || format == Format::Q6_K ? kSuper : kBlock; }
 };
 
-inline __m512 load_factor(const Weights& w, int64_t offset) {
-  if (w.half_factors != nullptr)
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.half_factors + offset)));
-  return _mm512_loadu_ps(w.factors + offset);
+inline Float load_factor(const Weights& w, int64_t offset) {
+  if (w.half_factors != nullptr) return vec::load_half(w.half_factors + offset);
+  return vec::load_float(w.factors + offset);
 }
 
-// One output tile for R activation rows: 16 dot products a row over its blocks, into out[r]. The K-quants
+// One output tile for R activation rows: a dot product a lane and row over its blocks, into out[r]. The K-quants
 // unpack each block's codes once for the R rows; Q4 and Q8, whose codes take an instruction or none to
 // unpack, run the rows one after the other.
 template <int R>
 inline void tile_product(const Weights& w, int64_t tile, const Activations* const* a, float* const* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  Float acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = vec::zero_float();
   for (int64_t s = 0; s < w.supers; ++s) {
     const int64_t block = tile * w.supers + s;
     const int32_t* words = w.words + block * w.words_a_super * kLanes;
@@ -238,10 +230,10 @@ inline void tile_product(const Weights& w, int64_t tile, const Activations* cons
         break;
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+  for (int r = 0; r < R; ++r) vec::store(out[r], acc[r]);
 }
 
-// Tile `tile` for `n` rows, up to four at a time: row k's activations are `row(k)`, its 16 results go to
+// Tile `tile` for `n` rows, up to four at a time: row k's activations are `row(k)`, its tile of results goes to
 // `out(k)`.
 template <typename Row, typename Out>
 inline void tile_products(const Weights& w, int64_t tile, int64_t n, Row row, Out out) {
@@ -268,14 +260,14 @@ const int32_t* word_data(const at::Tensor& t) {
   return static_cast<const int32_t*>(t.data_ptr());
 }
 
-// The weights' tensors as the format stores them: words [tiles, blocks, words, 16], with Q4_K's fields and
+// The weights' tensors as the format stores them: words [tiles, blocks, words, lanes], with Q4_K's fields and
 // factors, Q6_K's factors, or Q4's scale and offset (float16 or float32) as `factors`.
 Weights weights_of(Format format, const at::Tensor& words, const at::Tensor& fields, const at::Tensor& factors) {
-  TORCH_CHECK(words.dim() == 4 && words.size(3) == kLanes, "words must be [tiles, blocks, words, 16]");
+  TORCH_CHECK(words.dim() == 4 && words.size(3) == kLanes, "words must be [tiles, blocks, words, lanes]");
   Weights w{format, word_data(words), nullptr, nullptr, nullptr, words.size(1), words.size(2), 0, 0};
   if (format == Format::Q8) return w;
   TORCH_CHECK(factors.is_contiguous() && factors.size(0) == words.size(0) && factors.size(1) == words.size(1),
-              "factors must be contiguous [tiles, blocks, n, 16]");
+              "factors must be contiguous [tiles, blocks, n, lanes]");
   w.factors_a_super = factors.size(2);
   if (format == Format::Q4 && factors.scalar_type() == at::kHalf) {
     w.half_factors = factors.data_ptr<at::Half>();
@@ -301,7 +293,7 @@ const std::vector<Activations>& quantize_rows(const at::Tensor& x, int64_t in_fe
   return rows;
 }
 
-// x [rows, in] times every tile of the weights -> [rows, tiles * 16]; with `experts` [n] (ids into a stack of
+// x [rows, in] times every tile of the weights -> [rows, tiles * lanes]; with `experts` [n] (ids into a stack of
 // experts of `expert_rows` rows each, n a multiple of x's rows) -> [n, expert_rows]: expert experts[i] times
 // row i / (n / rows) of x, so that a row's k picked experts (k ids in a row) share it.
 at::Tensor matvec(Format format, const at::Tensor& x, const at::Tensor& words, const at::Tensor& fields,
@@ -376,7 +368,7 @@ at::Tensor q8_matvec(const at::Tensor& x, const at::Tensor& words, const std::op
   return matvec(Format::Q8, x, words, words, words, experts, expert_rows);
 }
 
-// The Q6_K layout's weights, transposed: [in_features, tiles * 16] float32 or bfloat16 (a prefill's GEMM
+// The Q6_K layout's weights, transposed: [in_features, tiles * lanes] float32 or bfloat16 (a prefill's GEMM
 // operand), bit for bit d * sc_j * (q - 32) as the reference dequantizer computes it in float32.
 template <typename T>
 void q6_k_unpack_into(const Weights& w, int64_t tiles, T* out) {
