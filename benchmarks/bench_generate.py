@@ -6,6 +6,7 @@ on a shared machine hits every engine alike. Prints the median of each figure an
 
     python benchmarks/bench_generate.py                      # default model, 2 threads, all engines
     python benchmarks/bench_generate.py --model FILE --engines bubo,llama.cpp --repeats 5
+    python benchmarks/bench_generate.py --model FILE --engines bubo,bubo-float-matvecs,llama.cpp
 
 llama.cpp is measured through llama-cpp-python (a benchmark-only extra: see benchmarks/README.md);
 an engine whose package is missing is reported as skipped.
@@ -26,6 +27,8 @@ from pathlib import Path
 # bfloat16 dot products (dense GEMMs on the dequantized weights; 828 against 386 tok/s on a 512-token prompt
 # on an AVX512-BF16 machine), the figure the README holds Bubo's prefill to.
 ENGINES = ("bubo", "llama.cpp", "transformers", "transformers-bf16")
+# Chosen by name only: Bubo with --no-int8-matvec (float activations in the quantized matvecs).
+OTHER_ENGINES = ("bubo-float-matvecs",)
 PROMPT_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
     "movable metal type, oil-based ink and a wooden screw press into a system that could produce books at a "
@@ -59,7 +62,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_run_arguments(parser)
-    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=ENGINES + OTHER_ENGINES, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.model is None:
@@ -71,9 +74,9 @@ def main() -> int:
         return 0
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = set(engines) - set(ENGINES)
+    unknown = set(engines) - set(ENGINES + OTHER_ENGINES)
     if unknown:
-        parser.error(f"unknown engines {sorted(unknown)}; choose from {list(ENGINES)}")
+        parser.error(f"unknown engines {sorted(unknown)}; choose from {list(ENGINES + OTHER_ENGINES)}")
     results, skipped = interleaved_runs(engines, args.repeats, lambda engine: run_engine(engine, args))
     _print_table(args, results, skipped)
     return 0
@@ -182,6 +185,7 @@ def _run_worker(args: argparse.Namespace) -> dict:
     try:
         run = {
             "bubo": _bubo,
+            "bubo-float-matvecs": lambda args: _bubo(args, int8_matvec=False),
             "llama.cpp": _llama_cpp,
             "transformers": lambda args: _transformers(args, args.dtype),
             "transformers-bf16": lambda args: _transformers(args, "bfloat16"),
@@ -197,7 +201,9 @@ def _run_worker(args: argparse.Namespace) -> dict:
     }
 
 
-def _bubo(args: argparse.Namespace) -> tuple[float, float]:
+def _bubo(args: argparse.Namespace, int8_matvec: bool = True) -> tuple[float, float]:
+    from dataclasses import replace
+
     import torch
 
     from bubo.process_memory import configure_cpu_process
@@ -207,7 +213,9 @@ def _bubo(args: argparse.Namespace) -> tuple[float, float]:
     from bubo.engine.generate import GenerationResult, generate
     from bubo.engine.loaded_model import load_model
     from bubo.engine.sampler import SamplingParams
+    from bubo.options import current_options, use_options
 
+    use_options(replace(current_options(), int8_matvec=int8_matvec and current_options().int8_matvec))
     torch.set_num_threads(args.threads)
     cache = CACHE_TYPES[args.cache_type]
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype), cache_dtypes=(cache, cache))

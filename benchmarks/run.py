@@ -45,9 +45,10 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = default_model_path()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = set(engines) - set(bench_generate.ENGINES)
+    unknown = set(engines) - set(bench_generate.ENGINES + bench_generate.OTHER_ENGINES)
     if unknown:
-        parser.error(f"unknown engines {sorted(unknown)}; choose from {list(bench_generate.ENGINES)}")
+        choices = list(bench_generate.ENGINES + bench_generate.OTHER_ENGINES)
+        parser.error(f"unknown engines {sorted(unknown)}; choose from {choices}")
 
     runs, skipped = bench_generate.interleaved_runs(
         engines, args.repeats, lambda engine: bench_generate.run_engine(engine, args)

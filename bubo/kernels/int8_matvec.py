@@ -4,7 +4,7 @@ as it): the C++ kernels of csrc/int8_matvec.cpp.
 Inductor emits float code only: per vector of weights an AND, a conversion and an FMA on the expanded
 codes. llama.cpp's CPU kernels instead quantize the activations to int8 and multiply bytes by bytes with
 integer dot products (`vpdpbusd` on AVX512-VNNI; `vpmaddubsw` and `vpmaddwd` on AVX2), which ran 1.25-2.1x
-as fast as the float matvecs on this project's Xeon and 1.2-2.9x on its AVX2 EPYC
+as fast as the float matvecs on this project's Xeon and 1.1-2.9x on its AVX2 EPYC
 (benchmarks/bench_int8_matvec.py). These kernels do that: the activations are quantized per block of 32 (a float scale, values rounded to
 -127..127, the same error llama.cpp's Q8 activations make) once a call, the products run on the codes
 in their packed words, and each sub-block's integer sum is scaled in float32.
