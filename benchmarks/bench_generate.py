@@ -29,6 +29,7 @@ from pathlib import Path
 ENGINES = ("bubo", "llama.cpp", "transformers", "transformers-bf16")
 # Chosen by name only: Bubo with --no-int8-matvec (float activations in the quantized matvecs).
 OTHER_ENGINES = ("bubo-float-matvecs",)
+ALL_ENGINES = ENGINES + OTHER_ENGINES
 PROMPT_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
     "movable metal type, oil-based ink and a wooden screw press into a system that could produce books at a "
@@ -62,7 +63,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_run_arguments(parser)
-    parser.add_argument("--worker", choices=ENGINES + OTHER_ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=ALL_ENGINES, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.model is None:
@@ -74,9 +75,9 @@ def main() -> int:
         return 0
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = set(engines) - set(ENGINES + OTHER_ENGINES)
+    unknown = set(engines) - set(ALL_ENGINES)
     if unknown:
-        parser.error(f"unknown engines {sorted(unknown)}; choose from {list(ENGINES + OTHER_ENGINES)}")
+        parser.error(f"unknown engines {sorted(unknown)}; choose from {list(ALL_ENGINES)}")
     results, skipped = interleaved_runs(engines, args.repeats, lambda engine: run_engine(engine, args))
     _print_table(args, results, skipped)
     return 0

@@ -45,10 +45,9 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = default_model_path()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = set(engines) - set(bench_generate.ENGINES + bench_generate.OTHER_ENGINES)
+    unknown = set(engines) - set(bench_generate.ALL_ENGINES)
     if unknown:
-        choices = list(bench_generate.ENGINES + bench_generate.OTHER_ENGINES)
-        parser.error(f"unknown engines {sorted(unknown)}; choose from {choices}")
+        parser.error(f"unknown engines {sorted(unknown)}; choose from {list(bench_generate.ALL_ENGINES)}")
 
     runs, skipped = bench_generate.interleaved_runs(
         engines, args.repeats, lambda engine: bench_generate.run_engine(engine, args)

@@ -1,13 +1,13 @@
 """Matvecs with int8 activations on AVX512-VNNI or AVX2 (Q4_K, Q6_K, Q4_0/Q4_1, Q8_0 and the types repacked
 as it): the C++ kernels of csrc/int8_matvec.cpp.
 
-Inductor emits float code only: per vector of weights an AND, a conversion and an FMA on the expanded
-codes. llama.cpp's CPU kernels instead quantize the activations to int8 and multiply bytes by bytes with
-integer dot products (`vpdpbusd` on AVX512-VNNI; `vpmaddubsw` and `vpmaddwd` on AVX2), which ran 1.25-2.1x
-as fast as the float matvecs on this project's Xeon and 1.1-2.9x on its AVX2 EPYC
-(benchmarks/bench_int8_matvec.py). These kernels do that: the activations are quantized per block of 32 (a float scale, values rounded to
--127..127, the same error llama.cpp's Q8 activations make) once a call, the products run on the codes
-in their packed words, and each sub-block's integer sum is scaled in float32.
+Inductor emits float code only: per vector of weights an AND, a conversion and an FMA on the expanded codes.
+llama.cpp's CPU kernels instead quantize the activations to int8 and multiply bytes by bytes with integer dot
+products (`vpdpbusd` on AVX512-VNNI; `vpmaddubsw` and `vpmaddwd` on AVX2), which ran 1.25-2.1x as fast as the
+float matvecs on this project's Xeon and 1.1-2.9x on its AVX2 EPYC (benchmarks/bench_int8_matvec.py). These
+kernels do that: the activations are quantized per block of 32 (a float scale, values rounded to -127..127,
+the same error llama.cpp's Q8 activations make) once a call, the products run on the codes in their packed
+words, and each sub-block's integer sum is scaled in float32.
 
 Q4_K keeps super_block_matvec.py's layout (`PackedSuperBlocks`), whose words suit the instruction as they
 are, and so do Q4_0/Q4_1's (`PackedQ4`, the same nibble words a block of 32) and Q8_0's (`PackedQ8`, a
@@ -169,7 +169,7 @@ def _unavailable() -> str:
 
 
 def _load() -> str:
-    isa = _instruction_set() if sys.platform.startswith("linux") else None
+    isa = _instruction_set()  # none off Linux: no /proc/cpuinfo
     if isa is None:
         return "the CPU has neither AVX512-VNNI nor AVX2 with FMA and F16C"
     try:
@@ -227,7 +227,8 @@ def matvec_plan() -> str:
     if why_not:
         return f"float activations ({why_not})"
     isa = _instruction_set()
-    return f"int8 activations for Q4_K, Q6_K, Q4_0/Q4_1, Q8_0 ({isa.name if isa else ''})"
+    assert isa is not None  # the library loaded: `_load` found one
+    return f"int8 activations for Q4_K, Q6_K, Q4_0/Q4_1, Q8_0 ({isa.name})"
 
 
 def q4_k_int8_matvec(
