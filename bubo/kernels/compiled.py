@@ -250,13 +250,23 @@ def _trace(
         _tracing.active = False
 
 
+def _compile_threads() -> int:
+    """The thread count inductor generates code for. Its code reads the count as it runs
+    (`cpp.dynamic_threads`), but inductor still leaves a region's scalar steps unguarded by `omp single`
+    when it compiles for one thread: run on two, both threads apply an in-place step, a sigmoid twice.
+    So never fewer than two. Set explicitly, the count is in inductor's FX graph cache key too (left at
+    its default, it is not when threads are dynamic), so a graph compiled for one count is never served
+    to a process running another."""
+    return max(2, torch.get_num_threads())
+
+
 def _inductor_compile(
     graph: torch.fx.GraphModule, example: list[torch.Tensor], mode: FakeTensorMode, options: dict
 ) -> CompiledArtifact:
     """`graph` compiled by inductor with `options`, inside a tracing context holding `mode`'s shape env:
     a standalone artifact, which the kernel store can save."""
     with (
-        torch._inductor.config.patch(options),
+        torch._inductor.config.patch({**options, "cpp.threads": _compile_threads()}),
         tracing(TracingContext(mode)),
         fast_index_strides(),
         warnings.catch_warnings(),

@@ -43,6 +43,34 @@ def test_a_shape_compiled_before_comes_from_inductors_graph_cache() -> None:
     assert counters["inductor"]["fxgraph_cache_hit"] == hits + 1
 
 
+def _gated_rows(x: torch.Tensor, w: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    score = (x * v).sum(-1, keepdim=True)
+    rows = (x[:, None, :] * w).sum(-1)
+    return rows * torch.sigmoid(score), torch.sigmoid(score)
+
+
+def test_a_kernel_compiled_on_one_thread_runs_right_on_two() -> None:
+    # Inductor puts the score's in-place sigmoid, after the rows' parallel loop, in the same parallel region;
+    # generated for one thread it has no `omp single`, and two threads would apply it twice (seen: 199 of
+    # 200 calls wrong). A server started with --threads 1 and a test's one-thread module meet this.
+    threads = torch.get_num_threads()
+    g = torch.Generator().manual_seed(0)
+    x, w, v = (
+        torch.randn(1, 32, generator=g),
+        torch.randn(64, 32, generator=g),
+        torch.randn(1, 32, generator=g),
+    )
+    kernel = StaticKernel(_gated_rows, fused=True)
+    try:
+        torch.set_num_threads(1)
+        kernel(x, w, v)
+        torch.set_num_threads(2)
+        for _ in range(50):
+            torch.testing.assert_close(kernel(x, w, v), _gated_rows(x, w, v))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _weighted_rows(w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return (w[:, None] * rows).sum(0) / rows.shape[1]
 
