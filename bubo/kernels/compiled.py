@@ -98,8 +98,12 @@ class _Kernel:
             return self.fn
         store = kernel_store()
         name = store.name(self.fn, self._key(args), self._options, args) if store else None
+        # Traced in inference mode only when an argument was made in it (a cache allocated inside
+        # `torch.inference_mode()`): outside it, a graph that updates such a tensor in place (a DeltaNet
+        # state) fails to trace ("Inplace update to inference tensor outside InferenceMode").
+        inference = any(isinstance(a, torch.Tensor) and a.is_inference() for a in args)
         try:
-            with torch.inference_mode(False), torch.no_grad():
+            with torch.inference_mode(inference), torch.no_grad():
                 stored = store.load(name, self._options) if name else None
                 if stored is not None:
                     return _direct_call(*stored, loaded=True)

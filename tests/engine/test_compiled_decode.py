@@ -3,6 +3,7 @@ the same greedy tokens, logits within float32 rounding, on the tiny test models 
 quantized weights repacked for the matvecs) and on the default model through `generate`."""
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,16 @@ from tests.model.test_decoder import CASES
 # Float32 rounding: the compiled graphs fuse and reorder the same float32 operations.
 LOGIT_TOLERANCE = 1e-4
 STEPS = 8
+
+
+@pytest.fixture(autouse=True)
+def _every_graph_compiles(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """A graph inductor could not build runs as the plain layer, which matches the eager step trivially:
+    every comparison here would pass while testing nothing (the DeltaNet layers did, for a cache made
+    inside `torch.inference_mode()`)."""
+    yield
+    assert "could not compile" not in caplog.text
+
 
 # Every matrix Q4_0, Q5_0, Q5_1 or Q8_0 (packed once the threshold allows it: PackedQ4, PackedQ8 and
 # PackedQ8Offset), one float: no row groups. The down projection's format differs between the layers (as
@@ -190,8 +201,11 @@ def test_several_tokens_in_one_step_match_the_eager_pass(
         assert (got - expected).abs().max().item() <= LOGIT_TOLERANCE
 
 
-def _compare_batch(model: Decoder, step: CompiledDecodeStep, caches: list[KVCache] | None = None) -> None:
-    """`batch` over sequences of different lengths against each sequence's own eager steps."""
+def _compare_batch(
+    model: Decoder, step: CompiledDecodeStep, caches: list[KVCache] | None = None, rtol: float = 0.0
+) -> None:
+    """`batch` over sequences of different lengths against each sequence's own eager steps, within
+    LOGIT_TOLERANCE plus `rtol` of the largest logit."""
     prompts = ([3, 17, 42], [8, 1, 5, 66, 9, 12, 30], [7])
     caches = caches or [model.new_cache(max_len=16) for _ in prompts]
     alone = [model.new_cache(max_len=16) for _ in prompts]
@@ -205,7 +219,7 @@ def _compare_batch(model: Decoder, step: CompiledDecodeStep, caches: list[KVCach
                 [model(torch.tensor([[t]]), c)[0, -1] for t, c in zip(tokens, alone, strict=True)]
             )
             assert got.shape == expected.shape
-            assert (got - expected).abs().max().item() <= LOGIT_TOLERANCE
+            assert (got - expected).abs().max().item() <= LOGIT_TOLERANCE + rtol * expected.abs().max().item()
     assert [c.length for c in caches] == [c.length for c in alone] == [len(p) + 2 for p in prompts]
 
 
@@ -240,18 +254,23 @@ _HYBRID_Q = {
 
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next"])
 def test_hybrid_models_match_the_eager_step(
-    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime_options
 ) -> None:
     """The hybrid models: DeltaNet layers (their recurrent and convolution states updated in place by the
-    graph), gated attention, and for the MoE ones routed experts with a gated shared expert."""
+    graph), gated attention, and for the MoE ones routed experts with a gated shared expert. On the float
+    matvecs, as the default model's tests: int8 activations round the graph's last-bit differences into
+    whole steps of their grid (seen on qwen3next: one logit 0.04 off at the second batched step)."""
+    runtime_options(int8_matvec=False)
     monkeypatch.setattr(quantized_linear, "MIN_PACKED_WEIGHTS", 0)
     reference = tiny_hybrid(arch, ["linear_attention", "full_attention", "linear_attention"])
     randomize_(reference, seed=1)
     file = GGUFFile(write_gguf(reference, tmp_path / "hybrid.gguf", quantize=_HYBRID_Q))
     model = load_decoder(file, config_from_gguf(file), dtype=torch.float32)
     step = CompiledDecodeStep(model)
-    _compare(model, step)
-    _compare_batch(model, step)
+    # The recurrent state carries the graph's float32 reordering from step to step (seen: 1.5e-4 of logits
+    # up to 4.9 after eight steps).
+    _compare(model, step, rtol=1e-4)
+    _compare_batch(model, step, rtol=1e-4)
     # A verify pass's few tokens (the DeltaNet layers' chunked rule, traced for that count).
     eager_cache, compiled_cache = model.new_cache(max_len=16), model.new_cache(max_len=16)
     with torch.inference_mode():
@@ -259,7 +278,7 @@ def test_hybrid_models_match_the_eager_step(
             model(torch.tensor([[3, 17, 42, 7]]), cache, last_only=True)
         expected = model(torch.tensor([[5, 61, 2]]), eager_cache)[0]
         got = step(torch.tensor([5, 61, 2]), compiled_cache)
-    assert (got - expected).abs().max().item() <= LOGIT_TOLERANCE
+    assert (got - expected).abs().max().item() <= LOGIT_TOLERANCE + 1e-4 * expected.abs().max().item()
 
 
 class _ScaledNorm(torch.nn.Module):

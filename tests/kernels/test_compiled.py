@@ -71,6 +71,23 @@ def test_a_kernel_compiled_on_one_thread_runs_right_on_two() -> None:
         torch.set_num_threads(threads)
 
 
+def _append_token(x: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    history.copy_(torch.cat([history, x], 1)[:, 1:])
+    return history.sum(1)
+
+
+def test_a_kernel_updates_a_tensor_made_in_inference_mode(caplog) -> None:
+    # A cache allocated inside torch.inference_mode() (a researcher's, a test's): traced outside it, the
+    # in-place update is refused and the kernel would run uncompiled from then on.
+    kernel = StaticKernel(_append_token)
+    with torch.inference_mode():
+        history = torch.zeros(1, 3)
+        for token in (1.0, 2.0, 3.0, 4.0):
+            kernel(torch.tensor([[token]]), history)
+    assert torch.equal(history, torch.tensor([[2.0, 3.0, 4.0]]))
+    assert "could not compile" not in caplog.text and not kernel._broken
+
+
 def _weighted_rows(w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return (w[:, None] * rows).sum(0) / rows.shape[1]
 
