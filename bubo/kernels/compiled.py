@@ -96,18 +96,21 @@ class _Kernel:
     def _compile(self, args: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
         if self._broken:
             return self.fn
+        # The thread count the code is generated for is one of its options: in the store's name, and in
+        # inductor's own cache key.
+        options = {**self._options, "cpp.threads": _compile_threads()}
         store = kernel_store()
-        name = store.name(self.fn, self._key(args), self._options, args) if store else None
+        name = store.name(self.fn, self._key(args), options, args) if store else None
         # Traced in inference mode only when an argument was made in it (a cache allocated inside
         # `torch.inference_mode()`): outside it, a graph that updates such a tensor in place (a DeltaNet
         # state) fails to trace ("Inplace update to inference tensor outside InferenceMode").
-        inference = any(isinstance(a, torch.Tensor) and a.is_inference() for a in args)
+        inference = any(a.is_inference() for a in args)
         try:
             with torch.inference_mode(inference), torch.no_grad():
-                stored = store.load(name, self._options) if name else None
+                stored = store.load(name, options) if name else None
                 if stored is not None:
                     return _direct_call(*stored, loaded=True)
-                graph, artifact = self._build(args)
+                graph, artifact = self._build(args, options)
         except Exception as error:  # a missing compiler, an inductor limitation, or an assumed layout
             log.warning("inductor could not compile %s (%s); running it uncompiled", self.fn.__name__, error)
             self._broken = True
@@ -120,8 +123,11 @@ class _Kernel:
     def _key(self, args: tuple[torch.Tensor, ...]) -> tuple:
         raise NotImplementedError
 
-    def _build(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.fx.GraphModule, CompiledArtifact]:
-        """The traced graph and inductor's compiled artifact of it (callable, as `fn` is)."""
+    def _build(
+        self, args: tuple[torch.Tensor, ...], options: dict
+    ) -> tuple[torch.fx.GraphModule, CompiledArtifact]:
+        """The traced graph and inductor's compiled artifact of it (callable, as `fn` is), compiled with
+        inductor's `options`."""
         raise NotImplementedError
 
 
@@ -138,14 +144,16 @@ class StaticKernel(_Kernel):
     def _key(self, args: tuple[torch.Tensor, ...]) -> tuple:
         return tuple((a.shape, a.stride(), a.dtype) for a in args)
 
-    def _build(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.fx.GraphModule, CompiledArtifact]:
+    def _build(
+        self, args: tuple[torch.Tensor, ...], options: dict
+    ) -> tuple[torch.fx.GraphModule, CompiledArtifact]:
         # Traced under a fake mode with a (static) shape env, compiled inside a tracing context that
         # holds it: without one inductor bypasses its on-disk FX graph cache ("No shape env") and
         # lowers every shape again at each load, seconds and ~30 MB of RSS more than a cache hit.
         mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
         fake = [mode.from_tensor(a, static_shapes=True) for a in args]
         graph = _trace(self.fn, mode, fake, "real")
-        return graph, _inductor_compile(graph, list(args), mode, self._options)
+        return graph, _inductor_compile(graph, list(args), mode, options)
 
 
 def _direct_call(artifact: CompiledArtifact, outputs: pytree.TreeSpec, loaded: bool) -> Callable[..., Any]:
@@ -258,9 +266,9 @@ def _compile_threads() -> int:
     """The thread count inductor generates code for. Its code reads the count as it runs
     (`cpp.dynamic_threads`), but inductor still leaves a region's scalar steps unguarded by `omp single`
     when it compiles for one thread: run on two, both threads apply an in-place step, a sigmoid twice.
-    So never fewer than two. Set explicitly, the count is in inductor's FX graph cache key too (left at
-    its default, it is not when threads are dynamic), so a graph compiled for one count is never served
-    to a process running another."""
+    So never fewer than two. Set explicitly (`cpp.threads`), the count is in inductor's FX graph cache key
+    too (left at its default, it is not when threads are dynamic), so a graph compiled for one count is
+    never served to a process running another."""
     return max(2, torch.get_num_threads())
 
 
@@ -270,7 +278,7 @@ def _inductor_compile(
     """`graph` compiled by inductor with `options`, inside a tracing context holding `mode`'s shape env:
     a standalone artifact, which the kernel store can save."""
     with (
-        torch._inductor.config.patch({**options, "cpp.threads": _compile_threads()}),
+        torch._inductor.config.patch(options),
         tracing(TracingContext(mode)),
         fast_index_strides(),
         warnings.catch_warnings(),
@@ -308,7 +316,9 @@ class DynamicKernel(_Kernel):
             return (a.shape, a.stride(), a.dtype)
         return (tuple(-1 if d in dims else n for d, n in enumerate(a.shape)), a.stride(-1), a.dtype)
 
-    def _build(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.fx.GraphModule, CompiledArtifact]:
+    def _build(
+        self, args: tuple[torch.Tensor, ...], options: dict
+    ) -> tuple[torch.fx.GraphModule, CompiledArtifact]:
         # No duck sizing: two sizes or strides that happen to be equal when traced stay two symbols.
         shape_env = ShapeEnv(duck_shape=False)
         mode = FakeTensorMode(shape_env=shape_env)
@@ -333,7 +343,7 @@ class DynamicKernel(_Kernel):
         # left, it would be hashed into AOTAutograd's cache key, which it can't be, and every
         # load would compile the graph again instead of taking it from the cache.
         del graph.shape_env
-        kernel = _inductor_compile(graph, fake, mode, self._options)
+        kernel = _inductor_compile(graph, fake, mode, options)
         # A stride replaced by anything, or a length by a constant (the function read its value),
         # is an assumption the generated code would make of every call. (A length replaced by
         # another is the one length every dynamic dim shares.)

@@ -118,9 +118,7 @@ class KernelStore:
             return None
         # Bubo's options too: one read while tracing (bf16 prefill) would otherwise go unseen.
         runtime = current_options().changed(kernel_cache="")
-        text = repr(
-            (described, layout, sorted(options.items()), torch.get_num_threads(), runtime, _machine())
-        )
+        text = repr((described, layout, sorted(options.items()), runtime, _machine()))
         return hashlib.sha256(text.encode()).hexdigest()[:40]
 
     def load(self, name: str, options: dict) -> tuple[CompiledArtifact, pytree.TreeSpec] | None:
