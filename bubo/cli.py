@@ -20,6 +20,7 @@ from bubo.options import RuntimeOptions, use_options
 from bubo.process_memory import configure_cpu_process
 
 if TYPE_CHECKING:
+    from bubo.engine.sampler import SamplingParams
     from bubo.server.settings import ServerSettings
 
 
@@ -458,13 +459,16 @@ def _print_stats(result: Any, load_seconds: float) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # The flags first: importing the server and the model code takes seconds, and a mistyped flag's
+    # one line should not wait for them.
+    defaults = _checked_serve_flags(args)
     _prepare_process(args)
 
     from bubo.server.app import serve
     from bubo.server.request_log import configure_logging
     from bubo.server.state import ServerState
 
-    settings = _server_settings(args)
+    settings = _server_settings(args, defaults)
     state = ServerState(settings)
     state.preflight()
     if args.tensor_parallel > 1:
@@ -507,15 +511,15 @@ def replicas_app(args: dict[str, str]) -> Any:
     from bubo.server.replicas.launch import replicas_app as build
 
     parsed = _parser().parse_args(["serve", *shlex.split(args.get("serve", ""))])
-    return build(_server_settings(parsed), _runtime_options(parsed), parsed.replicas or 1)
+    settings = _server_settings(parsed, _checked_serve_flags(parsed))
+    return build(settings, _runtime_options(parsed), parsed.replicas or 1)
 
 
-def _server_settings(args: argparse.Namespace) -> "ServerSettings":
-    """`bubo serve`'s flags, checked, as the server's settings."""
-    from bubo.engine.prompt_cache import SnapshotPolicy
+def _checked_serve_flags(args: argparse.Namespace) -> "SamplingParams":
+    """Every check of `bubo serve`'s flags that needs neither the server nor the model code (a ValueError
+    names the flag), and the request defaults they set."""
     from bubo.engine.sampler import SamplingParams
-    from bubo.server.app import is_loopback
-    from bubo.server.settings import ServerSettings
+    from bubo.server.hosts import is_loopback
 
     if args.replicas is not None and args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
@@ -565,6 +569,15 @@ def _server_settings(args: argparse.Namespace) -> "ServerSettings":
         max_tokens=None if args.n_predict == -1 else args.n_predict,
     )
     defaults.validate()
+    _resolve_model(args)
+    return defaults
+
+
+def _server_settings(args: argparse.Namespace, defaults: "SamplingParams") -> "ServerSettings":
+    """`bubo serve`'s flags, checked by `_checked_serve_flags`, as the server's settings."""
+    from bubo.engine.prompt_cache import SnapshotPolicy
+    from bubo.server.settings import ServerSettings
+
     return ServerSettings(
         model_path=_resolve_model(args),
         host=args.host,

@@ -4,7 +4,6 @@ once, loads the model behind it and shuts down gracefully on SIGTERM or SIGINT."
 
 import asyncio
 import hmac
-import ipaddress
 import logging
 import os
 import signal
@@ -19,6 +18,7 @@ from bubo.engine.request_error import RequestError
 from bubo.server import anthropic, debug, health, llama, metrics, openai, responses, tokenize
 from bubo.server.connections import ConnectionLimits, ServerRunner, connection_cap, raise_open_files_limit
 from bubo.server.errors import ANTHROPIC_PATHS, ApiError, error_response, request_refused
+from bubo.server.hosts import is_loopback
 from bubo.server.keys import REQUEST_ID, STATE
 from bubo.server.request_context import CURRENT_API_KEY, CURRENT_REQUEST_ID, new_id
 from bubo.server.request_log import announce, request_log_middleware
@@ -26,7 +26,7 @@ from bubo.server.settings import ServerSettings
 from bubo.server.state import ServerState
 from bubo.templates.chat_template import TemplateSandboxError
 
-__all__ = ["create_app", "create_runner", "exposure_warning", "is_loopback", "serve"]
+__all__ = ["create_app", "create_runner", "exposure_warning", "serve"]
 
 log = logging.getLogger("bubo.server")
 
@@ -224,15 +224,6 @@ def create_app(state: ServerState) -> web.Application:
         routes += debug.routes()
     app.add_routes(routes)
     return app
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class _ProtocolLog(logging.LoggerAdapter):

@@ -52,24 +52,52 @@ def test_quick_run_writes_the_comparison(tiny_llama_path: Path, tmp_path: Path) 
     assert "bandwidth limit" in proc.stdout and "bubo" in proc.stdout
 
 
-@pytest.mark.parametrize(
-    "script",
-    sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")),
-)
-def test_every_benchmark_script_starts(script: str) -> None:
-    """Each script imports what it uses and parses its options (`--help`): a renamed helper in a shared
-    module (bench_hybrid.py imported bench_generate's `_spawn` after it became `run_engine`) fails here
-    rather than on the next person's measurement."""
+SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
+
+# `python benchmarks/SCRIPT --help` for every script, in one process: sys.path[0] the script's folder as
+# Python sets it, the script run as __main__, what it exits with (or the traceback) recorded. Separate
+# processes would each import torch and Bubo again, seconds apiece, minutes for the lot.
+_HELP_ALL = """
+import json, os, runpy, sys, traceback
+out, scripts = sys.argv[1], sys.argv[2:]
+results = {}
+for path in scripts:
+    sys.argv, sys.path[0] = [path, "--help"], os.path.dirname(path)
+    try:
+        runpy.run_path(path, run_name="__main__")
+        results[path] = "ok"
+    except SystemExit as exit:
+        results[path] = "ok" if exit.code in (0, None) else f"exit status {exit.code}"
+    except BaseException:
+        results[path] = traceback.format_exc()
+with open(out, "w") as f:
+    json.dump(results, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def help_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("help") / "results.json"
+    paths = [str(ROOT / "benchmarks" / script) for script in SCRIPTS]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--help"],
+        [sys.executable, "-c", _HELP_ALL, str(out), *paths],
         capture_output=True,
         text=True,
         env=env,
         check=False,
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return {Path(path).name: result for path, result in json.loads(out.read_text()).items()}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_script_starts(help_results: dict[str, str], script: str) -> None:
+    """Each script imports what it uses and parses its options (`--help`): a renamed helper in a shared
+    module (bench_hybrid.py imported bench_generate's `_spawn` after it became `run_engine`) fails here
+    rather than on the next person's measurement."""
+    assert help_results[script] == "ok", help_results[script]
 
 
 def test_bandwidth_limit_counts_the_routed_experts_only(tmp_path: Path) -> None:
