@@ -392,6 +392,24 @@ def _prepare_process(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from bubo.engine.sampler import SamplingParams
+
+    sampling: dict[str, Any] = {
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repeat_penalty": args.repeat_penalty,
+        "repeat_last_n": args.repeat_last_n,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "ignore_eos": args.ignore_eos,
+        "seed": args.seed,
+        "max_tokens": args.max_tokens,
+        "stop": list(args.stop),
+    }
+    # Checked before the model loads (seconds): a mistyped value's one line should not wait for it.
+    SamplingParams(**sampling).validate()
     _prepare_process(args)
     import bubo
     from bubo.engine.request import Finished, OutputDelta
@@ -413,23 +431,7 @@ def _generate(args: argparse.Namespace) -> int:
     load_seconds = time.perf_counter() - started
     if args.stats:
         print(model.plan, file=sys.stderr)
-    events = model.generate(
-        args.prompt,
-        stream=True,
-        special=args.special,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty,
-        repeat_last_n=args.repeat_last_n,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        ignore_eos=args.ignore_eos,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-        stop=list(args.stop),
-    )
+    events = model.generate(args.prompt, stream=True, special=args.special, **sampling)
     for event in events:
         if isinstance(event, OutputDelta):
             sys.stdout.write(event.text)

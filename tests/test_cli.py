@@ -84,6 +84,15 @@ def test_bad_model_paths_give_one_line_errors(tmp_path: Path, capsys) -> None:
     assert err.count("\n") == 1 and "GGUF" in err
 
 
+def test_generate_checks_its_sampling_flags_before_loading_the_model(tmp_path: Path, capsys) -> None:
+    # The file is no model: had it been loaded first, the error would be about the file.
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("hello, this is not a model\n" * 10)
+    assert cli.main(["generate", "--model", str(not_gguf), "--prompt", "x", "--temperature", "nan"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "temperature" in err
+
+
 def test_missing_default_model_says_how_to_install(monkeypatch, capsys) -> None:
     monkeypatch.setattr(default_model, "find_spec", lambda name: None)
     assert cli.main(["generate", "--prompt", "x"]) == 1
