@@ -79,7 +79,8 @@ _INSTRUCTION_SETS = (
     ),
     _InstructionSet("AVX2", 8, ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
 )
-# Q6_K's words a super-block: 32 of low nibbles, 16 of high bits, 4 of scales (see the C++ source).
+# Q6_K's words a super-block: 4 of scales, then a sub-block's 2 of low nibbles and 1 of high bits, 16 times
+# (see the C++ source).
 Q6_K_WORDS = 52
 
 
@@ -324,5 +325,6 @@ def q6_k_int8_rows(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     scales = field_words(
         q6_k_sub_scales(blocks).view(torch.uint8).clone(memory_format=torch.contiguous_format), 8
     )
-    words = torch.cat((low, high, scales), dim=-1)
+    by_sub_block = torch.cat((low.view(n_blocks, 16, 2), high.view(n_blocks, 16, 1)), dim=-1)
+    words = torch.cat((scales, by_sub_block.view(n_blocks, 48)), dim=-1)
     return words.view(n, -1, Q6_K_WORDS), f16_field(blocks, 208).view(n, -1, 1)
