@@ -136,7 +136,7 @@ def q4_matvec_bits(
 ) -> torch.Tensor:
     """`q4_matvec` on the packed tensors, the words as their float32 bits (`word_bits`): the form in
     which a compiled graph that contains the matvec takes them as inputs. The int8 kernel where it is on
-    (bubo/kernels/int8_matvec.py)."""
+    (bubo/kernels/int8_matvec.py), which reads the bits as they are, or the int32 words themselves."""
     if int8_matvec_enabled():
         return int8_rows(q4_int8_matvec, x, bits, scale_offset, out_features=out_features)
     out = _compiled_matvec(x, bits, scale_offset)

@@ -305,7 +305,7 @@ def packed_product(flat: torch.Tensor, packed: Packed) -> torch.Tensor:
 
 def int8_layout(packed: Packed) -> bool:
     """Whether `packed`'s matvec runs one of the int8 kernels (bubo/kernels/int8_matvec.py)."""
-    return _int8_matvec(packed_graph_inputs(packed)[0]) is not None
+    return _int8_matvec(_graph_kind(packed)) is not None
 
 
 # The int8 kernel of each kind of packed matrix (`packed_graph_inputs`) that has one.
@@ -327,17 +327,35 @@ def _int8_matvec(kind: str) -> Callable[..., torch.Tensor] | None:
 
 def packed_graph_inputs(packed: Packed) -> tuple[str, tuple[torch.Tensor, ...]]:
     """How a compiled graph takes `packed` as inputs: its kind ("q4", "q8", "q8_offset", "Q6_K_int8", or a
-    super-block type's name, "Q4_K") and its tensors, the words as their float32 bits (codes.word_bits), then the
-    per-block fields where they lie apart (`packed_graph_tensors` of them)."""
-    if isinstance(packed, PackedQ4):
-        return "q4", (word_bits(packed.words), packed.scale_offset)
-    if isinstance(packed, PackedQ8Offset):
-        return "q8_offset", (word_bits(packed.words), packed.scale_offset)
-    if isinstance(packed, PackedSuperBlocks):
-        return packed.ggml_type.name, (word_bits(packed.words), word_bits(packed.fields), packed.factors)
+    super-block type's name, "Q4_K") and its tensors, the words (then the per-block fields where they lie
+    apart) as the kind's matvec reads them (`packed_graph_tensors` of them)."""
+    kind = _graph_kind(packed)
     if isinstance(packed, PackedQ6KInt8):
-        return "Q6_K_int8", (packed.words, packed.factors)
-    return "q8", (word_bits(packed.words),)
+        return kind, (packed.words, packed.factors)
+    # The int8 kernels read int32 words as they are; the float ones as float32 bits (codes.word_bits), a
+    # view that a graph would otherwise run as an op before every int8 call.
+    bits = word_bits if _int8_matvec(kind) is None else _as_stored
+    if isinstance(packed, PackedQ4 | PackedQ8Offset):
+        return kind, (bits(packed.words), packed.scale_offset)
+    if isinstance(packed, PackedSuperBlocks):
+        return kind, (bits(packed.words), bits(packed.fields), packed.factors)
+    return kind, (bits(packed.words),)
+
+
+def _graph_kind(packed: Packed) -> str:
+    if isinstance(packed, PackedQ6KInt8):
+        return "Q6_K_int8"
+    if isinstance(packed, PackedQ4):
+        return "q4"
+    if isinstance(packed, PackedQ8Offset):
+        return "q8_offset"
+    if isinstance(packed, PackedSuperBlocks):
+        return packed.ggml_type.name
+    return "q8"
+
+
+def _as_stored(words: torch.Tensor) -> torch.Tensor:
+    return words
 
 
 def packed_graph_tensors(kind: str) -> int:
