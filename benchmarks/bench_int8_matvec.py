@@ -2,11 +2,14 @@
 activation row, random blocks of each type, shapes of the hybrid test models and of a 2048-wide model,
 medians of 5 runs of N calls, microseconds a call. The weights stay in cache between calls, so this is the
 kernels' compute; inside a decode step they stream from memory. `--rows` adds the int8 kernels on several
-rows at once (a batched step's, a verify pass's), against that many one-row calls.
+rows at once (a batched step's, a verify pass's), against that many one-row calls. `--from-memory` adds
+the int8 kernels streaming their weights from memory, as in a decode step: 32 different matrices in
+turn (more than a 32 MB L3 holds), against a float32 sum over as many bytes, in GB/s.
 
     python benchmarks/bench_int8_matvec.py                  # one thread, then two
     python benchmarks/bench_int8_matvec.py --threads 1 --calls 5000
     python benchmarks/bench_int8_matvec.py --rows 2,4,8
+    python benchmarks/bench_int8_matvec.py --threads 1 --from-memory
 
 Needs AVX512-VNNI or AVX2 (and a C++ compiler for the first build).
 """
@@ -56,11 +59,11 @@ def _median_us(call: Callable[[], object], calls: int) -> float:
     return statistics.median(runs)
 
 
-def _packed(qtype: Q, rows: int, columns: int) -> Packed:
+def _packed(qtype: Q, rows: int, columns: int, seed: int = 0) -> Packed:
     if qtype == Q.Q4_1:  # gguf's numpy code quantizes Q4_1 (random bytes would give non-finite scales)
-        weight = np.random.default_rng(0).standard_normal((rows, columns), dtype=np.float32)
+        weight = np.random.default_rng(seed).standard_normal((rows, columns), dtype=np.float32)
         return pack_q4(torch.from_numpy(gguf.quants.quantize(weight, qtype)), qtype)
-    blocks = torch.from_numpy(random_blocks(qtype, rows, columns, seed=0))
+    blocks = torch.from_numpy(random_blocks(qtype, rows, columns, seed=seed))
     return pack_q8(blocks) if qtype == Q.Q8_0 else repack(blocks, qtype)
 
 
@@ -71,6 +74,7 @@ def main() -> int:
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rows", default="", help="row counts for the int8 kernels, comma-separated")
+    parser.add_argument("--from-memory", action="store_true", help="also stream 32 matrices a type")
     args = parser.parse_args()
     if not int8_matvec_enabled():
         print(
@@ -96,7 +100,40 @@ def main() -> int:
             )
     if args.rows:
         _several_rows(args, [int(r) for r in args.rows.split(",")])
+    if args.from_memory:
+        _from_memory(args)
     return 0
+
+
+STREAMED = [(Q.Q4_K, 4096, 512), (Q.Q6_K, 4096, 512), (Q.Q4_1, 4096, 576), (Q.Q8_0, 4096, 576)]
+
+
+def _from_memory(args: argparse.Namespace) -> None:
+    """Each type's int8 matvec over 32 different matrices in turn, against a float32 sum of as many bytes
+    (what one core's loads reach from memory): medians of 7 passes."""
+    print()
+    print("| type | rows x columns | threads | matrices | MB | int8 GB/s | float sum GB/s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    use_options(current_options().changed(int8_matvec=True))
+    for qtype, rows, columns in STREAMED:
+        matrices = [_packed(qtype, rows, columns, seed) for seed in range(32)]
+        size = sum(t.nbytes for m in matrices for t in vars(m).values() if isinstance(t, torch.Tensor))
+        x, flat = torch.randn(columns), torch.ones(size // 4)
+        for threads in (int(t) for t in args.threads.split(",")):
+            torch.set_num_threads(threads)
+            int8, float_sum = [], []
+            for _ in range(8):  # the first pass warms up
+                started = time.perf_counter()
+                for m in matrices:
+                    m.matvec(x)
+                int8.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                flat.sum()
+                float_sum.append(time.perf_counter() - started)
+            print(
+                f"| {qtype.name} | {rows} x {columns} | {threads} | {len(matrices)} | {size / 1e6:.0f} | "
+                f"{size / statistics.median(int8[1:]) / 1e9:.2f} | {size / statistics.median(float_sum[1:]) / 1e9:.2f} |"
+            )
 
 
 def _several_rows(args: argparse.Namespace, counts: list[int]) -> None:
