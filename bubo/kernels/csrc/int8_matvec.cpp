@@ -108,13 +108,13 @@ inline void q4_k_super_block(const int32_t* words, const int32_t* fields, const 
   for (int r = 0; r < R; ++r) acc[r] = vec::fnmadd(dmin, mins[r], vec::fmadd(d, scaled[r], acc[r]));
 }
 
-// Q6_K, a super-block of one tile against R rows, as Q4_K's: words [52, lanes] in the order they are read,
-// so that they stream from memory as one sequence (with the low nibbles, high bits and scales in three runs
-// of the block the matvecs ran at under half the speed out of cache): 4 words of int8 scales (sub-block j
-// at byte j % 4 of word j / 4), then sub-block j's three words at q6_k_word(j): two of low nibbles (its 16
-// codes, 8 a word) and one of high bits (byte b holds, two bits each from the bottom, those of codes 2b,
-// 2b + 1, 8 + 2b, 9 + 2b); factors [1, lanes] (d). Codes are stored unsigned (q + 32): weight = d * sc_j *
-// (q - 32), so x_j . (q_j - 32) = x_j . q_j - 32 * sum(x_j), the latter from the int8 sums.
+// Q6_K, a super-block of one tile against R rows, as Q4_K's: words [52, lanes] stored in the order they are
+// read, so that they stream from memory as one sequence (stored as three runs read interleaved, they
+// streamed at under half the speed): 4 words of int8 scales (sub-block j at byte j % 4 of word j / 4), then
+// sub-block j's three words at q6_k_word(j): two of low nibbles (its 16 codes, 8 a word) and one of high
+// bits (byte b holds, two bits each from the bottom, those of codes 2b, 2b + 1, 8 + 2b, 9 + 2b); factors
+// [1, lanes] (d). Codes are stored unsigned (q + 32): weight = d * sc_j * (q - 32), so x_j . (q_j - 32) =
+// x_j . q_j - 32 * sum(x_j), the latter from the int8 sums.
 constexpr int64_t q6_k_word(int64_t j) { return 4 + 3 * j; }
 
 template <int R>
