@@ -330,19 +330,20 @@ def packed_graph_inputs(packed: Packed) -> tuple[str, tuple[torch.Tensor, ...]]:
     super-block type's name, "Q4_K") and its tensors, the words (then the per-block fields where they lie
     apart) as the kind's matvec reads them (`packed_graph_tensors` of them)."""
     kind = _graph_kind(packed)
-    if isinstance(packed, PackedQ6KInt8):
+    if kind == "Q6_K_int8":
         return kind, (packed.words, packed.factors)
     # The int8 kernels read int32 words as they are; the float ones as float32 bits (codes.word_bits), a
     # view that a graph would otherwise run as an op before every int8 call.
     bits = word_bits if _int8_matvec(kind) is None else _as_stored
-    if isinstance(packed, PackedQ4 | PackedQ8Offset):
+    if kind in ("q4", "q8_offset"):
         return kind, (bits(packed.words), packed.scale_offset)
-    if isinstance(packed, PackedSuperBlocks):
-        return kind, (bits(packed.words), bits(packed.fields), packed.factors)
-    return kind, (bits(packed.words),)
+    if kind == "q8":
+        return kind, (bits(packed.words),)
+    return kind, (bits(packed.words), bits(packed.fields), packed.factors)
 
 
 def _graph_kind(packed: Packed) -> str:
+    """`packed_graph_inputs`'s kind of `packed`."""
     if isinstance(packed, PackedQ6KInt8):
         return "Q6_K_int8"
     if isinstance(packed, PackedQ4):
